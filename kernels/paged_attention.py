@@ -1,0 +1,79 @@
+"""Paged attention over a mixed batch (decode tokens and prefill chunks): the pure-torch reference.
+
+The CPU serving path and the oracle for paged_attention_triton.py. Each sequence's keys and
+values are gathered through its block table into one padded batch, and a single call to
+scaled_dot_product_attention does the work, so there is no Python loop over sequences.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int
+) -> torch.Tensor:
+    """[num_blocks, bs, Hk, D] via tables[B, *] -> [B, Hk, max_seq_len, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()
+    gathered = cache[tables]  # [B, nb, bs, Hk, D]
+    batch = tables.shape[0]
+    gathered = gathered.reshape(batch, num_blocks * block_size, *cache.shape[2:])
+    return gathered[:, :max_seq_len].transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """q[T, Hq, D] -> out[T, Hq, D]; see the kernels contract for the batch layout."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return q.new_empty(q.shape)
+    device = q.device
+    seq_lens = seq_lens.to(device=device, dtype=torch.long)
+    starts = query_start_loc.to(device=device, dtype=torch.long)
+    q_lens = starts[1:] - starts[:-1]
+
+    keys = _gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)
+    values = _gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
+    key_pos = torch.arange(max_seq_len, device=device)
+    gqa = num_q_heads != num_kv_heads
+
+    if max_query_len == 1 and num_tokens == batch:
+        # Decode only: one query per sequence, rows already in batch order.
+        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        return out[:, :, 0, :]
+
+    # Mixed batch: scatter queries into [B, max_query_len] slots.
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(batch, device=device), q_lens, output_size=num_tokens
+    )
+    row_of_token = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+    padded_q = q.new_zeros(batch, max_query_len, num_q_heads, head_dim)
+    padded_q[seq_of_token, row_of_token] = q
+    # Query row i of sequence b sits at absolute position seq_len_b - q_len_b + i.
+    query_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )
+    # Padding rows must see at least one key, or softmax gives NaN (they are dropped anyway).
+    mask[:, :, 0] = True
+    out = F.scaled_dot_product_attention(
+        padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
+    )  # [B, Hq, Lq, D]
+    return out.transpose(1, 2)[seq_of_token, row_of_token]
