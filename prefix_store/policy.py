@@ -1,0 +1,104 @@
+"""KV-aware routing policy: weigh the prefix blocks an engine already holds against its load.
+
+Pure and synchronous. The cost of sending a prompt to an engine is counted in blocks of
+prefill work: the blocks it would have to compute, plus what its queue and KV usage are worth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+PREFIX, LOAD, FALLBACK = "prefix", "load", "fallback"
+
+
+class EngineLoad(msgspec.Struct, frozen=True):
+    """An engine's load as its last `EngineStats` reported it."""
+
+    engine_id: str
+    requests_running: int = 0
+    requests_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        if self.kv_blocks_total <= 0:
+            return 0.0
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total
+
+    @classmethod
+    def from_stats(cls, engine_id: str, stats) -> EngineLoad:
+        """From an `actors.messages.EngineStats` (or anything with its field names)."""
+        return cls(engine_id, stats.requests_running, stats.requests_waiting,
+                   stats.kv_blocks_total, stats.kv_blocks_free)
+
+
+class RouteDecision(msgspec.Struct, frozen=True):
+    engine_id: str
+    reason: str  # PREFIX, LOAD or FALLBACK
+    matched_blocks: int  # leading prompt blocks the chosen engine holds (0 on fallback)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    # One running request costs as much as prefilling this many blocks (it shares each step).
+    running_cost_blocks: float = 2.0
+    # A waiting request delays ours by its whole prefill, so it weighs more.
+    waiting_cost_blocks: float = 8.0
+    # What a full KV cache costs: a nearly full engine evicts and preempts.
+    kv_usage_cost_blocks: float = 32.0
+    # At or past either limit an engine is overloaded and only chosen if all are.
+    max_waiting: int = 64
+    max_kv_usage: float = 0.98
+
+    def __post_init__(self) -> None:
+        for name in ("running_cost_blocks", "waiting_cost_blocks", "kv_usage_cost_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
+
+
+class RoutingPolicy:
+    def __init__(self, config: RoutingConfig | None = None):
+        self.config = config or RoutingConfig()
+        self._turn = 0  # rotates ties, so equally good engines share the work
+
+    def load_cost(self, load: EngineLoad) -> float:
+        c = self.config
+        return (c.running_cost_blocks * load.requests_running
+                + c.waiting_cost_blocks * load.requests_waiting
+                + c.kv_usage_cost_blocks * load.kv_usage)
+
+    def overloaded(self, load: EngineLoad) -> bool:
+        return (load.requests_waiting >= self.config.max_waiting
+                or load.kv_usage >= self.config.max_kv_usage)
+
+    def choose(self, loads: Sequence[EngineLoad], matched: Mapping[str, int] | None,
+               num_blocks: int) -> RouteDecision:
+        """Pick an engine for a prompt of `num_blocks` full blocks.
+
+        `matched` is the index's answer ({engine: leading blocks held}); None means the index
+        could not answer, and the least-loaded engine wins.
+        """
+        if not loads:
+            raise ValueError("no engine to route to")
+        pool = [l for l in loads if not self.overloaded(l)] or list(loads)
+        if matched is None:
+            costs = [self.load_cost(l) for l in pool]
+        else:
+            costs = [num_blocks - min(matched.get(l.engine_id, 0), num_blocks) + self.load_cost(l)
+                     for l in pool]
+        best = min(costs)
+        ties = [l for l, c in zip(pool, costs) if c <= best + 1e-9]
+        chosen = ties[self._turn % len(ties)]
+        self._turn += 1
+        if matched is None:
+            return RouteDecision(chosen.engine_id, FALLBACK, 0)
+        held = min(matched.get(chosen.engine_id, 0), num_blocks)
+        return RouteDecision(chosen.engine_id, PREFIX if held > 0 else LOAD, held)

@@ -1,0 +1,122 @@
+"""Redis prefix index: the cluster-wide twin of the in-memory store.
+
+Every operation is one round trip: a Lua script (atomic, so a batch of events is applied
+whole or not at all) or one MULTI pipeline. It never blocks for long: the client has short
+socket timeouts and a small bounded retry, and callers add their own asyncio deadline.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from prefix_store import lua
+from prefix_store.events import AllBlocksCleared, ApplyResult, BlockStored, KVEvent
+from prefix_store.store import PrefixStore, validate_ttl
+
+
+# Event kinds on the wire to the apply script.
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+
+
+def make_client(
+    url: str,
+    *,
+    socket_timeout_s: float = 0.25,
+    connect_timeout_s: float = 0.25,
+    retries: int = 1,
+    max_connections: int | None = 64,
+) -> redis.Redis:
+    """A client that fails fast: a dead Redis must cost a request milliseconds, not seconds."""
+    if socket_timeout_s <= 0 or connect_timeout_s <= 0:
+        raise ValueError("Redis socket timeouts must be positive")
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(ExponentialWithJitterBackoff(cap=0.05, base=0.005), retries),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+        max_connections=max_connections,
+        decode_responses=False,
+    )
+
+
+class RedisPrefixStore(PrefixStore):
+    """Keys: `{ns}:engines` (engine -> deadline), `{ns}:blocks:<engine>` (hash -> refcount),
+    `{ns}:seq:<engine>` (last applied sequence number)."""
+
+    def __init__(self, client: redis.Redis, namespace: str = "matinee:prefix", ttl_s: float = 10.0):
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
+        self.ttl_s = validate_ttl(ttl_s)
+        self._ttl_ms = max(1, int(self.ttl_s * 1000))
+        self._client = client
+        self._prefix = "{" + namespace + "}"
+        self._engines_key = f"{self._prefix}:engines"
+        self._apply = client.register_script(lua.APPLY_EVENTS)
+        self._snapshot = client.register_script(lua.PUBLISH_SNAPSHOT)
+        self._heartbeat = client.register_script(lua.HEARTBEAT)
+        self._match = client.register_script(lua.MATCH)
+        self._live = client.register_script(lua.LIVE_ENGINES)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "matinee:prefix", ttl_s: float = 10.0, **client_kw):
+        return cls(make_client(url, **client_kw), namespace=namespace, ttl_s=ttl_s)
+
+    def _keys(self, engine_id: str) -> list[str]:
+        if not engine_id:
+            raise ValueError("engine_id must be non-empty")
+        return [self._engines_key, f"{self._prefix}:blocks:{engine_id}", f"{self._prefix}:seq:{engine_id}"]
+
+    async def load_scripts(self) -> None:
+        """Load the scripts up front, so the first routing decision is one round trip too."""
+        for script in (self._apply, self._snapshot, self._heartbeat, self._match, self._live):
+            script.sha = await self._client.script_load(script.script)
+
+    async def apply_events(self, engine_id: str, events: Sequence[KVEvent]) -> ApplyResult:
+        args: list[object] = [engine_id, self._ttl_ms]
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                args += (event.seq, _CLEARED, 0)
+            else:
+                kind = _STORED if isinstance(event, BlockStored) else _REMOVED
+                args += (event.seq, kind, len(event.block_hashes), *event.block_hashes)
+        applied = await self._apply(keys=self._keys(engine_id), args=args)
+        return ApplyResult.APPLIED if applied == 1 else ApplyResult.NEED_SNAPSHOT
+
+    async def publish_snapshot(
+        self, engine_id: str, block_hashes: Iterable[bytes], next_seq: int
+    ) -> None:
+        args: list[object] = [engine_id, self._ttl_ms, next_seq]
+        for key, count in Counter(block_hashes).items():
+            args += (key, count)
+        await self._snapshot(keys=self._keys(engine_id), args=args)
+
+    async def clear_engine(self, engine_id: str) -> None:
+        engines, blocks, seq = self._keys(engine_id)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zrem(engines, engine_id).delete(blocks, seq)
+            await pipe.execute()
+
+    async def heartbeat(self, engine_id: str) -> bool:
+        return await self._heartbeat(keys=self._keys(engine_id), args=[engine_id, self._ttl_ms]) == 1
+
+    async def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        args = [f"{self._prefix}:blocks:", *block_hashes]
+        flat = await self._match(keys=[self._engines_key], args=args)
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def live_engines(self) -> list[str]:
+        return sorted(e.decode() for e in await self._live(keys=[self._engines_key]))
+
+    async def close(self) -> None:
+        await self._client.aclose()
