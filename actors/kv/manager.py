@@ -1,0 +1,297 @@
+"""The KV cache manager: paged block tables per sequence, prefix caching, refcounts and eviction.
+
+A plain synchronous class (the actor shell around it only turns messages into calls). Callers
+check, then change: `can_allocate` before `allocate_slots`, `can_fork` before `fork`; a change
+that would fail raises before touching any state. Outside this package a block is just an id.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from actors.kv.block_hash import BlockHash, hash_full_blocks
+from actors.kv.block_pool import Block, BlockPool
+from actors.kv.events import EventLog, KVEvent
+from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
+
+
+class _Seq:
+    """What the manager knows of one sequence."""
+
+    __slots__ = ("token_ids", "cache_salt", "blocks", "block_hashes", "num_computed", "num_cached_blocks")
+
+    def __init__(self, token_ids: list[int], cache_salt: str | None, blocks: list[Block],
+                 block_hashes: list[BlockHash], num_computed: int) -> None:
+        self.token_ids = token_ids  # the manager's own copy: prompt + appended output tokens
+        self.cache_salt = cache_salt
+        self.blocks = blocks
+        self.block_hashes = block_hashes  # chained hashes of the leading full blocks known so far
+        self.num_computed = num_computed  # positions whose KV is written (or is being written this step)
+        self.num_cached_blocks = len(blocks)  # leading full blocks already offered to the prefix cache
+
+
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self._events = EventLog(config.max_events) if config.record_events and config.enable_prefix_caching else None
+        self._pool = BlockPool(config.num_blocks, config.block_size, self._events)
+        self._seqs: dict[str, _Seq] = {}
+        self._requests = self._queried_tokens = self._hit_tokens = 0
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: KVRequest) -> PrefixHit:
+        """Longest run of cached leading full blocks of a new sequence. Changes nothing.
+
+        At least one token is always left to compute, so the last position has logits.
+        """
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        if not self.config.enable_prefix_caching:
+            return PrefixHit(request, [], [], 0)
+        hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)
+        max_hit = max(len(request.token_ids) - 1, 0) // self.block_size
+        block_ids = []
+        for block_hash in hashes[:max_hit]:
+            block = self._pool.lookup(block_hash)
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+        return PrefixHit(request, block_ids, hashes, len(block_ids) * self.block_size)
+
+    def can_allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+                     hit: PrefixHit | None = None) -> bool:
+        """Whether `allocate_slots` with the same arguments would succeed."""
+        fresh, reused = self._blocks_to_take(request_id, num_new_tokens, num_lookahead_tokens, hit)
+        return fresh + reused <= self._pool.num_free
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+                       hit: PrefixHit | None = None) -> None:
+        """Give the sequence KV slots for `num_new_tokens` more positions, plus lookahead ones.
+
+        The first call for a sequence passes the `hit` from `get_computed_blocks` (an empty hit
+        when nothing is cached). `num_new_tokens` are positions whose token ids are known (a
+        prefill chunk, or the last sampled token in decode) and whose KV this step writes; full
+        blocks among them enter the prefix cache now. Lookahead positions (speculative tokens)
+        get slots but are not counted as computed until `trim` confirms them.
+        """
+        fresh, reused = self._blocks_to_take(request_id, num_new_tokens, num_lookahead_tokens, hit)
+        if fresh + reused > self._pool.num_free:
+            raise RuntimeError(f"allocate_slots without room for {request_id!r}: call can_allocate first")
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._admit(hit)
+        seq.blocks.extend(self._pool.take_fresh(fresh))
+        seq.num_computed += num_new_tokens
+        self._cache_full_blocks(seq)
+
+    # ---- growth and rollback ---------------------------------------------------------------
+
+    def append_token_ids(self, request_id: str, token_ids: list[int]) -> None:
+        """Record tokens the sequence gained (sampled or accepted); hashing needs them."""
+        seq = self._seq(request_id)
+        seq.token_ids.extend(token_ids)
+        self._cache_full_blocks(seq)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Set the sequence's KV length to `num_tokens` positions and return blocks wholly past it.
+
+        Speculative decoding calls it after verification with the accepted length: positions up
+        to it count as computed (their full blocks get cached), the rest are rolled back. A cut
+        inside a block that is cached or shared would let this sequence overwrite KV that others
+        read, so that is refused; cuts on a block boundary are always fine.
+        """
+        seq = self._seq(request_id)
+        if not 0 <= num_tokens <= len(seq.blocks) * self.block_size:
+            raise ValueError(f"trim to {num_tokens} outside the {len(seq.blocks)} blocks of {request_id!r}")
+        keep, offset = divmod(num_tokens, self.block_size)
+        if offset:
+            cut = seq.blocks[keep]
+            if cut.ref_cnt > 1 or cut.block_hash is not None:
+                raise ValueError(f"trim to {num_tokens} would rewrite a shared or cached block of {request_id!r}")
+            keep += 1
+        self._pool.release(seq.blocks[keep:][::-1])
+        del seq.blocks[keep:]
+        seq.num_computed = num_tokens
+        seq.num_cached_blocks = min(seq.num_cached_blocks, num_tokens // self.block_size)
+        self._cache_full_blocks(seq)
+
+    # ---- n > 1 sampling ---------------------------------------------------------------------
+
+    def can_fork(self, src_id: str) -> bool:
+        return self._seq(src_id).num_computed % self.block_size == 0 or self._pool.num_free >= 1
+
+    def fork(self, src_id: str, dst_id: str) -> list[tuple[int, int]]:
+        """Start `dst_id` as a copy of `src_id`'s computed positions; returns KV copies to make.
+
+        Full blocks are shared (refcounted, never written again). A partly filled last block
+        would be written by both, so dst gets a fresh block instead, and the caller must copy
+        the KV of each returned (src_block, dst_block) pair, in every layer, before dst's next
+        forward pass. dst's token ids are src's first `num_computed` ones; append its own
+        sampled tokens afterwards. Fork once src's prompt is computed (for n > 1 sampling: right
+        after the step that finished the prompt, before sampling moves the copies apart).
+        """
+        src = self._seq(src_id)
+        if dst_id in self._seqs:
+            raise ValueError(f"request {dst_id!r} already holds blocks")
+        if not self.can_fork(src_id):
+            raise RuntimeError(f"fork of {src_id!r} without a free block: call can_fork first")
+        num_full, partial = divmod(src.num_computed, self.block_size)
+        blocks = src.blocks[:num_full]
+        self._pool.touch(blocks)
+        copies = []
+        if partial:
+            fresh = self._pool.take_fresh(1)[0]
+            copies.append((src.blocks[num_full].block_id, fresh.block_id))
+            blocks = blocks + [fresh]
+        dst = _Seq(src.token_ids[:src.num_computed], src.cache_salt, blocks, src.block_hashes[:num_full],
+                   src.num_computed)
+        dst.num_cached_blocks = min(src.num_cached_blocks, num_full)
+        self._seqs[dst_id] = dst
+        return copies
+
+    # ---- release ------------------------------------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        """Give back all of a finished, aborted or preempted sequence's blocks (once)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"free of unknown request {request_id!r} (freed twice?)")
+        # Last blocks first: they join the free queue earliest, so they are evicted first and a
+        # shared prefix survives longest.
+        self._pool.release(seq.blocks[::-1])
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (after a weight change, say); running sequences go on."""
+        # Blocks already offered by running sequences are not offered again: their KV may
+        # predate the change that made the cache stale.
+        self._pool.clear_hashes()
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._seq(request_id).blocks]
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._seq(request_id).num_computed
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any sequence (including cached ones waiting for eviction)."""
+        return self._pool.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self._pool.blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._pool.num_cached
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self._pool.num_free / len(self._pool.blocks)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._requests, self._queried_tokens, self._hit_tokens)
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the recorded block stored / removed / cleared events, oldest first."""
+        return self._events.take() if self._events is not None else []
+
+    def snapshot(self) -> tuple[int, list[BlockHash]]:
+        """(sequence number of the next event, hashes cached now): a consumer that saw a gap
+        replaces its view with these hashes and applies only events from that number on."""
+        next_seq = self._events.next_seq if self._events is not None else 0
+        return next_seq, self._pool.cached_hashes()
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError when the bookkeeping is inconsistent (tests and debugging)."""
+        refs = Counter(block.block_id for seq in self._seqs.values() for block in seq.blocks)
+        free = set(self._pool.free_block_ids())
+        for block in self._pool.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise RuntimeError(f"{block} is referenced by {refs.get(block.block_id, 0)} tables")
+            if (block.ref_cnt == 0) != (block.block_id in free):
+                raise RuntimeError(f"{block} free-queue membership is wrong")
+            if block.block_hash is not None and self._pool.lookup(block.block_hash) is not block:
+                raise RuntimeError(f"{block} has a hash the cache does not map to it")
+        if self._pool.num_cached != sum(b.block_hash is not None for b in self._pool.blocks):
+            raise RuntimeError("the cache maps hashes to blocks that do not hold them")
+        for request_id, seq in self._seqs.items():
+            if len(seq.blocks) * self.block_size < seq.num_computed:
+                raise RuntimeError(f"{request_id!r} has fewer slots than computed positions")
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _seq(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return seq
+
+    def _blocks_to_take(self, request_id: str, num_new: int, num_lookahead: int,
+                        hit: PrefixHit | None) -> tuple[int, int]:
+        """(fresh blocks, free cached hit blocks) this allocation takes out of the free queue."""
+        if num_new < 0 or num_lookahead < 0:
+            raise ValueError(f"negative token counts ({num_new}, {num_lookahead}) for {request_id!r}")
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            if hit is None or hit.request.request_id != request_id:
+                raise ValueError(f"first allocation of {request_id!r} needs its PrefixHit")
+            hit_blocks = self._hit_blocks(hit)
+            num_known, num_computed = len(hit.request.token_ids), hit.num_computed_tokens
+            num_held, reused = len(hit_blocks), sum(block.ref_cnt == 0 for block in hit_blocks)
+        else:
+            if hit is not None:
+                raise ValueError(f"request {request_id!r} already holds blocks; a PrefixHit is for new ones")
+            num_known, num_computed, num_held, reused = len(seq.token_ids), seq.num_computed, len(seq.blocks), 0
+        if num_computed + num_new > num_known:
+            raise ValueError(f"{request_id!r}: {num_computed} + {num_new} positions but only {num_known} "
+                             "known tokens (append sampled tokens first; speculative ones are lookahead)")
+        total = -(-(num_computed + num_new + num_lookahead) // self.block_size)
+        return max(total - num_held, 0), reused
+
+    def _hit_blocks(self, hit: PrefixHit) -> list[Block]:
+        blocks = [self._pool.blocks[block_id] for block_id in hit.block_ids]
+        for block, block_hash in zip(blocks, hit.block_hashes):
+            if block.block_hash != block_hash:
+                raise StalePrefixHit(f"cached block {block.block_id} of {hit.request.request_id!r} was evicted")
+        return blocks
+
+    def _admit(self, hit: PrefixHit) -> _Seq:
+        blocks = self._hit_blocks(hit)
+        self._pool.touch(blocks)
+        request = hit.request
+        seq = _Seq(list(request.token_ids), request.cache_salt, blocks, list(hit.block_hashes), hit.num_computed_tokens)
+        self._seqs[request.request_id] = seq
+        self._requests += 1
+        self._queried_tokens += len(request.token_ids)
+        self._hit_tokens += hit.num_computed_tokens
+        return seq
+
+    def _cache_full_blocks(self, seq: _Seq) -> None:
+        """Offer the newly full, computed blocks to the prefix cache (each block hashed once)."""
+        if not self.config.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        start = seq.num_cached_blocks
+        if num_full <= start:
+            return
+        if len(seq.block_hashes) < num_full:
+            seq.block_hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.cache_salt,
+                                                prior=seq.block_hashes, limit=num_full)
+        bs = self.block_size
+        parent = seq.block_hashes[start - 1] if start > 0 else None
+        self._pool.cache(seq.blocks[start:num_full], seq.block_hashes[start:num_full], parent,
+                         seq.token_ids[start * bs:num_full * bs])
+        seq.num_cached_blocks = num_full
