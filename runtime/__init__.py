@@ -1,0 +1,20 @@
+"""Matinee's actor runtime: actors, refs, supervision, death watch, timers, TCP remoting, registry.
+
+A general framework: it never imports the serving stack built on it."""
+from runtime.actor import Actor, ActorContext, Timer
+from runtime.errors import ActorDead, AskTimeout, Escalated, RemoteError
+from runtime.log import bound, configure_logging, get_logger
+from runtime.messages import Terminated
+from runtime.protocol import register_messages
+from runtime.ref import ActorRef
+from runtime.registry import InMemoryRegistry, Registry
+from runtime.supervision import Supervision
+from runtime.system import ActorSystem
+
+register_messages(Terminated)
+
+__all__ = [
+    "Actor", "ActorContext", "ActorDead", "ActorRef", "ActorSystem", "AskTimeout", "Escalated",
+    "InMemoryRegistry", "Registry", "RemoteError", "Supervision", "Terminated", "Timer",
+    "bound", "configure_logging", "get_logger", "register_messages",
+]
