@@ -1,0 +1,193 @@
+"""OpenAI request bodies as msgspec Structs, and the checks that turn bad input into 400s.
+
+Types are enforced by msgspec while decoding (unknown fields ignored, as OpenAI does); ranges
+and cross-field rules are checked here, each error naming the offending `param`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from gateway.errors import invalid
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    priority: int | None = None
+    user: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of those: checked by hand,
+    # since msgspec unions hold one array type at most.
+    prompt: Any
+    logprobs: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+_AT = re.compile(r"- at `\$\.?(.*)`$")
+_MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def decode(body: bytes, type_: type) -> Any:
+    """Decode a JSON body into `type_`, raising a 400 that names the offending field."""
+    if not body:
+        raise invalid("The request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _AT.search(msg) or _MISSING.search(msg)
+        param = m.group(1) if m and m.group(1) else None
+        raise invalid(f"Invalid request: {msg}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise invalid(f"The request body is not valid JSON: {e}") from None
+
+
+def _range(value, param: str, lo=None, hi=None, lo_open=False) -> None:
+    if value is None:
+        return
+    if value != value or (lo is not None and (value <= lo if lo_open else value < lo)) \
+            or (hi is not None and value > hi):
+        bound = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
+        if hi is not None:
+            bound = f"{bound} and <= {hi}" if bound else f"<= {hi}"
+        raise invalid(f"`{param}` must be {bound}, got {value}.", param=param)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP:
+        raise invalid(f"At most {MAX_STOP} stop strings are allowed, got {len(stops)}.", param="stop")
+    return [s for s in stops if s]
+
+
+def validate_common(req: _Common) -> None:
+    _range(req.temperature, "temperature", 0.0, 2.0)
+    _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid(f"`top_k` must be -1 (off), 0 (off) or positive, got {req.top_k}.", param="top_k")
+    _range(req.min_p, "min_p", 0.0, 1.0)
+    _range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    _range(req.n, "n", 1, MAX_N)
+    _range(req.max_tokens, "max_tokens", 1)
+    if req.seed is not None and not -(2 ** 63) <= req.seed < 2 ** 63:
+        raise invalid("`seed` must fit in a signed 64-bit integer.", param="seed")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
+    stop_list(req.stop)
+
+
+def validate_chat(req: ChatRequest) -> None:
+    validate_common(req)
+    _range(req.max_completion_tokens, "max_completion_tokens", 1)
+    if not req.messages:
+        raise invalid("`messages` must hold at least one message.", param="messages")
+    for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise invalid(f"Unknown role {m.role!r} in messages[{i}]; expected one of "
+                          f"{', '.join(ROLES)}.", param=f"messages[{i}].role")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"Only text content parts are supported, got {part.type!r}.",
+                                  param=f"messages[{i}].content[{j}]")
+        elif m.content is None and m.role != "assistant":
+            raise invalid(f"messages[{i}] has no content.", param=f"messages[{i}].content")
+    if req.top_logprobs is not None:
+        _range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
+        if not req.logprobs:
+            raise invalid("`top_logprobs` requires `logprobs` to be true.", param="top_logprobs")
+
+
+def message_text(m: ChatMessage) -> str:
+    if isinstance(m.content, list):
+        return "".join(p.text or "" for p in m.content)
+    return m.content or ""
+
+
+def validate_completion(req: CompletionRequest) -> None:
+    validate_common(req)
+    _range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
+
+
+def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """Normalise `prompt` into a list of strings and token-id lists, checking each."""
+    def ids_ok(xs: list) -> bool:
+        return all(type(x) is int for x in xs)
+
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and ids_ok(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and ids_ok(p)) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise invalid("`prompt` must be a string, a list of strings, a list of token ids, "
+                      "or a list of token-id lists, and not empty.", param="prompt")
+    for p in prompts:
+        if len(p) == 0:
+            raise invalid("`prompt` must not be empty.", param="prompt")
+        if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
+            raise invalid(f"Token ids in `prompt` must be in [0, {vocab_size}).", param="prompt")
+    return prompts

@@ -1,0 +1,112 @@
+"""Request decoding and validation: every bad input is a 400 naming its param, never a crash."""
+import msgspec
+import pytest
+
+from gateway import protocol
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    req = protocol.decode(msgspec.json.encode(body), protocol.ChatRequest)
+    protocol.validate_chat(req)
+    return req
+
+
+def completion(**fields):
+    body = {"model": "m", "prompt": "hi", **fields}
+    req = protocol.decode(msgspec.json.encode(body), protocol.CompletionRequest)
+    protocol.validate_completion(req)
+    return req
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"n": protocol.MAX_N + 1}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": ["x"] * (protocol.MAX_STOP + 1)}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"logprobs": True, "top_logprobs": protocol.MAX_LOGPROBS + 1}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+])
+def test_chat_errors_name_the_param(fields, param):
+    with pytest.raises(APIError) as e:
+        chat(**fields)
+    assert e.value.status == 400
+    assert e.value.type == "invalid_request_error"
+    assert e.value.param is not None and e.value.param.startswith(param)
+
+
+def test_chat_accepts_openai_shapes_and_ignores_unknown_fields():
+    req = chat(messages=[{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}],
+               temperature=0, stop="x", stream=True, stream_options={"include_usage": True},
+               logprobs=True, top_logprobs=3, whatever={"nested": 1}, user="u", priority=-1)
+    assert protocol.message_text(req.messages[1]) == "ab"
+    assert req.temperature == 0.0 and req.top_logprobs == 3
+
+
+def test_body_errors():
+    for body in (b"", b"{", b"[1, 2]", b'"str"'):
+        with pytest.raises(APIError) as e:
+            protocol.decode(body, protocol.ChatRequest)
+        assert e.value.status == 400
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [1, "a"], {"a": 1}, 3, [-1], [10 ** 9], [[1], 2]])
+def test_completion_prompt_errors(prompt):
+    with pytest.raises(APIError) as e:
+        req = completion(prompt=prompt)
+        protocol.completion_prompts(req.prompt, vocab_size=1000)
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_completion_prompt_forms():
+    assert protocol.completion_prompts("a", 10) == ["a"]
+    assert protocol.completion_prompts(["a", "b"], 10) == ["a", "b"]
+    assert protocol.completion_prompts([1, 2], 10) == [[1, 2]]
+    assert protocol.completion_prompts([[1], [2, 3]], 10) == [[1], [2, 3]]
+    with pytest.raises(APIError) as e:
+        completion(logprobs=protocol.MAX_LOGPROBS + 1)
+    assert e.value.param == "logprobs"
+
+
+def test_metrics_render_prometheus_text():
+    m = GatewayMetrics()
+    m.ttft.observe(0.03)
+    m.ttft.observe(100.0)
+    m.requests_total.inc(1, "stop")
+    m.requests_total.inc(2, "length")
+    text = m.render()
+    assert 'matinee_requests_total{finish_reason="stop"} 1' in text
+    assert 'matinee_requests_total{finish_reason="length"} 2' in text
+    assert 'matinee_time_to_first_token_seconds_bucket{le="0.05"} 1' in text
+    assert 'matinee_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "matinee_time_to_first_token_seconds_count 2" in text
+    assert "# TYPE matinee_inter_token_latency_seconds histogram" in text
+    for name in ("matinee_requests_running", "matinee_kv_blocks_free", "matinee_preemptions_total",
+                 "matinee_prefix_cache_hit_tokens_total", "matinee_request_queue_seconds_sum"):
+        assert name in text
