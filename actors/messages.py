@@ -1,0 +1,242 @@
+"""Every message that crosses an actor boundary in the engine: gateway <-> scheduler, scheduler <->
+KV manager, scheduler <-> model worker. msgspec Structs only; array-like structs are positional on
+the wire, so new fields go at the end with defaults. No logic beyond validating SamplingParams.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from runtime import ActorRef
+
+# --- gateway / offline front end <-> scheduler ---------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's names and defaults. temperature 0 means greedy; top_k 0 or -1 means off."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None   # None: none; k: the sampled token's logprob plus the top k
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class SubmitRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reply_to: ActorRef
+    priority: int = 0                 # lower value = more important, as in vLLM
+    cache_salt: str | None = None     # separates tenants' prefix caches
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class TokenDelta(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    index: int                        # which of the n samples
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None         # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One message per reply_to per step."""
+
+    deltas: list[TokenDelta]
+
+
+class GetStats(msgspec.Struct, tag=True):
+    pass
+
+
+class EngineStats(msgspec.Struct, tag=True):
+    requests_running: int
+    requests_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    steps: int = 0
+    forward_s: float = 0.0            # cumulative time inside the worker's forward + sampling
+    step_s: float = 0.0               # cumulative wall time from planning a step to handling its result
+    kv_slots_allocated: int = 0       # at the last step: slots in blocks held by running sequences
+    kv_slots_used: int = 0            # at the last step: of those, slots holding a token
+
+
+# --- scheduler <-> model worker -------------------------------------------------------------------
+
+
+class NewSequence(msgspec.Struct, array_like=True, gc=False):
+    """Sampler state to create on the worker before the step that first runs this sequence."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int | None                  # the request's seed, offset per sample so n copies differ
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
+    seq_id: int
+    token_ids: list[int]              # tokens whose KV this step computes (a prefill chunk, or the last sampled one)
+    start_pos: int                    # position of token_ids[0] = tokens already in the KV cache
+    block_table: list[int]
+    sample: bool                      # the chunk reaches the end of the known tokens: sample the next one
+    output_token_ids: list[int] = []  # tokens generated so far (penalties; the worker may also track them)
+    spec_token_ids: list[int] = []    # drafted tokens to verify after token_ids (speculative decoding)
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_seqs: list[NewSequence] = []
+    finished_seq_ids: list[int] = []  # sampler state to drop
+
+
+class SeqOutput(msgspec.Struct, array_like=True, gc=False):
+    seq_id: int
+    token_ids: list[int]              # one token, or several when drafted tokens were accepted
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
+    step_id: int
+    outputs: list[SeqOutput]          # one per scheduled sequence that sampled, in plan order
+    forward_s: float = 0.0
+
+
+# --- scheduler <-> KV manager ---------------------------------------------------------------------
+
+
+class KVGrow(msgspec.Struct, array_like=True, gc=False):
+    """A running sequence needs slots for `num_new_tokens` more positions; `new_token_ids` are the
+    tokens it gained since the manager last heard of it (the manager hashes blocks as they fill)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    num_new_tokens: int
+
+
+class KVAdmit(msgspec.Struct, array_like=True, gc=False):
+    """A waiting sequence to admit: reuse cached prefix blocks, then allocate its first chunk."""
+
+    seq_id: int
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class KVFork(msgspec.Struct, array_like=True, gc=False):
+    """Start a new sequence sharing the parent's full blocks that cover its first `num_tokens`
+    tokens (a block boundary); the child computes the rest itself."""
+
+    parent_seq_id: int
+    child_seq_id: int
+    num_tokens: int
+
+
+class KVStep(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One transaction per scheduler step, applied in order: forks, frees (after the forks, since a
+    finished parent may still be forked), grows (stopping at the first that does not fit), then
+    admits while the token budget and the pool allow."""
+
+    frees: list[int]
+    forks: list[KVFork]
+    grows: list[KVGrow]
+    admits: list[KVAdmit]
+    token_budget: int                 # tokens left for admitted chunks after the grows
+
+
+class KVAdmitted(msgspec.Struct, array_like=True, gc=False):
+    seq_id: int
+    num_cached_tokens: int            # prefix-cache hit, capped so one token is always computed
+    num_new_tokens: int
+    block_table: list[int]
+
+
+class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
+    fork_tables: list[list[int]]      # the child's block table per fork; [] when the pool had no room
+    grown: list[list[int]]            # new block ids per successful grow, in order
+    grow_failed: bool                 # grows[len(grown)] did not fit; later grows were not tried
+    admitted: list[KVAdmitted]        # a prefix of the admits, in order
+    num_free_blocks: int
+    queried_tokens: int = 0           # prefix-cache lookups done in this transaction
+    hit_tokens: int = 0
+
+
+class KVFree(msgspec.Struct, tag=True, array_like=True):
+    seq_ids: list[int]
+
+
+class GetKVStats(msgspec.Struct, tag=True):
+    pass
+
+
+class KVStats(msgspec.Struct, tag=True):
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int = 0
+
+
+class DrainKVEvents(msgspec.Struct, tag=True):
+    """Ask the KV manager for the block stored / removed / cleared events recorded since the last drain."""
+
+
+class KVEvents(msgspec.Struct, tag=True):
+    events: list[object]              # actors.kv.events.KVEvent values, oldest first
+    next_seq: int = 0                 # sequence number the next event will carry
+
+
+ENGINE_MESSAGES = (
+    SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
+    StepPlan, StepResult,
+    KVStep, KVStepResult, KVFree, GetKVStats, KVStats, DrainKVEvents, KVEvents,
+)

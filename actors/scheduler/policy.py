@@ -1,0 +1,287 @@
+"""The scheduling policy: which sequences run in the next step and how many tokens each computes.
+
+A plain synchronous class. Each step: `schedule()` returns one KV transaction (running sequences
+first, in priority order, then waiting ones as prefill chunks under the token budget); `on_kv()`
+applies its result and, when the pool ran out, preempts the least important, newest sequence and
+returns a retry; `plan()` turns the step into the worker's StepPlan; `update()` takes the sampled
+tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, NewSequence,
+                             ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
+from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    steps: int = 0
+    kv_slots_allocated: int = 0     # over the running sequences, as of the last plan
+    kv_slots_used: int = 0
+
+
+@dataclass
+class _Step:
+    """The step under construction, between schedule() and plan()."""
+
+    grows: list[tuple[Sequence, int]] = field(default_factory=list)
+    admits: list[Sequence] = field(default_factory=list)
+    fork_children: list[Sequence] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+
+
+class SchedulingPolicy:
+    def __init__(self, cfg: PolicyConfig):
+        self.cfg = cfg
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: list[Sequence] = []      # sorted by sort_key
+        self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
+        self.counters = Counters()
+        self._next_seq_id = 0
+        self._arrivals = 0
+        self._step_id = 0
+        self._forks: list[tuple[KVFork, Sequence]] = []   # for the next transaction
+        self._deferred_frees: list[int] = []   # a fork parent's free must follow its forks
+        self._frees: list[int] = []            # sequences whose blocks return to the pool now
+        self._released: list[int] = []         # sequences whose sampler state the worker drops
+        self._outbox: dict[Any, list[TokenDelta]] = defaultdict(list)
+        self._step = _Step()
+
+    # --- requests in and out ---------------------------------------------------------------------
+
+    def add(self, msg: SubmitRequest) -> None:
+        if msg.request_id in self.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already in the engine")
+        self._arrivals += 1
+        req = RequestState(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.reply_to,
+                           msg.priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
+        leader = self._new_seq(req, 0)
+        if not msg.prompt_token_ids or req.max_output < 1:
+            # Empty, or no room left in the context: nothing can be generated.
+            self._emit(leader, [], None, "length" if msg.prompt_token_ids else "abort")
+            return
+        self.requests[req.request_id] = req
+        self.seqs[leader.seq_id] = leader
+        self.counters.prompt_tokens += len(req.prompt_token_ids)
+        bisect.insort(self.waiting, leader, key=_key)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        ids = {s.seq_id for s in req.seqs}
+        self._forks = [(f, c) for f, c in self._forks if f.parent_seq_id not in ids]
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self._retire(seq)
+                self._emit(seq, [], None, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def take_deltas(self) -> dict[Any, list[TokenDelta]]:
+        out, self._outbox = self._outbox, defaultdict(list)
+        return out
+
+    def take_frees(self) -> list[int]:
+        out, self._frees = self._frees, []
+        return out
+
+    # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
+
+    def schedule(self) -> KVStep:
+        step = self._step = _Step()
+        budget = self.cfg.max_num_batched_tokens
+        for seq in self.running:
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n > 0:
+                step.grows.append((seq, n))
+                budget -= n
+        room = self.cfg.max_num_seqs - len(self.running)
+        step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
+        forks = [f for f, _ in self._forks]
+        step.fork_children = [c for _, c in self._forks]
+        self._forks = []
+        frees, self._deferred_frees = self._deferred_frees, []
+        return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
+                      [self._admit_msg(s) for s in step.admits], budget)
+
+    def on_kv(self, res: KVStepResult) -> KVStep | None:
+        """Apply a transaction's result; returns a retry transaction after a preemption, else None."""
+        step = self._step
+        for child, table in zip(step.fork_children, res.fork_tables):
+            if table:
+                child.block_table = list(table)
+            else:  # no room to fork: the sample is computed from scratch (or from the prefix cache)
+                self._requeue(child)
+        step.fork_children = []
+        for (seq, n), blocks in zip(step.grows, res.grown):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # requeued above; the transaction skipped it
+            seq.block_table.extend(blocks)
+            step.scheduled.append((seq, n))
+        self.counters.prefix_queried_tokens += res.queried_tokens
+        self.counters.prefix_hit_tokens += res.hit_tokens
+        if res.grow_failed:
+            return self._preempt_and_retry(step.grows[len(res.grown):])
+        for seq, adm in zip(step.admits, res.admitted):
+            self.waiting.remove(seq)
+            seq.block_table = list(adm.block_table)
+            seq.num_computed = adm.num_cached_tokens
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=_key)
+            step.scheduled.append((seq, adm.num_new_tokens))
+            if seq.index == 0 and not seq.known_to_worker:
+                seq.request.num_cached_tokens = adm.num_cached_tokens
+        return None
+
+    def plan(self) -> StepPlan:
+        seqs, new = [], []
+        for seq, n in self._step.scheduled:
+            start, end = seq.num_computed, seq.num_computed + n
+            if not seq.known_to_worker:
+                seq.known_to_worker = True
+                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed))
+            seqs.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table),
+                                     end == seq.num_tokens, _outputs_if_penalized(seq)))
+            seq.num_computed = end
+        self._step = _Step()
+        self._step_id += 1
+        self.counters.steps += 1
+        self.counters.kv_slots_allocated = sum(len(s.block_table) for s in self.running) * self.cfg.block_size
+        self.counters.kv_slots_used = sum(s.num_computed for s in self.running)
+        released, self._released = self._released, []
+        return StepPlan(self._step_id, seqs, new, released)
+
+    def update(self, result: StepResult) -> None:
+        eos = self.cfg.eos_token_ids
+        for out in result.outputs:
+            seq = self.seqs.get(out.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            reason, kept = None, 0
+            for token_id in out.token_ids:
+                kept += 1
+                reason = seq.append(token_id, eos)
+                if reason is not None:
+                    break
+            self.counters.generation_tokens += kept
+            if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
+                self._spawn_samples(seq)
+            logprobs = out.logprobs[:kept] if out.logprobs is not None else None
+            self._emit(seq, out.token_ids[:kept], logprobs, reason)
+            if reason is not None:
+                self._retire(seq)
+
+    def fail_all(self) -> None:
+        """The worker failed a step: every request ends (as aborted) and frees its blocks."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _new_seq(self, req: RequestState, index: int) -> Sequence:
+        seq = Sequence(self._next_seq_id, req, index)
+        self._next_seq_id += 1
+        req.seqs.append(seq)
+        return seq
+
+    def _grow_msg(self, seq: Sequence, n: int) -> KVGrow:
+        new_tokens = seq.token_ids[seq.kv_known:]
+        seq.kv_known = seq.num_tokens
+        return KVGrow(seq.seq_id, new_tokens, n)
+
+    def _admit_msg(self, seq: Sequence) -> KVAdmit:
+        seq.kv_known = seq.num_tokens
+        return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back to waiting with nothing computed: preemption, or a fork that found no room."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed = 0
+        seq.block_table = []
+        bisect.insort(self.waiting, seq, key=_key)
+
+    def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
+        """The pool is out of blocks for left[0]: the least important, newest running sequence gives
+        its blocks back and waits to be recomputed; then the grows that did not happen are retried."""
+        victim = self.running[-1]
+        self._requeue(victim)
+        self.counters.preemptions += 1
+        step = self._step
+        step.scheduled = [(s, n) for s, n in step.scheduled if s is not victim]
+        step.grows = [(s, n) for s, n in left if s.status is SeqStatus.RUNNING]
+        step.admits = []  # nothing new joins a step that had to preempt
+        return KVStep([victim.seq_id], [], [self._grow_msg(s, n) for s, n in step.grows], [], 0)
+
+    def _spawn_samples(self, leader: Sequence) -> None:
+        """n > 1: the other samples start once the prompt is computed, sharing its full blocks
+        (fork); each recomputes only the prompt's partial last block to draw its own first token."""
+        req, bs = leader.request, self.cfg.block_size
+        shared = (leader.num_prompt_tokens - 1) // bs * bs
+        for index in range(1, req.params.n):
+            child = self._new_seq(req, index)
+            self.seqs[child.seq_id] = child
+            child.status = SeqStatus.RUNNING
+            child.num_computed = shared
+            child.kv_known = shared
+            if shared:
+                self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
+            bisect.insort(self.running, child, key=_key)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues; its blocks go back to the pool."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.seqs.pop(seq.seq_id, None)
+        if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
+            self._deferred_frees.append(seq.seq_id)
+        else:
+            self._frees.append(seq.seq_id)
+        if seq.known_to_worker:
+            self._released.append(seq.seq_id)
+        req = seq.request
+        if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
+            self.requests.pop(req.request_id, None)
+
+    def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None) -> None:
+        req = seq.request
+        self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
+                                                     reason, len(req.prompt_token_ids), req.num_cached_tokens))
+
+
+def _key(seq: Sequence) -> tuple[int, int, int]:
+    return seq.sort_key
+
+
+def _outputs_if_penalized(seq: Sequence) -> list[int]:
+    p = seq.request.params
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        return seq.output_token_ids
+    return []

@@ -1,0 +1,93 @@
+"""What the scheduler knows about a request and each of its n samples (sequences).
+
+Plain state and the stopping rule; no scheduling decisions here. A sequence's tokens are its
+prompt followed by what it generated; after a preemption it recomputes all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from actors.messages import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class RequestState:
+    """One SubmitRequest: shared by its n sequences."""
+
+    __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
+                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int):
+        self.request_id = request_id
+        self.reply_to = reply_to
+        self.params = params
+        self.priority = priority
+        self.arrival = arrival
+        self.prompt_token_ids = prompt_token_ids
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0
+        self.seqs: list[Sequence] = []
+        # The context length caps every request's output, whatever max_tokens says.
+        room = max_model_len - len(prompt_token_ids)
+        self.max_output = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.seed = params.seed
+
+
+class Sequence:
+    __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
+                 "block_table", "status", "known_to_worker", "sort_key", "kv_known")
+
+    def __init__(self, seq_id: int, request: RequestState, index: int):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed = 0             # tokens whose KV is in the cache (or being written this step)
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.known_to_worker = False      # the worker holds its sampler state
+        # Lower sorts first: the most important, then the oldest request, then sample order.
+        self.sort_key = (request.priority, request.arrival, index)
+        self.kv_known = 0                 # leading tokens the KV manager has been told of
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.request.seed
+        return None if seed is None else seed + self.index
+
+    def append(self, token_id: int, eos_token_ids: frozenset[int]) -> str | None:
+        """Add one generated token; returns the finish reason when it ends the sequence."""
+        self.token_ids.append(token_id)
+        params = self.request.params
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.request.max_output:
+            return "length"
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, id={self.seq_id}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed}, blocks={self.block_table})")
