@@ -45,11 +45,11 @@ class RouteDecision(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class RoutingConfig:
     # One running request costs as much as prefilling this many blocks (it shares each step).
-    running_cost_blocks: float = 2.0
+    running_cost_blocks: float = 1.0
     # A waiting request delays ours by its whole prefill, so it weighs more.
-    waiting_cost_blocks: float = 8.0
+    waiting_cost_blocks: float = 4.0
     # What a full KV cache costs: a nearly full engine evicts and preempts.
-    kv_usage_cost_blocks: float = 32.0
+    kv_usage_cost_blocks: float = 16.0
     # At or past either limit an engine is overloaded and only chosen if all are.
     max_waiting: int = 64
     max_kv_usage: float = 0.98

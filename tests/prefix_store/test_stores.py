@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_store import ApplyResult
-from tests.prefix_store.conftest import SHARED_REDIS_URL
+from prefix_store import ApplyResult, InMemoryPrefixStore
+from tests.prefix_store.conftest import SHARED_REDIS_URL, FakeClock
 from tests.prefix_store.kv_workload import KVWorkload
 
 
@@ -123,12 +123,22 @@ async def test_restart_clears_the_engine(store):
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_a_dead_engines_entries_expire(make_store, namespace, kind):
-    store = await make_store(kind, ttl_s=0.3)
+    # Redis expires on its own clock, so its twin runs in real time; the in-memory one on a
+    # fake clock (same steps, no sleeping).
+    if kind == "memory":
+        clock = FakeClock()
+        store = InMemoryPrefixStore(ttl_s=0.6, clock=clock)
+
+        async def advance(dt):
+            clock.now += dt
+    else:
+        store = await make_store(kind, ttl_s=0.6)
+        advance = asyncio.sleep
     await store.publish_snapshot("alive", [b"x"], 0)
     await store.publish_snapshot("dead", [b"x"], 0)
     assert await store.match([b"x"]) == {"alive": 1, "dead": 1}
-    for _ in range(3):  # only "alive" keeps beating
-        await asyncio.sleep(0.15)
+    for _ in range(8):  # only "alive" keeps beating
+        await advance(0.1)
         assert await store.heartbeat("alive") is True
     assert await store.match([b"x"]) == {"alive": 1}
     assert await store.live_engines() == ["alive"]
@@ -137,9 +147,11 @@ async def test_a_dead_engines_entries_expire(make_store, namespace, kind):
     # A snapshot brings it back.
     await store.publish_snapshot("dead", [b"y"], 1)
     assert await store.match([b"y"]) == {"alive": 0, "dead": 1}
-    if kind == "redis":
-        await asyncio.sleep(0.35)  # nobody beats now: Redis frees every key by itself
+    await advance(0.7)  # nobody beats now
+    assert await store.match([b"y"]) == {}
+    if kind == "redis":  # and Redis has freed every per-engine key by itself
         client = redis.Redis.from_url(SHARED_REDIS_URL)
         leftover = [k for k in client.scan_iter(match="{" + namespace + "}*") if b":engines" not in k]
         client.close()
         assert leftover == []
+

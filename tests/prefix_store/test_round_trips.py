@@ -1,0 +1,81 @@
+"""Each index operation costs exactly one Redis round trip, whatever the number of engines."""
+
+from __future__ import annotations
+
+import redis.asyncio as aredis
+from redis.asyncio.connection import Connection
+
+from tests.prefix_store.conftest import SHARED_REDIS_URL
+from tests.prefix_store.kv_workload import KVWorkload
+
+
+class CountingConnection(Connection):
+    """Counts writes to the socket: a pipeline or a script is one write, then one read."""
+
+    sends = 0
+
+    async def send_packed_command(self, command, check_health=True):
+        CountingConnection.sends += 1
+        return await super().send_packed_command(command, check_health)
+
+
+def counting_client() -> aredis.Redis:
+    pool = aredis.ConnectionPool.from_url(SHARED_REDIS_URL, connection_class=CountingConnection)
+    return aredis.Redis(connection_pool=pool)
+
+
+async def test_one_round_trip_per_operation(make_store):
+    store = await make_store("redis", client=counting_client())
+    await store.load_scripts()
+    engines = {f"e{i}": KVWorkload(seed=i) for i in range(5)}
+    for engine_id, work in engines.items():
+        next_seq, hashes = work.kv.snapshot()
+        await store.publish_snapshot(engine_id, hashes, next_seq)
+
+    def trips(before: int) -> int:
+        return CountingConnection.sends - before
+
+    for engine_id, work in engines.items():
+        work.run(6)  # many events per step: still one round trip
+        events = work.kv.take_events()
+        assert len(events) > 1
+        before = CountingConnection.sends
+        await store.apply_events(engine_id, events)
+        assert trips(before) == 1
+
+    probe = engines["e0"].probes(1)[0]
+    before = CountingConnection.sends
+    answer = await store.match(probe)
+    assert trips(before) == 1
+    assert set(answer) == set(engines)
+
+    for call in (lambda: store.heartbeat("e0"), lambda: store.clear_engine("e4"),
+                 lambda: store.publish_snapshot("e4", [b"x"], 0)):
+        before = CountingConnection.sends
+        await call()
+        assert trips(before) == 1
+
+
+async def test_match_is_one_command_on_the_server(private_redis):
+    """The server's own statistics agree: one EVALSHA per routing decision and nothing else."""
+    from prefix_store import RedisPrefixStore, make_client
+
+    store = RedisPrefixStore(make_client(private_redis.url), namespace="t", ttl_s=10)
+    await store.load_scripts()
+    for i in range(8):
+        await store.publish_snapshot(f"e{i}", [b"a", b"b"], 0)
+    admin = aredis.Redis.from_url(private_redis.url)
+    await admin.config_resetstat()
+    for _ in range(10):
+        assert len(await store.match([b"a", b"b", b"c"])) == 8
+    stats = await admin.info("commandstats")
+    await admin.aclose()
+    await store.close()
+    calls = {k: v["calls"] for k, v in stats.items()}
+    assert calls.pop("cmdstat_evalsha") == 10
+    # What the script runs inside the server: one clock read, one engine scan, one read per engine.
+    assert calls.pop("cmdstat_time") == 10
+    assert calls.pop("cmdstat_zrangebyscore") == 10
+    assert calls.pop("cmdstat_hmget") == 10 * 8
+    # The rest came from the admin connection itself.
+    assert set(calls) <= {"cmdstat_config|resetstat", "cmdstat_info"}
