@@ -19,6 +19,11 @@ def register_messages(*types: type) -> None:
         if tp.__struct_config__.tag is None:
             raise ValueError(f"{tp.__name__} must be declared with tag=True to cross processes")
         if tp not in _registered:
+            tag = tp.__struct_config__.tag
+            for other in _registered:
+                if other.__struct_config__.tag == tag:
+                    raise ValueError(f"{tp.__module__}.{tp.__qualname__} and {other.__module__}."
+                                     f"{other.__qualname__} share the wire tag {tag!r}")
             _registered[tp] = None
             changed = True
     if changed:

@@ -23,7 +23,7 @@ class ActorSystem:
     """`listen=(host, port)` accepts other nodes (port 0: any free port); `secret` is the
     cluster secret every connection proves; `registry` publishes name -> ref entries."""
 
-    def __init__(self, name: str = "matinee", *, listen: tuple[str, int] | None = None,
+    def __init__(self, name: str = "matinee", *, listen: tuple[str, int] | int | None = None,
                  secret: bytes | str | None = None, registry: Registry | None = None,
                  advertise: str | None = None, supervision: Supervision | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -32,6 +32,8 @@ class ActorSystem:
             raise ValueError(f"invalid system name {name!r}")
         if max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be >= 1024")
+        if isinstance(listen, int):
+            listen = ("127.0.0.1", listen)
         if listen is not None and secret is None:
             raise ValueError("a listening node needs a cluster secret")
         self.name = name

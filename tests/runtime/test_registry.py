@@ -1,0 +1,87 @@
+"""Registries: the in-memory one, and Redis entries with a TTL that outlive a node only briefly."""
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from runtime import Actor, ActorSystem, InMemoryRegistry
+from runtime.redis_registry import RedisRegistry
+from tests.runtime.nodes import SECRET, start_node
+from tests.runtime.wire_messages import RtEcho
+
+
+class Echo(Actor):
+    async def receive(self, msg):
+        return RtEcho(msg.value + 1)
+
+
+@pytest.fixture
+async def prefix():
+    p = f"test:runtime:{uuid.uuid4().hex}:"
+    yield p
+    r = aioredis.Redis.from_url("redis://127.0.0.1:6379/0")
+    keys = [k async for k in r.scan_iter(match=p + "*")]
+    if keys:
+        await r.delete(*keys)
+    await r.aclose()
+
+
+async def test_in_memory_registry_shared_by_two_systems():
+    reg = InMemoryRegistry()
+    a = ActorSystem("a", listen=0, secret=SECRET, registry=reg)
+    b = ActorSystem("b", secret=SECRET, registry=reg)
+    await a.start()
+    await b.start()
+    try:
+        ref = await a.spawn(Echo(), name="echo")
+        await a.publish("svc/echo", ref)
+        assert await a.resolve("svc/echo") == ref   # local entries resolve to the local ref
+        remote = await b.resolve("svc/echo")
+        assert remote.node == a.address and remote.path == "echo"
+        assert await remote.ask(RtEcho(1)) == RtEcho(2)
+        assert await reg.entries("svc/") == {"svc/echo": (a.address, "echo")}
+        assert await b.resolve("missing") is None
+    finally:
+        await b.shutdown()
+        await a.shutdown()
+    assert await reg.lookup("svc/echo") is None   # shutdown unpublished it
+
+
+async def test_redis_registry_roundtrip_and_heartbeat(prefix):
+    reg = RedisRegistry(prefix=prefix, ttl_s=0.6)
+    try:
+        await reg.register("engine/0", "127.0.0.1:5000", "scheduler")
+        await reg.register("engine/1", "127.0.0.1:5001", "scheduler")
+        await reg.register("gateway/0", "~gw", "front")
+        assert await reg.lookup("engine/0") == ("127.0.0.1:5000", "scheduler")
+        assert set(await reg.entries("engine/")) == {"engine/0", "engine/1"}
+        await asyncio.sleep(1.3)   # two TTLs: the heartbeat keeps them alive
+        assert await reg.lookup("engine/1") == ("127.0.0.1:5001", "scheduler")
+        await reg.unregister("engine/1")
+        assert await reg.lookup("engine/1") is None
+    finally:
+        await reg.close()
+    with pytest.raises(ValueError):
+        RedisRegistry(prefix=prefix, ttl_s=1, heartbeat_s=2)
+
+
+async def test_redis_entry_of_a_killed_node_expires(prefix):
+    node = await start_node("--redis-prefix", prefix, "--ttl", "0.5", "--name", "doomed")
+    reg = RedisRegistry(prefix=prefix, ttl_s=5)
+    client = ActorSystem("client", secret=SECRET, registry=reg)
+    await client.start()
+    try:
+        echo = await client.resolve("doomed/echo")
+        assert echo is not None and echo.node == node.address
+        assert await echo.ask(RtEcho(10)) == RtEcho(11)
+        node.kill()
+        await node.proc.wait()
+        for _ in range(40):
+            if await reg.lookup("doomed/echo") is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await client.resolve("doomed/echo") is None
+    finally:
+        await client.shutdown()
+        await node.stop()
