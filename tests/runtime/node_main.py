@@ -55,6 +55,7 @@ async def main(argv: list[str]) -> int:
     await system.start()
     system.install_signal_handlers()
     ref = await system.spawn(EchoActor(), name="echo")
+    await system.spawn(EchoActor(), name="victim")   # for tests that stop an actor
     if registry is not None:
         await system.publish(f"{args.name}/echo", ref)
     print("READY", system.address, flush=True)

@@ -2,6 +2,7 @@
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +46,26 @@ async def start_node(*args: str, secret: str = SECRET) -> NodeProcess:
         await proc.wait()
         raise RuntimeError(f"node did not start: {line!r}")
     return NodeProcess(proc, words[1])
+
+
+def start_node_blocking(*args: str, secret: str = SECRET) -> tuple[subprocess.Popen, str]:
+    """For module-scoped fixtures, which outlive any one test's event loop."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.runtime.node_main", "--secret", secret, *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE)
+    words = proc.stdout.readline().decode().split()
+    if len(words) != 2 or words[0] != "READY":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"node did not start: {words!r}")
+    return proc, words[1]
+
+
+def stop_blocking(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from runtime import Actor, ActorDead, ActorSystem, RemoteError, Terminated
-from tests.runtime.nodes import SECRET, start_node
+from tests.runtime.nodes import SECRET, start_node, start_node_blocking, stop_blocking
 from tests.runtime.wire_messages import (RtEcho, RtFail, RtForward, RtGetSeen, RtPlain, RtSeq,
                                          RtSleep, RtStop)
 
@@ -30,11 +30,16 @@ class Inbox(Actor):
         return self.got
 
 
-@pytest.fixture
-async def node():
-    n = await start_node()
-    yield n
-    await n.stop()
+class SharedNode:
+    def __init__(self, address: str):
+        self.address = address
+
+
+@pytest.fixture(scope="module")
+def node():
+    proc, address = start_node_blocking()
+    yield SharedNode(address)
+    assert stop_blocking(proc) == 0   # a graceful exit after serving every test
 
 
 @pytest.fixture
@@ -92,12 +97,14 @@ async def test_order_per_sender_over_tcp(node, client):
 async def test_remote_death_watch_on_stop(node, client):
     inbox = Inbox()
     me = await client.spawn(inbox, name="inbox")
-    echo = client.remote_ref(node.address, "echo")
-    await me.ask(("watch", echo))
-    await echo.ask(RtEcho(0))   # the Watch frame went first on the same connection
-    echo.tell(RtStop())
+    victim = client.remote_ref(node.address, "victim")
+    await me.ask(("watch", victim))
+    await victim.ask(RtEcho(0))   # the Watch frame went first on the same connection
+    victim.tell(RtStop())
     got = await inbox.wait_for(1)
-    assert got == [Terminated(echo, "stopped")]
+    assert got == [Terminated(victim, "stopped")]
+    with pytest.raises(ActorDead):
+        await victim.ask(RtEcho(0))
 
 
 async def test_killed_node_fails_pending_asks_and_notifies_watchers(client):
@@ -138,7 +145,3 @@ async def test_reconnects_to_a_restarted_node(client):
             pytest.fail("never reconnected")
     finally:
         await node.stop()
-
-
-async def test_graceful_node_exit_code_is_zero(node):
-    assert await node.stop() == 0
