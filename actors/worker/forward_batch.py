@@ -1,0 +1,96 @@
+"""One forward step's input: per-sequence items, and their flattening into the kernel tensors.
+
+The scheduler thinks in sequences (new tokens, tokens already cached, a block table); the kernels
+want flat tensors. `flatten` does the conversion with numpy, without a Python loop per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    token_ids: list[int]          # the new tokens to run this step (a prefill chunk, 1 decode token, or k+1)
+    num_computed: int             # tokens of this sequence already in the KV cache (= first new position)
+    block_table: list[int]        # physical block ids covering at least num_computed + len(token_ids)
+    num_logits: int = 1           # trailing new positions that need logits (k+1 when verifying a draft)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    seqs: list[SequenceInput] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(s.num_logits for s in self.seqs)
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_tables: torch.Tensor     # [B, max_blocks] int32 (only the columns max_seq_len needs)
+    logits_indices: torch.Tensor   # [num_logits] int64, rows of the flat batch whose logits are returned
+    max_query_len: int
+    max_seq_len: int
+
+
+def flatten(batch: ForwardBatch, block_size: int, num_blocks: int) -> FlatBatch:
+    """Validates and flattens; raises ValueError on a batch the KV cache cannot hold."""
+    seqs = batch.seqs
+    n = len(seqs)
+    q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+    starts = np.fromiter((s.num_computed for s in seqs), np.int64, n)
+    n_logits = np.fromiter((s.num_logits for s in seqs), np.int64, n)
+    table_lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+    seq_lens = starts + q_lens
+    if n and (q_lens.min() < 1 or starts.min() < 0):
+        raise ValueError("every sequence in a forward batch needs at least one new token and num_computed >= 0")
+    if n and ((n_logits < 1) | (n_logits > q_lens)).any():
+        raise ValueError("num_logits must be between 1 and the number of new tokens")
+    if (table_lens * block_size < seq_lens).any():
+        b = int(np.argmax(table_lens * block_size < seq_lens))
+        raise ValueError(f"sequence {b}: block table of {table_lens[b]} blocks cannot hold {seq_lens[b]} tokens")
+
+    query_start_loc = np.zeros(n + 1, np.int64)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    max_seq_len = int(seq_lens.max()) if n else 0
+    width = max(-(-max_seq_len // block_size), 1)
+    block_tables = np.zeros((n, width), np.int64)
+    for i, s in enumerate(seqs):
+        row = s.block_table[:width]
+        block_tables[i, :len(row)] = row
+    if n and (block_tables.max() >= num_blocks or block_tables.min() < 0):
+        raise ValueError(f"block id out of range [0, {num_blocks})")
+
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, num_tokens)
+    seq_of_token = np.repeat(np.arange(n), q_lens)
+    # Token j of sequence b sits at position num_computed_b + (j - query_start_b).
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], q_lens)
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    ends = query_start_loc[1:]
+    logits_indices = np.repeat(ends - n_logits, n_logits) + (
+        np.arange(int(n_logits.sum())) - np.repeat(np.cumsum(n_logits) - n_logits, n_logits))
+    return FlatBatch(
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        block_tables=torch.from_numpy(block_tables.astype(np.int32)),
+        logits_indices=torch.from_numpy(logits_indices.astype(np.int64)),
+        max_query_len=int(q_lens.max()) if n else 0,
+        max_seq_len=max_seq_len,
+    )

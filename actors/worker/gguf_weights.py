@@ -1,0 +1,109 @@
+"""Reads a GGUF file (llama, qwen2): metadata into a ModelConfig, tensors dequantized on demand.
+
+Tensors are exposed under Hugging Face names so one model class serves both formats. llama.cpp
+permutes the rows of Q and K for its interleaved RoPE on llama; we undo that to get the neox layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import torch
+
+from actors.worker.model_config import ModelConfig, ModelLoadError
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _field_value(field):
+    try:
+        return field.contents()
+    except Exception:  # exotic field types we never read
+        return None
+
+
+class GGUFWeights:
+    """Opens one GGUF file; `config` is its ModelConfig, `get` dequantizes one tensor."""
+
+    # Arrays we never need in the config; decoding 50k strings in Python is slow.
+    _SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                    "tokenizer.ggml.merges")
+
+    def __init__(self, path: str) -> None:
+        import gguf  # deferred: only GGUF users pay for the import
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(path)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
+        self._dequantize = gguf.quants.dequantize
+        meta = {k: _field_value(f) for k, f in self._reader.fields.items() if k not in self._SKIP_FIELDS}
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and f"{meta.get('general.architecture')}.vocab_size" not in meta:
+            meta["tokenizer.ggml.tokens"] = range(len(tokens.data))  # only its length is read
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        config = ModelConfig.from_gguf(meta, set(self._tensors))
+        if "rope_freqs.weight" in self._tensors:
+            factors = self._array("rope_freqs.weight").reshape(-1)
+            config = dataclasses.replace(config, rope_freq_factors=tuple(float(x) for x in factors))
+        self.config = config
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        gname = _gguf_name(name)
+        if gname is None or gname not in self._tensors:
+            raise ModelLoadError(f"GGUF file {self.path} lacks the tensor {gname or name!r} (for {name})")
+        array = self._array(gname)
+        if self.config.family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
+            array = _unpermute_rows(array, heads)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, order="C")  # F32 tensors come as read-only views of the mmap
+        return torch.from_numpy(array).to(dtype)
+
+    def _array(self, gname: str) -> np.ndarray:
+        t = self._tensors[gname]
+        return self._dequantize(t.data, t.tensor_type)
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp interleaved each head's two rotary halves row by row; put the halves back in order.
+    dim = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,78 @@
+"""Reads a Hugging Face checkpoint folder: config.json and (possibly sharded) safetensors.
+
+Tensors are read lazily by name, so only what the model asks for is loaded and converted.
+Never imports transformers model classes.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from actors.worker.model_config import ModelConfig, ModelLoadError
+
+
+def read_hf_config(folder: str) -> ModelConfig:
+    cfg = _read_json(os.path.join(folder, "config.json"))
+    gen_path = os.path.join(folder, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
+    try:
+        return ModelConfig.from_hf(cfg, gen)
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
+
+
+class HFWeights:
+    """Name -> tensor over the safetensors files of one folder (HF tensor names)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            weight_map = _read_json(index).get("weight_map", {})
+            self._file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+            for path in set(self._file_of.values()):
+                if not os.path.isfile(path):
+                    raise ModelLoadError(f"checkpoint shard listed in the index is missing: {path}")
+        else:
+            files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+            if not files:
+                raise ModelLoadError(f"no *.safetensors weights in {folder}")
+            self._file_of = {}
+            for path in files:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        self._file_of[name] = path
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        path = self._file_of.get(name)
+        if path is None:
+            raise ModelLoadError(f"checkpoint {self.folder} lacks the tensor {name!r}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as e:  # the index named it, the shard does not hold it
+            raise ModelLoadError(f"checkpoint {path} lacks the tensor {name!r}: {e}") from None
+        return tensor.to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None

@@ -1,0 +1,150 @@
+"""The decoder-only transformer (Llama, Qwen2, Qwen3) over a paged KV cache.
+
+One class, parameterised by ModelConfig: Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm.
+Every non-matmul op comes from `kernels.get_ops`; q/k/v and gate/up are fused into one matmul
+each, because fewer, bigger matmuls run faster. It never imports transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.worker.progress import LoadProgress
+from kernels import Ops, build_cos_sin_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """The flattened batch layout that every layer's attention reads (see the kernels contract)."""
+    slot_mapping: torch.Tensor        # [T] int64
+    block_tables: torch.Tensor        # [B, max_blocks] int32
+    seq_lens: torch.Tensor            # [B] int32
+    query_start_loc: torch.Tensor     # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+class DecoderModel:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = config.head_dim ** -0.5
+        self.layers: list[_Layer] = []
+        self.embed: torch.Tensor | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.cos_sin_cache = _cos_sin_cache(config).to(self.device)
+
+    def load_weights(self, weights, label: str = "loading weights") -> None:
+        """`weights` has get(hf_name, dtype) -> tensor; raises ModelLoadError for a missing tensor."""
+        cfg = self.config
+        progress = LoadProgress(cfg.num_layers + 1, label)
+
+        def get(name: str) -> torch.Tensor:
+            return weights.get(name, self.dtype).to(self.device)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.final_norm = get("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        progress.advance()
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(_Layer(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv_weight=torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_bias=qkv_bias,
+                q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
+                o_weight=get(attn + "o_proj.weight"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_weight=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down_weight=get(p + "mlp.down_proj.weight"),
+            ))
+            progress.advance()
+        progress.close()
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        cfg = self.config
+        expect = {
+            "embed_tokens": (self.embed.shape, (cfg.vocab_size, cfg.hidden_size)),
+            "lm_head": (self.lm_head.shape, (cfg.vocab_size, cfg.hidden_size)),
+            "qkv_proj": (self.layers[0].qkv_weight.shape, (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)),
+            "gate_up_proj": (self.layers[0].gate_up_weight.shape, (2 * cfg.intermediate_size, cfg.hidden_size)),
+        }
+        for name, (got, want) in expect.items():
+            if tuple(got) != want:
+                raise ModelLoadError(f"tensor {name} has shape {tuple(got)}, the config implies {want}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype."""
+        cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
+        hidden = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = F.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.reshape(num_tokens, cfg.num_heads, head_dim)
+            k = k.reshape(num_tokens, cfg.num_kv_heads, head_dim)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, head_dim)
+            if layer.q_norm is not None:
+                # Per-head norm: each (token, head) row of width head_dim is normalised alone.
+                q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps).view(num_tokens, -1, head_dim)
+                k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps).view(num_tokens, -1, head_dim)
+            q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
+            hidden = F.linear(attn.reshape(num_tokens, q_size), layer.o_weight)
+            hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
+            hidden = F.linear(ops.silu_and_mul(F.linear(hidden, layer.gate_up_weight)), layer.down_weight)
+        # Only the rows that need logits go through the final norm and the (large) LM head.
+        if logits_indices.shape[0] != num_tokens:
+            hidden = hidden.index_select(0, logits_indices)
+            residual = residual.index_select(0, logits_indices)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
+        return F.linear(hidden, self.lm_head)
+
+
+def _cos_sin_cache(config: ModelConfig) -> torch.Tensor:
+    if config.rope_freq_factors is None:
+        return build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
+                                   config.rope_theta, config.rope_scaling)
+    # llama.cpp stores Llama-3 scaling as per-frequency divisors instead of config numbers.
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

@@ -1,0 +1,138 @@
+"""Owns the model and its paged KV cache; runs one forward step over a ForwardBatch.
+
+Plain synchronous class: the worker actor calls `execute` from its compute thread. It knows
+nothing of requests or sampling; it turns sequences into logits and records how long that took.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from actors.worker.model_config import ModelConfig
+from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
+from actors.worker.gguf_weights import GGUFWeights
+from actors.worker.hf_weights import HFWeights, read_hf_config
+from actors.worker.model import AttentionMetadata, DecoderModel
+from actors.worker.model_source import ModelSource, resolve_model_source
+from kernels import get_ops
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30   # bytes, when neither num_blocks nor kv_cache_memory is given
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+
+
+def open_model(source: ModelSource):
+    """(ModelConfig, weights) for a resolved source; weights.get(hf_name, dtype) -> tensor."""
+    if source.kind == "gguf":
+        weights = GGUFWeights(source.path)
+        return weights.config, weights
+    return read_hf_config(source.path), HFWeights(source.path)
+
+
+class ModelRunner:
+    def __init__(self, model: str | None = None, dtype: str | torch.dtype = "float32", kernels: str = "auto",
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 device: str | torch.device = "cpu", num_threads: int | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        if self.device.type == "cpu":
+            # Every core for the matmuls; the event loop thread mostly waits on this one.
+            torch.set_num_threads(num_threads or _usable_cores())
+        self.source = resolve_model_source(model)
+        self.ops = get_ops(kernels, self.device)
+        self.block_size = block_size
+        config, weights = open_model(self.source)
+        self.model_config: ModelConfig = config
+        self.model = DecoderModel(config, self.ops, self.dtype, self.device)
+        try:
+            self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}")
+        finally:
+            weights.close()
+
+        self.kv_bytes_per_block = config.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        if num_blocks is None:
+            budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else int(kv_cache_memory)
+            num_blocks = budget // self.kv_bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds no block "
+                                 f"(one block takes {self.kv_bytes_per_block} bytes)")
+        elif num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = int(num_blocks)
+        # One allocation, one contiguous [num_blocks, block_size, Hk, D] view per layer for K and for V.
+        # Zeroed, not empty: attention masks unused slots, and 0 * garbage NaN would still be NaN.
+        self._kv = torch.zeros(config.num_layers, 2, self.num_blocks, block_size, config.num_kv_heads,
+                               config.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(config.num_layers)]
+        self._tokenizer = None
+        self.last_prepare_s = 0.0     # flattening the batch (host work)
+        self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    @property
+    def tokenizer(self):
+        """The model's Tokenizer (actors.tokenizer), loaded on first use: the forward never needs it."""
+        if self._tokenizer is None:
+            from actors.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.source)
+        return self._tokenizer
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs one step; returns float32 logits [batch.num_logits, vocab], sequences in batch order."""
+        t0 = time.perf_counter()
+        flat = flatten(batch, self.block_size, self.num_blocks)
+        if flat.max_seq_len > self.max_model_len:
+            raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
+                             f"context length {self.max_model_len}")
+        t1 = time.perf_counter()
+        logits = self.forward(flat)
+        t2 = time.perf_counter()
+        self.last_prepare_s, self.last_forward_s = t1 - t0, t2 - t1
+        return logits
+
+    def forward(self, flat: FlatBatch) -> torch.Tensor:
+        if flat.input_ids.shape[0] == 0:
+            return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=flat.slot_mapping.to(dev, non_blocking=True),
+            block_tables=flat.block_tables.to(dev, non_blocking=True),
+            seq_lens=flat.seq_lens.to(dev, non_blocking=True),
+            query_start_loc=flat.query_start_loc.to(dev, non_blocking=True),
+            max_query_len=flat.max_query_len,
+            max_seq_len=flat.max_seq_len,
+        )
+        with torch.inference_mode():
+            logits = self.model.forward(flat.input_ids.to(dev, non_blocking=True),
+                                        flat.positions.to(dev, non_blocking=True), meta, self.kv_caches,
+                                        flat.logits_indices.to(dev, non_blocking=True))
+            return logits.float()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,167 @@
+"""Greedy tokens from ModelRunner equal transformers' generate for tiny Llama, Qwen2 and Qwen3 models.
+
+The runner is driven by a small greedy loop here (no scheduler): whole-prompt prefill, chunked
+prefill mixed with decodes and staggered arrivals, prefixes shared through the same physical
+blocks, and multi-position logits as speculative verification uses them.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker.model_runner import ModelRunner
+from tests.actors.conftest import TINY_ARCHS, TINY_VOCAB
+
+BLOCK_SIZE = 8
+NUM_NEW = 10
+PROMPT_LENS = (1, 3, 8, 17, 40, 123)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 1
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_new, min_new_tokens=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+class Blocks:
+    """A shuffled free list, so block tables are scattered over the pool as in real serving."""
+
+    def __init__(self, num_blocks: int, seed: int = 1) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        while len(table) * BLOCK_SIZE < num_tokens:
+            table.append(self.free.pop())
+
+
+class Seq:
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.num_computed = 0
+        self.table: list[int] = []
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+
+def run_greedy(runner: ModelRunner, seqs: list[Seq], blocks: Blocks, num_new: int, chunk: int | None = None,
+               arrivals: list[int] | None = None) -> None:
+    """Steps until every sequence has num_new outputs; `chunk` caps new tokens per sequence per step,
+    `arrivals[i]` is the step at which sequence i joins the batch."""
+    arrivals = arrivals or [0] * len(seqs)
+    step = 0
+    while any(len(s.output) < num_new for s in seqs):
+        active = [s for s, a in zip(seqs, arrivals) if a <= step and len(s.output) < num_new]
+        items = []
+        for s in active:
+            todo = s.tokens[s.num_computed:]
+            if chunk is not None:
+                todo = todo[:chunk]
+            blocks.grow(s.table, s.num_computed + len(todo))
+            items.append(SequenceInput(todo, s.num_computed, list(s.table)))
+        if items:
+            logits = runner.execute(ForwardBatch(items))
+            assert logits.shape == (len(items), runner.model_config.vocab_size)
+            assert logits.dtype == torch.float32
+            for s, item, row in zip(active, items, logits):
+                s.num_computed += len(item.token_ids)
+                if s.num_computed == len(s.tokens):  # the prompt (or last token) is done: sample
+                    s.tokens.append(int(row.argmax()))
+        step += 1
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = hf_greedy(tiny_model_dir(arch), _prompts(), NUM_NEW)
+        return cache[arch]
+
+    return get
+
+
+def _runner(folder: str, num_blocks: int = 96) -> ModelRunner:
+    return ModelRunner(folder, dtype="float32", kernels="torch", block_size=BLOCK_SIZE, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_batched_prefill_then_decode_matches_hf(arch, tiny_model_dir, reference):
+    runner = _runner(tiny_model_dir(arch))
+    seqs = [Seq(p) for p in _prompts()]
+    run_greedy(runner, seqs, Blocks(runner.num_blocks), NUM_NEW)
+    assert [s.output for s in seqs] == reference(arch)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_chunked_prefill_mixed_with_decode_matches_hf(arch, tiny_model_dir, reference):
+    runner = _runner(tiny_model_dir(arch))
+    seqs = [Seq(p) for p in _prompts()]
+    # 7-token chunks and staggered arrivals: steps mix decodes with prefill chunks over cached blocks.
+    run_greedy(runner, seqs, Blocks(runner.num_blocks), NUM_NEW, chunk=7, arrivals=[0, 5, 1, 0, 3, 2])
+    assert [s.output for s in seqs] == reference(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_shared_prefix_blocks_match_hf(arch, tiny_model_dir):
+    """A second request maps the first one's full prompt blocks and prefills only its own tail."""
+    folder = tiny_model_dir(arch)
+    rng = random.Random(7)
+    prefix = [rng.randrange(4, TINY_VOCAB) for _ in range(3 * BLOCK_SIZE)]
+    prompts = [prefix + [rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (5, 1, 12)]
+    expected = hf_greedy(folder, prompts, NUM_NEW)
+
+    runner = _runner(folder)
+    blocks = Blocks(runner.num_blocks)
+    first = Seq(prompts[0])
+    run_greedy(runner, [first], blocks, NUM_NEW)
+    others = [Seq(p) for p in prompts[1:]]
+    for s in others:  # the prefix's three full blocks hold exactly its KV: reuse them, skip their prefill
+        s.table = first.table[:3]
+        s.num_computed = len(prefix)
+    run_greedy(runner, others, blocks, NUM_NEW, chunk=5)
+    assert [first.output] + [s.output for s in others] == expected
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_multi_position_logits_verify_a_draft(arch, tiny_model_dir, reference):
+    """num_logits = k+1 returns the logits of the last k+1 positions (speculative verification)."""
+    runner = _runner(tiny_model_dir(arch))
+    blocks = Blocks(runner.num_blocks)
+    prompts, expected = _prompts(), reference(arch)
+    k = 4
+    tables: list[list[int]] = [[] for _ in prompts]
+    for p, table in zip(prompts, tables):
+        blocks.grow(table, len(p) + k)
+    runner.execute(ForwardBatch([SequenceInput(p[:-1], 0, t) for p, t in zip(prompts, tables) if len(p) > 1]))
+    # Verify step: the last prompt token plus a k-token "draft" equal to the reference continuation.
+    verify = []
+    for p, exp, t in zip(prompts, expected, tables):
+        start = len(p) - 1
+        verify.append(SequenceInput([p[-1]] + exp[:k], start, t, num_logits=k + 1))
+    logits = runner.execute(ForwardBatch(verify))
+    assert logits.shape == (len(prompts) * (k + 1), runner.model_config.vocab_size)
+    rows = logits.argmax(-1).view(len(prompts), k + 1).tolist()
+    assert rows == [exp[:k + 1] for exp in expected]
