@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime import ActorRef
+from runtime import ActorRef, register_messages
 
 # --- gateway / offline front end <-> scheduler ---------------------------------------------------
 
@@ -68,6 +68,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
 
 class AbortRequest(msgspec.Struct, tag=True):
     request_id: str
+    index: int | None = None          # one of the n samples (its stop string matched); None: all of them
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -109,8 +110,8 @@ class EngineStats(msgspec.Struct, tag=True):
     steps: int = 0
     forward_s: float = 0.0            # cumulative time inside the worker's forward + sampling
     step_s: float = 0.0               # cumulative wall time from planning a step to handling its result
-    kv_slots_allocated: int = 0       # at the last step: slots in blocks held by running sequences
-    kv_slots_used: int = 0            # at the last step: of those, slots holding a token
+    kv_slots_allocated: int = 0       # slots in blocks held by running sequences, summed over steps
+    kv_slots_used: int = 0            # of those, slots holding a token, summed over steps
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -131,7 +132,6 @@ class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
     start_pos: int                    # position of token_ids[0] = tokens already in the KV cache
     block_table: list[int]
     sample: bool                      # the chunk reaches the end of the known tokens: sample the next one
-    output_token_ids: list[int] = []  # tokens generated so far (penalties; the worker may also track them)
     spec_token_ids: list[int] = []    # drafted tokens to verify after token_ids (speculative decoding)
 
 
@@ -151,7 +151,20 @@ class SeqOutput(msgspec.Struct, array_like=True, gc=False):
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     step_id: int
     outputs: list[SeqOutput]          # one per scheduled sequence that sampled, in plan order
-    forward_s: float = 0.0
+    forward_s: float = 0.0            # the model forward alone
+    compute_s: float = 0.0            # everything the worker thread did: inputs, forward, sampling
+
+
+class GetWorkerInfo(msgspec.Struct, tag=True):
+    pass
+
+
+class WorkerInfo(msgspec.Struct, tag=True):
+    num_blocks: int                   # the KV pool the worker allocated
+    block_size: int
+    max_model_len: int                # the model's own context length
+    vocab_size: int
+    eos_token_ids: list[int]
 
 
 # --- scheduler <-> KV manager ---------------------------------------------------------------------
@@ -237,6 +250,9 @@ class KVEvents(msgspec.Struct, tag=True):
 
 ENGINE_MESSAGES = (
     SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
-    StepPlan, StepResult,
+    StepPlan, StepResult, GetWorkerInfo, WorkerInfo,
     KVStep, KVStepResult, KVFree, GetKVStats, KVStats, DrainKVEvents, KVEvents,
 )
+
+# What crosses processes between a gateway and an engine; the rest stays inside one engine process.
+register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats)

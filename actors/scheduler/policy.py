@@ -36,8 +36,8 @@ class Counters:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     steps: int = 0
-    kv_slots_allocated: int = 0     # over the running sequences, as of the last plan
-    kv_slots_used: int = 0
+    kv_slots_allocated: int = 0     # slots in the running sequences' blocks, summed over steps
+    kv_slots_used: int = 0          # of those, slots holding a token (KV waste = 1 - used / allocated)
 
 
 @dataclass
@@ -86,13 +86,23 @@ class SchedulingPolicy:
         self.counters.prompt_tokens += len(req.prompt_token_ids)
         bisect.insort(self.waiting, leader, key=_key)
 
-    def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """End a request (or one of its samples) now; its blocks go back at once."""
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        ids = {s.seq_id for s in req.seqs}
-        self._forks = [(f, c) for f, c in self._forks if f.parent_seq_id not in ids]
-        for seq in req.seqs:
+        if index is not None and index > 0 and len(req.seqs) < req.params.n:
+            return False  # that sample has not started yet (it forks from sample 0 after the prompt)
+        if index is None or (index == 0 and len(req.seqs) < req.params.n):
+            self.requests.pop(request_id)  # whole request: no sample will be spawned any more
+            targets = req.seqs
+        else:
+            targets = [s for s in req.seqs if s.index == index]
+        ids = {s.seq_id for s in targets}
+        # A pending fork of an aborted child is dropped; one from an aborted parent still happens
+        # (the parent's free waits for it), so its live children keep their shared blocks.
+        self._forks = [(f, c) for f, c in self._forks if f.child_seq_id not in ids]
+        for seq in targets:
             if seq.status is not SeqStatus.FINISHED:
                 self._retire(seq)
                 self._emit(seq, [], None, "abort")
@@ -165,13 +175,13 @@ class SchedulingPolicy:
                 seq.known_to_worker = True
                 new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed))
             seqs.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table),
-                                     end == seq.num_tokens, _outputs_if_penalized(seq)))
+                                     end == seq.num_tokens))
             seq.num_computed = end
         self._step = _Step()
         self._step_id += 1
         self.counters.steps += 1
-        self.counters.kv_slots_allocated = sum(len(s.block_table) for s in self.running) * self.cfg.block_size
-        self.counters.kv_slots_used = sum(s.num_computed for s in self.running)
+        self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size
+        self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
         return StepPlan(self._step_id, seqs, new, released)
 
@@ -279,9 +289,3 @@ class SchedulingPolicy:
 def _key(seq: Sequence) -> tuple[int, int, int]:
     return seq.sort_key
 
-
-def _outputs_if_penalized(seq: Sequence) -> list[int]:
-    p = seq.request.params
-    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-        return seq.output_token_ids
-    return []

@@ -284,3 +284,18 @@ def test_max_num_seqs_caps_the_batch():
     for i in range(7):
         assert h.outputs[(f"r{i}", 0)] == reference([i + 1] * 5, 6)
     h.assert_all_free()
+
+
+def test_abort_one_sample_keeps_the_others():
+    h = Harness(block_size=4, budget=256)
+    prompt = list(range(10, 30))
+    h.submit("multi", prompt, n=3, seed=5, max_tokens=12)
+    h.step()  # prompt computed, sample 0 drew its first token; samples 1 and 2 are forked
+    h.policy.abort("multi", 0)  # the parent goes before its forks are applied
+    h.step()
+    h.policy.abort("multi", 2)
+    h._collect()
+    h.run()
+    assert h.finish[("multi", 0)] == "abort" and h.finish[("multi", 2)] == "abort"
+    assert h.outputs[("multi", 1)] == reference(prompt, 12, 6)
+    h.assert_all_free()

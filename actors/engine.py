@@ -1,0 +1,87 @@
+"""Starts and stops one engine: the model worker, the KV manager and the scheduler as three actors.
+
+`start_engine` returns an `Engine` handle; front ends (the gateway, the offline LLM) talk only to
+`engine.scheduler` with SubmitRequest / AbortRequest / GetStats and receive TokenDeltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from actors.config import EngineConfig
+from actors.kv.kv_actor import KVManagerActor
+from actors.kv.structs import KVCacheConfig
+from actors.messages import GetWorkerInfo, WorkerInfo
+from actors.scheduler.policy import PolicyConfig
+from actors.scheduler.scheduler_actor import SchedulerActor
+from actors.tokenizer import Tokenizer, load_tokenizer
+from actors.worker.model_config import ModelConfig
+from actors.worker.model_runner import ModelRunner
+from actors.worker.worker_actor import WorkerActor
+from runtime import ActorRef, ActorSystem
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    system: ActorSystem
+    scheduler: ActorRef
+    kv: ActorRef
+    worker: ActorRef
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    owns_system: bool = False
+
+    async def stop(self) -> None:
+        """Scheduler first (no new steps), then the worker and the KV manager."""
+        for ref in (self.scheduler, self.worker, self.kv):
+            if ref.is_alive:
+                await self.system.stop(ref)
+        if self.owns_system:
+            await self.system.shutdown()
+
+
+async def start_engine(config: EngineConfig | None = None, system: ActorSystem | None = None, *,
+                       name: str = "engine", **overrides: Any) -> Engine:
+    """Loads the model and spawns the engine's actors in `system` (a new one when None).
+
+    Actor names are `{name}-worker`, `{name}-kv` and `{name}-scheduler`.
+    """
+    config = config or EngineConfig(**overrides)
+    owns = system is None
+    if system is None:
+        system = ActorSystem(name)
+    await system.start()
+    tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.tokenizer or config.model))
+    try:
+        worker_actor = WorkerActor(lambda: _make_runner(config), seed=config.seed)
+        worker = await system.spawn(worker_actor, name=f"{name}-worker")
+        info: WorkerInfo = await worker.ask(GetWorkerInfo())
+        max_model_len = config.context_len(info.max_model_len, info.num_blocks)
+        kv = await system.spawn(KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size,
+                                                             config.enable_prefix_caching)), name=f"{name}-kv")
+        tokenizer = await tokenizer_task
+        eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+        policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
+                              max_model_len, eos)
+        scheduler = await system.spawn(SchedulerActor(policy, kv, worker, config.step_timeout_s),
+                                       name=f"{name}-scheduler")
+    except BaseException:
+        tokenizer_task.cancel()
+        if owns:
+            await system.shutdown()
+        raise
+    return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
+                  info.num_blocks, max_model_len, eos, owns)
+
+
+def _make_runner(config: EngineConfig) -> ModelRunner:
+    return ModelRunner(config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
+                       block_size=config.block_size, num_blocks=config.num_blocks,
+                       kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
+                       num_threads=config.num_threads)

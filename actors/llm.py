@@ -1,0 +1,205 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM.
+
+It runs a real engine (scheduler, KV manager, worker actors) on an event loop in a background
+thread and is itself one more actor there, receiving TokenDeltas; it never calls the model directly.
+Stop strings are matched here, after incremental detokenization, and end their sample by abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.config import EngineConfig
+from actors.detokenizer import SampleText
+from actors.engine import Engine, start_engine
+from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from runtime import Actor
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None                       # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None            # the stop string or stop token that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: the sampled token's and the top-k logprobs
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class _Pending:
+    """One request being collected; resolves `done` when every sample has finished."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    done: asyncio.Future
+    texts: list[SampleText | None]
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    stop_reason: list[str | int | None] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class _Collector(Actor):
+    """Receives the engine's TokenDeltas for the LLM's requests."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.pending: dict[str, _Pending] = {}
+
+    async def receive(self, msg: Any) -> Any:
+        if not isinstance(msg, TokenDeltas):
+            return await super().receive(msg)
+        for d in msg.deltas:
+            p = self.pending.get(d.request_id)
+            if p is None or p.finish[d.index] is not None:
+                continue  # a sample already ended by its stop string
+            p.num_cached_tokens = d.num_cached_tokens
+            p.tokens[d.index].extend(d.token_ids)
+            if d.logprobs is not None:
+                p.logprobs[d.index].extend({lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.logprobs)
+            text = p.texts[d.index]
+            if text is not None and d.token_ids:
+                text.push(d.token_ids)
+                if text.stopped:  # vLLM keeps the tokens up to the one that completed the stop string
+                    p.finish[d.index], p.stop_reason[d.index] = "stop", text.stop.matched
+                    self.engine.scheduler.tell(AbortRequest(d.request_id, d.index))
+            if p.finish[d.index] is None and d.finish_reason is not None:
+                p.finish[d.index] = d.finish_reason
+                if d.finish_reason == "stop" and d.token_ids and d.token_ids[-1] in p.params.stop_token_ids:
+                    p.stop_reason[d.index] = d.token_ids[-1]
+            if all(f is not None for f in p.finish):
+                del self.pending[d.request_id]
+                p.done.set_result(p)
+        return None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_config: Any):
+        self.config = EngineConfig(model=model, **engine_config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="matinee-llm", daemon=True)
+        self._thread.start()
+        self._ids = itertools.count()
+        try:
+            self.engine: Engine = self._call(start_engine(self.config, name="llm"))
+            self._collector = _Collector(self.engine)
+            self._collector_ref = self._call(self.engine.system.spawn(self._collector, name="llm-front"))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts: a string, a list of token ids, or a list
+        of either (or dicts with "prompt" / "prompt_token_ids")."""
+        items = [self._tokenize(p) for p in _as_prompt_list(prompts)]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        return self._call(self._generate(items, params))
+
+    def stats(self) -> EngineStats:
+        return self._call(self.engine.scheduler.ask(GetStats()))
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.engine.stop())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # --- on the engine's loop --------------------------------------------------------------------
+
+    async def _generate(self, items: list[tuple[str | None, list[int]]],
+                        params: list[SamplingParams]) -> list[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        ids, futures = [], []
+        for (text, token_ids), sp in zip(items, params):
+            rid = f"llm-{next(self._ids)}"
+            n = sp.n
+            texts = [SampleText(self.tokenizer, token_ids, sp.stop) if sp.stop else None for _ in range(n)]
+            pending = _Pending(text, token_ids, sp, loop.create_future(), texts, [[] for _ in range(n)],
+                               [[] if sp.logprobs is not None else None for _ in range(n)],
+                               [None] * n, [None] * n)
+            self._collector.pending[rid] = pending
+            ids.append(rid)
+            futures.append(pending.done)
+            self.engine.scheduler.tell(SubmitRequest(rid, token_ids, sp, self._collector_ref))
+        return [self._output(rid, await fut) for rid, fut in zip(ids, futures)]
+
+    def _output(self, rid: str, p: _Pending) -> RequestOutput:
+        outputs = []
+        for i in range(len(p.finish)):
+            sample_text = p.texts[i]
+            if sample_text is None:
+                text = self.tokenizer.decode(p.tokens[i])
+            else:
+                sample_text.finish()
+                text = sample_text.text
+            lps = p.logprobs[i]
+            cumulative = None
+            if lps is not None:
+                cumulative = sum(step[tok] for step, tok in zip(lps, p.tokens[i]))
+            outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative))
+        return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,117 @@
+"""The scheduler actor: admits requests, runs one step at a time, streams TokenDeltas back.
+
+A step is: schedule (one KV transaction), run (the worker's forward, awaited in a task this actor
+owns, so Submit and Abort keep arriving meanwhile), update, emit. It never polls: with no work
+it simply waits for the next message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, KVFree, StepPlan, StepResult,
+                             SubmitRequest, TokenDeltas)
+from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
+from runtime import Actor, ActorRef
+
+
+@dataclass
+class _StepDone:
+    """Posted to itself when the worker answers; never leaves this actor."""
+
+    result: StepResult | None
+    error: BaseException | None
+    started: float
+
+
+class SchedulerActor(Actor):
+    def __init__(self, cfg: PolicyConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0):
+        self.policy = SchedulingPolicy(cfg)
+        self.kv = kv
+        self.worker = worker
+        self.step_timeout_s = step_timeout_s
+        self._inflight: asyncio.Task | None = None
+        self.forward_s = self.compute_s = self.step_s = 0.0
+
+    async def on_stop(self) -> None:
+        if self._inflight is not None:
+            self._inflight.cancel()
+
+    async def receive(self, msg: Any) -> Any:
+        match msg:
+            case SubmitRequest():
+                try:
+                    self.policy.add(msg)
+                except ValueError as e:
+                    self.context.log.warning("request refused", request_id=msg.request_id, error=str(e))
+                self._emit()
+                await self._maybe_step()
+            case AbortRequest(request_id=request_id, index=index):
+                self.policy.abort(request_id, index)
+                self._emit()
+            case _StepDone():
+                await self._on_step_done(msg)
+            case GetStats():
+                return await self._stats()
+            case _:
+                return await super().receive(msg)
+        return None
+
+    async def _maybe_step(self) -> None:
+        """Schedule and launch the next step, unless one is running or there is nothing to do."""
+        if self._inflight is not None or not self.policy.has_work():
+            return
+        started = time.perf_counter()
+        kv_step = self.policy.schedule()
+        while kv_step is not None:
+            kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
+        plan = self.policy.plan()
+        if not plan.seqs:
+            self.context.log.error("nothing fits in the KV pool; failing the queued requests")
+            self.policy.fail_all()
+            self._emit()
+            return
+        self._inflight = asyncio.create_task(self._run(plan, started))
+
+    async def _run(self, plan: StepPlan, started: float) -> None:
+        try:
+            result, error = await self.worker.ask(plan, timeout=self.step_timeout_s), None
+        except Exception as e:  # the worker failed the step: its requests end, the engine goes on
+            result, error = None, e
+        self.context.self_ref.tell(_StepDone(result, error, started))
+
+    async def _on_step_done(self, done: _StepDone) -> None:
+        self._inflight = None
+        if done.error is not None:
+            self.context.log.error("step failed", error=repr(done.error))
+            self.policy.fail_all()
+        else:
+            self.policy.update(done.result)
+            self.forward_s += done.result.forward_s
+            self.compute_s += done.result.compute_s
+        self.step_s += time.perf_counter() - done.started
+        self._emit()
+        await self._maybe_step()
+
+    def _emit(self) -> None:
+        """Blocks of finished sequences go back at once; deltas go out, one message per front end."""
+        frees = self.policy.take_frees()
+        if frees:
+            self.kv.tell(KVFree(frees))
+        for reply_to, deltas in self.policy.take_deltas().items():
+            reply_to.tell(TokenDeltas(deltas))
+
+    async def _stats(self) -> EngineStats:
+        kv = await self.kv.ask(GetKVStats())
+        p, c = self.policy, self.policy.counters
+        running = {s.request.request_id for s in p.running}
+        return EngineStats(
+            requests_running=len(running), requests_waiting=len(p.requests) - len(running),
+            kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
+            prefix_cache_queried_tokens=c.prefix_queried_tokens, prefix_cache_hit_tokens=c.prefix_hit_tokens,
+            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, preemptions=c.preemptions,
+            steps=c.steps, forward_s=self.forward_s, step_s=self.step_s,
+            kv_slots_allocated=c.kv_slots_allocated, kv_slots_used=c.kv_slots_used)
