@@ -1,0 +1,100 @@
+"""The aiohttp application factory: routes, middlewares (errors, API key), startup and shutdown.
+
+The actor system and the engine start in a cleanup_ctx; the engine loads in a background task
+so /health answers at once and /ready turns 200 when the engine can serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from aiohttp import web
+
+from gateway.app_keys import STATE
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, internal
+from gateway.routes import ROUTES, UNPROTECTED
+from gateway.state import EngineLauncher, GatewayState
+from runtime import ActorSystem, get_logger
+
+log = get_logger(component="gateway")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:   # no route, wrong method, body over client_max_size
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return APIError(e.status, e.reason, param=None, code=code,
+                        headers={k: v for k, v in e.headers.items() if k == "Allow"}).response()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise   # the client is gone: nothing to answer
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return internal().response()
+
+
+def auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler):
+        if request.path not in UNPROTECTED:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return APIError(401, "Incorrect or missing API key.", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"}).response()
+        return await handler(request)
+
+    return check_key
+
+
+def create_app(config: GatewayConfig, launcher: EngineLauncher,
+               system: ActorSystem | None = None) -> web.Application:
+    """`launcher(system)` starts or reaches an engine; `system` defaults to a new one."""
+    middlewares = [errors_middleware]
+    if config.api_key:
+        middlewares.append(auth_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app[STATE] = GatewayState(config=config, launcher=launcher, system=system)
+    app.add_routes(ROUTES)
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_drain)
+    return app
+
+
+async def _lifecycle(app: web.Application):
+    state = app[STATE]
+    own_system = state.system is None
+    if own_system:
+        state.system = ActorSystem(name="gateway")
+        await state.system.start()
+    task = asyncio.create_task(_connect(state), name="engine-connect")
+    yield
+    state.draining = True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    if state.engine is not None and state.engine.close is not None:
+        await state.engine.close()
+    if own_system:
+        await state.system.shutdown()
+
+
+async def _connect(state: GatewayState) -> None:
+    try:
+        await state.connect()
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:   # keep serving /health and /ready (503, with the reason)
+        state.startup_error = f"{type(e).__name__}: {e}"
+        log.error("engine failed to start", error=state.startup_error)
+        state.ready_event.set()
+
+
+async def _drain(app: web.Application) -> None:
+    app[STATE].draining = True

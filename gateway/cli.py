@@ -1,0 +1,143 @@
+"""`matinee`, the console script: `matinee serve` runs the OpenAI-compatible server.
+
+With no arguments it serves the default model (SmolLM2) at 127.0.0.1:8000 with every actor in
+one process (`--role all`), and prints the URL and a curl line once the engine is ready.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+
+from gateway.config import ROLES, GatewayConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512MB', '2g' -> bytes (binary units, as memory budgets are)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 536870912)")
+    unit = (m.group(2) or "b").lower()[0]
+    return int(float(m.group(1)) * {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="matinee", description="An LLM inference server on actors.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", default=None, help="the `model` name clients use")
+    s.add_argument("--role", choices=ROLES, default="all",
+                   help="which part of the system this process runs (only `all` for now)")
+    http = s.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    http.add_argument("--max-waiting", type=int, default=256,
+                      help="requests waiting for their first token before new ones get 429")
+    http.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20)
+    http.add_argument("--ping-interval", type=float, default=15.0,
+                      help="seconds of silence before a stream gets a `: ping` comment")
+    eng = s.add_argument_group("engine")
+    eng.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    eng.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    eng.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
+                     help="bytes for the KV cache (e.g. 2GiB)")
+    eng.add_argument("--num-blocks", type=int, default=None, help="KV pool size exactly")
+    eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--log-level", default="INFO")
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+                num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def curl_line(config: GatewayConfig, model: str) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
+    return (f"curl http://{host}:{config.port}/v1/chat/completions "
+            f"-H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from actors.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.app_keys import STATE
+    from gateway.embedded import embedded_launcher
+    from runtime import configure_logging
+
+    if args.role != "all":
+        print(f"matinee serve: --role {args.role} is not available yet; use --role all",
+              file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    try:
+        config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
+                               served_model_name=args.served_model_name,
+                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                               ping_interval_s=args.ping_interval, role=args.role)
+        engine_config = EngineConfig(**engine_kwargs(args))
+    except ValueError as e:
+        print(f"matinee serve: {e}", file=sys.stderr)
+        return 2
+    app = create_app(config, embedded_launcher(engine_config))
+
+    async def announce(app: web.Application):
+        state = app[STATE]
+
+        async def when_ready() -> None:
+            await state.ready_event.wait()
+            if state.startup_error:
+                print(f"matinee: the engine failed to start: {state.startup_error}",
+                      file=sys.stderr, flush=True)
+                return
+            host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+            print(f"\nMatinee is serving {state.model_name} at http://{host}:{config.port}/v1\n"
+                  f"Try it:\n  {curl_line(config, state.model_name)}\n", flush=True)
+
+        task = asyncio.create_task(when_ready())
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    app.cleanup_ctx.append(announce)
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    print(f"matinee: loading the model; listening on http://{config.host}:{config.port} "
+          f"(/ready turns 200 when the engine is up)", flush=True)
+    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,
+                shutdown_timeout=30.0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

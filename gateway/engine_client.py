@@ -1,0 +1,81 @@
+"""The gateway's side of the engine protocol: submit, abort, stats, and token routing.
+
+A receiver actor's ref goes in SubmitRequest.reply_to; it routes each TokenDelta to the asyncio
+queue of its request. Only actor messages cross to the engine, so it may live in another process.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from actors.messages import (AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest,
+                             TokenDeltas)
+from runtime import Actor, ActorRef, ActorSystem, Terminated
+
+
+class EngineLost(Exception):
+    """Put on every open stream when the engine dies."""
+
+
+class DeltaReceiver(Actor):
+    """Routes TokenDeltas to per-request queues; fails open streams when the engine dies."""
+
+    def __init__(self, queues: dict[str, asyncio.Queue], scheduler: ActorRef) -> None:
+        self._queues = queues
+        self._scheduler = scheduler
+
+    async def on_start(self) -> None:
+        self.context.watch(self._scheduler)
+
+    async def receive(self, msg) -> None:
+        match msg:
+            case TokenDeltas(deltas=deltas):
+                queues = self._queues
+                for d in deltas:
+                    q = queues.get(d.request_id)
+                    if q is not None:
+                        q.put_nowait(d)
+            case Terminated():
+                lost = EngineLost("the engine stopped while the request was running")
+                for q in set(self._queues.values()):
+                    q.put_nowait(lost)
+
+
+class EngineClient:
+    """Submits requests to one scheduler and hands back a queue of TokenDeltas per request."""
+
+    def __init__(self, scheduler: ActorRef, receiver: ActorRef,
+                 queues: dict[str, asyncio.Queue]) -> None:
+        self.scheduler = scheduler
+        self._receiver = receiver
+        self._queues = queues
+
+    @classmethod
+    async def start(cls, system: ActorSystem, scheduler: ActorRef,
+                    name: str = "gateway-receiver") -> EngineClient:
+        queues: dict[str, asyncio.Queue] = {}
+        receiver = await system.spawn(DeltaReceiver(queues, scheduler), name=name)
+        return cls(scheduler, receiver, queues)
+
+    @property
+    def alive(self) -> bool:
+        return self.scheduler.is_alive
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue, priority: int = 0) -> None:
+        """Deltas for `request_id` go to `queue` until `release(request_id)`."""
+        self._queues[request_id] = queue
+        self.scheduler.tell(SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                          params=params, reply_to=self._receiver, priority=priority))
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.tell(AbortRequest(request_id=request_id))
+
+    def release(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._queues)
+
+    async def stats(self, timeout: float = 2.0) -> EngineStats:
+        return await self.scheduler.ask(GetStats(), timeout=timeout)

@@ -1,0 +1,102 @@
+"""Chat and completion output shapes over one Generation: stream chunks and the whole response.
+
+One class per endpoint, so the streaming loop and the collecting loop are written once.
+"""
+from __future__ import annotations
+
+from gateway.generation import ChoiceDelta
+from gateway.responses import (Envelope, TokenStrings, chat_choice, chat_delta, chat_logprobs,
+                               completion_choice, completion_logprobs, merge_completion_logprobs)
+
+
+class _Collected:
+    __slots__ = ("texts", "finish", "logprobs")
+
+    def __init__(self, num_choices: int) -> None:
+        self.texts = [""] * num_choices
+        self.finish: list[str | None] = [None] * num_choices
+        self.logprobs: list[list] = [[] for _ in range(num_choices)]
+
+
+class ChatFormat:
+    def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
+                 top_logprobs: int | None) -> None:
+        self.env, self.strings, self.top = env, strings, top_logprobs
+        self.num_choices = num_choices
+        self.acc = _Collected(num_choices)
+
+    def first_events(self) -> list[dict]:
+        return [self.env.chat_chunk([chat_delta(i, {"role": "assistant", "content": ""}, None, None)
+                                     for i in range(self.num_choices)])]
+
+    def chunk(self, cd: ChoiceDelta) -> dict | None:
+        lp = chat_logprobs(cd.logprobs, self.strings, self.top) if self.top is not None else None
+        if not cd.text and cd.finish_reason is None and not lp:
+            return None
+        delta = {"content": cd.text} if cd.text else {}
+        return self.env.chat_chunk([chat_delta(cd.index, delta, cd.finish_reason, lp)])
+
+    def usage_event(self, usage: dict) -> dict:
+        return self.env.chat_chunk([], usage)
+
+    def add(self, cd: ChoiceDelta) -> None:
+        a = self.acc
+        a.texts[cd.index] += cd.text
+        a.finish[cd.index] = cd.finish_reason or a.finish[cd.index]
+        if cd.logprobs and self.top is not None:
+            a.logprobs[cd.index].extend(chat_logprobs(cd.logprobs, self.strings, self.top)["content"])
+
+    def whole(self, usage: dict) -> dict:
+        a = self.acc
+        return self.env.chat([
+            chat_choice(i, a.texts[i], a.finish[i],
+                        {"content": a.logprobs[i]} if self.top is not None else None)
+            for i in range(self.num_choices)], usage)
+
+
+class CompletionFormat:
+    def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
+                 logprobs: int | None) -> None:
+        self.env, self.strings, self.logprobs = env, strings, logprobs
+        self.num_choices = num_choices
+        self.acc = _Collected(num_choices)
+        self._offsets = [0] * num_choices
+
+    def first_events(self) -> list[dict]:
+        return []
+
+    def _lp(self, cd: ChoiceDelta) -> dict | None:
+        if self.logprobs is None or cd.logprobs is None:
+            return None
+        lp = completion_logprobs(cd.logprobs, self.strings, self._offsets[cd.index])
+        for tops in lp["top_logprobs"]:   # the engine returns k tops; trim to what was asked
+            while len(tops) > self.logprobs:
+                tops.popitem()
+        return lp
+
+    def chunk(self, cd: ChoiceDelta) -> dict | None:
+        lp = self._lp(cd)
+        self._offsets[cd.index] += len(cd.text)
+        if not cd.text and cd.finish_reason is None and not lp:
+            return None
+        return self.env.completion([completion_choice(cd.index, cd.text, cd.finish_reason, lp)])
+
+    def usage_event(self, usage: dict) -> dict:
+        return self.env.completion([], usage)
+
+    def add(self, cd: ChoiceDelta) -> None:
+        a = self.acc
+        lp = self._lp(cd)
+        self._offsets[cd.index] += len(cd.text)
+        a.texts[cd.index] += cd.text
+        a.finish[cd.index] = cd.finish_reason or a.finish[cd.index]
+        if lp is not None:
+            a.logprobs[cd.index].append(lp)
+
+    def whole(self, usage: dict) -> dict:
+        a = self.acc
+        return self.env.completion([
+            completion_choice(i, a.texts[i], a.finish[i],
+                              merge_completion_logprobs(a.logprobs[i])
+                              if self.logprobs is not None else None)
+            for i in range(self.num_choices)], usage)

@@ -1,0 +1,163 @@
+"""One HTTP request's generation: its prompts' engine requests, their text, usage and metrics.
+
+Turns TokenDeltas into per-choice text deltas (incremental detokenization, stop strings), aborts
+engine requests that are no longer wanted (stop string, disconnect), and never touches HTTP.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from actors.detokenizer import SampleText
+from actors.messages import SamplingParams, TokenDelta, TokenLogprobs
+from gateway.engine_client import EngineClient, EngineLost
+from gateway.metrics import GatewayMetrics
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+class _Choice:
+    __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t")
+
+    def __init__(self, sample: SampleText) -> None:
+        self.sample = sample
+        self.finish_reason: str | None = None
+        self.engine_done = False
+        self.num_tokens = 0
+        self.last_t = 0.0
+
+
+class _Sub:
+    """One prompt's engine request (n samples)."""
+
+    __slots__ = ("request_id", "first", "choices", "num_prompt_tokens", "num_cached_tokens")
+
+    def __init__(self, request_id: str, first: int, choices: list[_Choice], num_prompt: int) -> None:
+        self.request_id = request_id
+        self.first = first
+        self.choices = choices
+        self.num_prompt_tokens = num_prompt
+        self.num_cached_tokens = 0
+
+
+class Generation:
+    def __init__(self, client: EngineClient, tokenizer, request_id: str,
+                 prompts: list[list[int]], params: SamplingParams, stop: list[str],
+                 priority: int, metrics: GatewayMetrics, arrival: float) -> None:
+        self._client = client
+        self._params = params
+        self._priority = priority
+        self._metrics = metrics
+        self._arrival = arrival
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._subs: dict[str, _Sub] = {}
+        for p, ids in enumerate(prompts):
+            choices = [_Choice(SampleText(tokenizer, ids, stop)) for _ in range(params.n)]
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            self._subs[rid] = _Sub(rid, p * params.n, choices, len(ids))
+        self._prompts = prompts
+        self._open = len(self._subs) * params.n
+        self._first_token_at: float | None = None
+        self.waiting = False   # submitted, no token yet: counts toward the gateway's queue limit
+
+    @property
+    def done(self) -> bool:
+        return self._open == 0
+
+    def start(self) -> None:
+        self._metrics.queue.observe(time.monotonic() - self._arrival)
+        for sub, ids in zip(self._subs.values(), self._prompts):
+            self._client.submit(sub.request_id, ids, self._params, self._queue, self._priority)
+        self.waiting = True
+
+    async def next(self, timeout: float | None = None) -> list[ChoiceDelta] | None:
+        """The next text deltas, or None when `timeout` passed first. Raises EngineLost."""
+        if timeout is None:
+            item = await self._queue.get()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
+            except TimeoutError:
+                return None
+        items = [item]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        out: list[ChoiceDelta] = []
+        now = time.monotonic()
+        for it in items:
+            if isinstance(it, EngineLost):
+                raise it
+            cd = self._apply(it, now)
+            if cd is not None:
+                out.append(cd)
+        return out
+
+    def _apply(self, d: TokenDelta, now: float) -> ChoiceDelta | None:
+        sub = self._subs.get(d.request_id)
+        if sub is None or d.index >= len(sub.choices):
+            return None
+        ch = sub.choices[d.index]
+        if ch.finish_reason is not None:
+            ch.engine_done = ch.engine_done or d.finish_reason is not None
+            return None
+        m = self._metrics
+        if self._first_token_at is None:
+            self._first_token_at = now
+            self.waiting = False
+            m.ttft.observe(now - self._arrival)
+        elif ch.last_t and d.token_ids:
+            m.itl.observe(now - ch.last_t)
+        if d.token_ids:
+            ch.last_t = now
+        sub.num_prompt_tokens = d.num_prompt_tokens or sub.num_prompt_tokens
+        sub.num_cached_tokens = max(sub.num_cached_tokens, d.num_cached_tokens)
+        ch.num_tokens += len(d.token_ids)
+        text = ch.sample.push(d.token_ids)
+        if ch.sample.stopped:
+            ch.finish_reason = "stop"
+            ch.engine_done = d.finish_reason is not None
+        elif d.finish_reason is not None:
+            text += ch.sample.finish()
+            ch.finish_reason = d.finish_reason
+            ch.engine_done = True
+        if ch.finish_reason is not None:
+            self._open -= 1
+            m.requests_total.inc(1, ch.finish_reason)
+            if all(c.finish_reason is not None for c in sub.choices) and \
+                    not all(c.engine_done for c in sub.choices):
+                self._client.abort(sub.request_id)   # stop string: the engine need not go on
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason)
+
+    def close(self) -> None:
+        """Always called: aborts what the engine still runs (client gone, error) and unroutes."""
+        for sub in self._subs.values():
+            if not all(c.engine_done for c in sub.choices):
+                self._client.abort(sub.request_id)
+                for c in sub.choices:
+                    if c.finish_reason is None:
+                        self._metrics.requests_total.inc(1, "abort")
+            self._client.release(sub.request_id)
+        self.waiting = False
+        if self._open == 0:
+            self._metrics.e2e.observe(time.monotonic() - self._arrival)
+
+    def usage(self) -> dict:
+        prompt = sum(s.num_prompt_tokens for s in self._subs.values())
+        completion = sum(c.num_tokens for s in self._subs.values() for c in s.choices)
+        cached = sum(s.num_cached_tokens for s in self._subs.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def choice_text(self, index: int) -> str:
+        sub = list(self._subs.values())[index // self._params.n]
+        return sub.choices[index % self._params.n].sample.text

@@ -1,0 +1,126 @@
+"""POST /v1/chat/completions and /v1/completions: validate, tokenize, generate, respond.
+
+Everything that can fail on bad input is checked before the first byte is written; after that
+an error travels inside the stream as `data: {"error": ...}`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from gateway import protocol
+from gateway.app_keys import STATE
+from gateway.engine_client import EngineLost
+from gateway.errors import APIError, invalid, unavailable
+from gateway.formats import ChatFormat, CompletionFormat
+from gateway.generation import Generation
+from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from gateway.responses import Envelope
+from gateway.sse import SSEWriter
+from gateway.state import GatewayState
+
+_encode = msgspec.json.Encoder().encode
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"The request body is larger than {limit} bytes.",
+                       code="request_too_large")
+    return await request.read()   # past client_max_size aiohttp raises 413, shaped by middleware
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req = protocol.decode(await read_body(request, state.config.max_body_bytes), protocol.ChatRequest)
+    protocol.validate_chat(req)
+    client, engine = state.require_engine()
+    state.check_model(req.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": protocol.message_text(m)} for m in req.messages]
+    try:
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:   # a template that rejects this conversation (e.g. role order)
+        raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, [prompt], max_tokens, engine.max_model_len, "messages", top)
+    state.check_capacity()
+    rid = uuid.uuid4().hex
+    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
+    gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
+                     req.priority or 0, state.metrics, arrival)
+    return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req = protocol.decode(await read_body(request, state.config.max_body_bytes),
+                          protocol.CompletionRequest)
+    protocol.validate_completion(req)
+    client, engine = state.require_engine()
+    state.check_model(req.model)
+    tok = engine.tokenizer
+    prompts = [p if isinstance(p, list) else tok.encode(p)
+               for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]
+    params = sampling_params(req, prompts, req.max_tokens, engine.max_model_len, "prompt",
+                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
+    state.check_capacity()
+    rid = uuid.uuid4().hex
+    fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,
+                           params.n * len(prompts), req.logprobs)
+    gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
+                     state.metrics, arrival)
+    return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
+
+
+def _include_usage(req: protocol._Common) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
+                   include_usage: bool) -> web.StreamResponse:
+    state.generations.add(gen)
+    try:
+        gen.start()
+        if stream:
+            return await _stream(request, state, gen, fmt, include_usage)
+        while not gen.done:
+            for cd in await gen.next():
+                fmt.add(cd)
+        return web.Response(body=_encode(fmt.whole(gen.usage())), content_type="application/json")
+    except EngineLost as e:
+        raise unavailable(str(e)) from None
+    finally:
+        # Also on cancellation (the client went away): aborts the engine request, frees its KV.
+        gen.close()
+        state.generations.discard(gen)
+
+
+async def _stream(request, state: GatewayState, gen: Generation, fmt,
+                  include_usage: bool) -> web.StreamResponse:
+    sse = SSEWriter()
+    await sse.open(request)
+    interval = state.config.ping_interval_s
+    try:
+        if first := fmt.first_events():
+            await sse.send(*first)
+        while not gen.done:
+            batch = await gen.next(timeout=interval)
+            if batch is None:
+                await sse.ping()
+                continue
+            events = [c for cd in batch if (c := fmt.chunk(cd)) is not None]
+            if events:
+                await sse.send(*events)
+        if include_usage:
+            await sse.send(fmt.usage_event(gen.usage()))
+        await sse.done()
+    except EngineLost as e:
+        await sse.send(APIError(503, str(e), type="service_unavailable").body())
+        await sse.response.write_eof()
+    return sse.response

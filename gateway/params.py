@@ -1,0 +1,48 @@
+"""From a validated request to the engine's SamplingParams, with the context-length check.
+
+`max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions.
+"""
+from __future__ import annotations
+
+from actors.messages import SamplingParams
+from gateway.errors import invalid
+from gateway.protocol import _Common, stop_list
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None,
+                    max_model_len: int, prompt_param: str, logprobs: int | None,
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    longest = max(len(p) for p in prompts)
+    if longest >= max_model_len:
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens, but the "
+                      f"prompt has {longest} tokens; no room is left for the completion.",
+                      param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - longest
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif longest + max_tokens > max_model_len:
+        raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, "
+                      f"you requested {longest + max_tokens} tokens ({longest} in the "
+                      f"{prompt_param}, {max_tokens} for the completion). Please reduce the length "
+                      f"of the {prompt_param} or the completion.",
+                      param=prompt_param, code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            n=req.n or 1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            stop=stop_list(req.stop),
+            ignore_eos=bool(req.ignore_eos),
+            seed=req.seed,
+            logprobs=logprobs,
+        )
+    except ValueError as e:   # the engine's own checks, should a range here be missed
+        raise invalid(str(e)) from None

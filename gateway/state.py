@@ -1,0 +1,88 @@
+"""What the gateway's handlers share: config, metrics, the engine connection and its tokenizer.
+
+The engine comes up in the background (loading weights takes a while), so until it is ready
+`/ready` says 503 and generation routes answer 503 rather than hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.errors import APIError, not_found, unavailable
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics
+from gateway.responses import TokenStrings
+from runtime import ActorRef, ActorSystem
+
+
+@dataclass
+class EngineHandle:
+    """A running engine as the gateway sees it: a scheduler ref and what requests need."""
+
+    scheduler: ActorRef
+    tokenizer: Any                       # actors.tokenizer.Tokenizer, or anything with its calls
+    max_model_len: int
+    model_path: str = ""
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+EngineLauncher = Callable[[ActorSystem], Awaitable[EngineHandle]]
+
+
+def model_name_from_path(path: str) -> str:
+    base = os.path.basename(os.path.normpath(path)) or path
+    return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    launcher: EngineLauncher
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    system: ActorSystem | None = None
+    engine: EngineHandle | None = None
+    client: EngineClient | None = None
+    token_strings: TokenStrings | None = None
+    model_name: str = ""
+    draining: bool = False
+    startup_error: str | None = None
+    generations: set[Generation] = field(default_factory=set)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def connect(self) -> None:
+        """Start the engine (or reach it) and the receiver; then the gateway is ready."""
+        self.engine = engine = await self.launcher(self.system)
+        self.client = await EngineClient.start(self.system, engine.scheduler)
+        self.token_strings = TokenStrings(engine.tokenizer)
+        self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
+            or "matinee"
+        self.ready_event.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.client is not None and self.client.alive and not self.draining
+
+    def require_engine(self) -> tuple[EngineClient, EngineHandle]:
+        if self.draining:
+            raise unavailable("The server is shutting down.")
+        if not self.ready:
+            raise unavailable()
+        return self.client, self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.model_name:
+            return
+        if self.engine is not None and model == self.engine.model_path:
+            return
+        raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_capacity(self) -> None:
+        waiting = sum(1 for g in self.generations if g.waiting)
+        if waiting >= self.config.max_waiting:
+            raise APIError(429, f"Too many requests waiting ({waiting}); retry later.",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
