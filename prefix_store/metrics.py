@@ -14,25 +14,25 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class Histogram:
-    """Cumulative-on-read histogram in the Prometheus style: bucket upper bounds, sum, count."""
+    """Prometheus-style histogram (the same fields as the gateway's): bounds, counts, sum, count."""
 
     def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS):
         if list(buckets) != sorted(set(buckets)) or not buckets:
             raise ValueError("histogram buckets must be non-empty, distinct and increasing")
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations <= bound) pairs, ending with (inf, count)."""
         out, running = [], 0
-        for bound, n in zip((*self.buckets, float("inf")), self._counts):
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
             running += n
             out.append((bound, running))
         return out

@@ -54,12 +54,14 @@ class RedisPrefixStore(PrefixStore):
     """Keys: `{ns}:engines` (engine -> deadline), `{ns}:blocks:<engine>` (hash -> refcount),
     `{ns}:seq:<engine>` (last applied sequence number)."""
 
-    def __init__(self, client: redis.Redis, namespace: str = "matinee:prefix", ttl_s: float = 10.0):
+    def __init__(self, client: redis.Redis, namespace: str = "matinee:prefix", ttl_s: float = 10.0,
+                 *, owns_client: bool = False):
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.ttl_s = validate_ttl(ttl_s)
         self._ttl_ms = max(1, int(self.ttl_s * 1000))
         self._client = client
+        self._owns_client = owns_client  # a client shared with others is theirs to close
         self._prefix = "{" + namespace + "}"
         self._engines_key = f"{self._prefix}:engines"
         self._apply = client.register_script(lua.APPLY_EVENTS)
@@ -70,7 +72,7 @@ class RedisPrefixStore(PrefixStore):
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "matinee:prefix", ttl_s: float = 10.0, **client_kw):
-        return cls(make_client(url, **client_kw), namespace=namespace, ttl_s=ttl_s)
+        return cls(make_client(url, **client_kw), namespace=namespace, ttl_s=ttl_s, owns_client=True)
 
     def _keys(self, engine_id: str) -> list[str]:
         if not engine_id:
@@ -119,4 +121,5 @@ class RedisPrefixStore(PrefixStore):
         return sorted(e.decode() for e in await self._live(keys=[self._engines_key]))
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()

@@ -41,7 +41,8 @@ async def make_store(namespace):
     async def make(kind: str, ttl_s: float = TTL_S, client: aredis.Redis | None = None):
         if kind == "memory":
             return InMemoryPrefixStore(ttl_s=ttl_s)
-        store = RedisPrefixStore(client or make_client(SHARED_REDIS_URL), namespace=namespace, ttl_s=ttl_s)
+        store = RedisPrefixStore(client or make_client(SHARED_REDIS_URL), namespace=namespace,
+                                 ttl_s=ttl_s, owns_client=True)
         opened.append(store)
         return store
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors.messages import EngineStats
 from prefix_store import EngineLoad, RoutingConfig, RoutingPolicy
 
 
@@ -64,10 +65,10 @@ def test_engines_unknown_to_the_index_count_as_holding_nothing():
 
 
 def test_load_comes_from_engine_stats_and_bad_config_is_refused():
-    class Stats:  # the field names of actors.messages.EngineStats
-        requests_running, requests_waiting, kv_blocks_total, kv_blocks_free = 2, 1, 200, 50
-
-    load = EngineLoad.from_stats("e", Stats())
+    stats = EngineStats(requests_running=2, requests_waiting=1, kv_blocks_total=200, kv_blocks_free=50,
+                        prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, prompt_tokens=0,
+                        generation_tokens=0, preemptions=0)
+    load = EngineLoad.from_stats("e", stats)
     assert (load.requests_running, load.requests_waiting, load.kv_usage) == (2, 1, 0.75)
     with pytest.raises(ValueError):
         RoutingPolicy().choose([], {}, 1)

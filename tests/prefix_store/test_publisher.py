@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from prefix_store import InMemoryPrefixStore, IndexPublisher, RedisPrefixStore, make_client
+from prefix_store import InMemoryPrefixStore, IndexPublisher, RedisPrefixStore
 from tests.prefix_store.kv_workload import KVWorkload
 
 
@@ -54,7 +54,7 @@ async def test_a_restarted_engine_leaves_no_stale_entries(store):
 
 
 async def test_a_redis_outage_never_raises_and_resyncs_after(private_redis):
-    store = RedisPrefixStore(make_client(private_redis.url), namespace="t", ttl_s=10)
+    store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
     work = KVWorkload(seed=8)
     publisher = IndexPublisher(store, "e", work.kv, timeout_s=0.3)
     await publisher.start()

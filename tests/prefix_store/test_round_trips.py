@@ -5,6 +5,8 @@ from __future__ import annotations
 import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
+from prefix_store import RedisPrefixStore
+
 from tests.prefix_store.conftest import SHARED_REDIS_URL
 from tests.prefix_store.kv_workload import KVWorkload
 
@@ -21,7 +23,7 @@ class CountingConnection(Connection):
 
 def counting_client() -> aredis.Redis:
     pool = aredis.ConnectionPool.from_url(SHARED_REDIS_URL, connection_class=CountingConnection)
-    return aredis.Redis(connection_pool=pool)
+    return aredis.Redis.from_pool(pool)  # the client owns the pool and closes it
 
 
 async def test_one_round_trip_per_operation(make_store):
@@ -58,9 +60,7 @@ async def test_one_round_trip_per_operation(make_store):
 
 async def test_match_is_one_command_on_the_server(private_redis):
     """The server's own statistics agree: one EVALSHA per routing decision and nothing else."""
-    from prefix_store import RedisPrefixStore, make_client
-
-    store = RedisPrefixStore(make_client(private_redis.url), namespace="t", ttl_s=10)
+    store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
     await store.load_scripts()
     for i in range(8):
         await store.publish_snapshot(f"e{i}", [b"a", b"b"], 0)

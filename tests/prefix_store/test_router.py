@@ -7,7 +7,7 @@ import time
 
 import redis.asyncio as aredis
 
-from prefix_store import EngineLoad, PrefixRouter, RedisPrefixStore, make_client
+from prefix_store import EngineLoad, PrefixRouter, RedisPrefixStore
 from tests.prefix_store.conftest import FakeClock
 
 LOADS = [EngineLoad("a", requests_running=1), EngineLoad("b"), EngineLoad("c", requests_running=3)]
@@ -40,7 +40,7 @@ async def test_without_an_index_routing_is_least_loaded():
 
 async def test_redis_stopped_mid_run_falls_back_within_the_timeout(private_redis):
     clock = FakeClock()
-    store = RedisPrefixStore(make_client(private_redis.url), namespace="t", ttl_s=10)
+    store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
     router = PrefixRouter(store, timeout_s=0.2, cooldown_s=5.0, clock=clock)
     await store.publish_snapshot("a", PROMPT, 0)
     assert (await router.route(PROMPT, LOADS)).reason == "prefix"
@@ -66,7 +66,7 @@ async def test_redis_stopped_mid_run_falls_back_within_the_timeout(private_redis
 
 async def test_a_stalled_redis_costs_one_timeout_and_leaves_no_stale_reply(private_redis):
     clock = FakeClock()
-    store = RedisPrefixStore(make_client(private_redis.url), namespace="t", ttl_s=10)
+    store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
     await store.publish_snapshot("a", PROMPT, 0)
     router = PrefixRouter(store, timeout_s=0.05, cooldown_s=1.0, clock=clock)
     admin = aredis.Redis.from_url(private_redis.url)
