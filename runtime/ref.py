@@ -107,12 +107,13 @@ class LocalRef(ActorRef):
 class RemoteRef(ActorRef):
     """Ref to an actor on another node; frames go through the system's remoting layer."""
 
-    __slots__ = ("_remoting", "_node", "_path")
+    __slots__ = ("_remoting", "_node", "_path", "_conn")
 
     def __init__(self, remoting: Remoting, node: str, path: str):
         self._remoting = remoting
         self._node = node
         self._path = path
+        self._conn: Any = None
 
     @property
     def path(self) -> str:
@@ -127,7 +128,13 @@ class RemoteRef(ActorRef):
         return self._remoting.is_reachable(self._node)
 
     def tell(self, msg: Any) -> None:
-        self._remoting.send_tell(self._node, self._path, msg)
+        conn = self._conn
+        if conn is None or conn.closed:
+            # Keep using one connection while it lives: that is what keeps per-sender order.
+            conn = self._conn = self._remoting.conn_for(self._node)
+            if conn is None:
+                return
+        conn.send_tell(self._path, msg)
 
     async def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT_S) -> Any:
         return await self._remoting.ask(self._node, self._path, msg, timeout)
