@@ -50,6 +50,7 @@ class IndexPublisher:
         self._clock = clock
         self._need_snapshot = True
         self._last_refresh = float("-inf")
+        self._retry_at = float("-inf")  # after a failure, wait a beat before the next try
         self._wake = asyncio.Event()
         self.snapshots = 0  # how often the store had to be resynchronised (a health signal)
 
@@ -59,6 +60,7 @@ class IndexPublisher:
             async with asyncio.timeout(self.timeout_s):
                 await self.store.clear_engine(self.engine_id)
         self._need_snapshot = True
+        self._retry_at = float("-inf")
         await self.publish()
 
     def notify(self) -> None:
@@ -75,18 +77,18 @@ class IndexPublisher:
             await self.publish()
 
     async def publish(self) -> None:
-        """One sync: events, or a snapshot when needed, or a heartbeat when due."""
-        # Drain before any await: the snapshot taken below must cover every drained event.
+        """One sync: the drained events, or a snapshot when needed, or a heartbeat when due."""
+        # Drain before any await: a snapshot taken below must cover every drained event.
         events = self.source.take_events()
+        now = self._clock()
+        if self._need_snapshot and now < self._retry_at:
+            return  # the coming snapshot covers the events just dropped
+        if not self._need_snapshot and not events and now - self._last_refresh < self.heartbeat_s:
+            return
         try:
             async with asyncio.timeout(self.timeout_s):
-                if not self._need_snapshot and events:
-                    applied = await self.store.apply_events(self.engine_id, events)
-                    self._need_snapshot = applied is ApplyResult.NEED_SNAPSHOT
-                elif not self._need_snapshot and self._clock() - self._last_refresh >= self.heartbeat_s:
-                    self._need_snapshot = not await self.store.heartbeat(self.engine_id)
-                elif not self._need_snapshot:
-                    return
+                if not self._need_snapshot:
+                    self._need_snapshot = not await self._send(events)
                 if self._need_snapshot:
                     next_seq, hashes = self.source.snapshot()
                     await self.store.publish_snapshot(self.engine_id, hashes, next_seq)
@@ -95,7 +97,14 @@ class IndexPublisher:
             self._last_refresh = self._clock()
         except Exception as exc:  # the drained events are lost: resync with a snapshot later
             self._need_snapshot = True
+            self._retry_at = self._clock() + self.heartbeat_s
             log.warning("prefix index publish failed", engine_id=self.engine_id, error=repr(exc))
+
+    async def _send(self, events: list[KVEvent]) -> bool:
+        """Events, or a heartbeat without them; False when the store lost track of us."""
+        if events:
+            return await self.store.apply_events(self.engine_id, events) is ApplyResult.APPLIED
+        return await self.store.heartbeat(self.engine_id)
 
     async def stop(self) -> None:
         """Graceful shutdown: take this engine out of routing at once rather than at expiry."""

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 from prefix_store import InMemoryPrefixStore, IndexPublisher, RedisPrefixStore
+from tests.prefix_store.conftest import FakeClock
 from tests.prefix_store.kv_workload import KVWorkload
 
 
@@ -55,8 +56,8 @@ async def test_a_restarted_engine_leaves_no_stale_entries(store):
 
 async def test_a_redis_outage_never_raises_and_resyncs_after(private_redis):
     store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
-    work = KVWorkload(seed=8)
-    publisher = IndexPublisher(store, "e", work.kv, timeout_s=0.3)
+    work, clock = KVWorkload(seed=8), FakeClock()
+    publisher = IndexPublisher(store, "e", work.kv, timeout_s=0.3, clock=clock)
     await publisher.start()
     work.run(3)
     await publisher.publish()
@@ -66,6 +67,9 @@ async def test_a_redis_outage_never_raises_and_resyncs_after(private_redis):
     await publisher.publish()  # the drained events are lost; no exception
     private_redis.start()  # back, and empty
     work.run(1)
+    await publisher.publish()  # too soon after the failure: no retry yet
+    assert publisher.snapshots == 1
+    clock.now += publisher.heartbeat_s
     await publisher.publish()
     assert publisher.snapshots == 2
     await assert_index_matches(store, "e", work)
@@ -93,3 +97,18 @@ async def test_the_run_loop_publishes_when_notified_and_heartbeats_when_idle():
             await task
     await publisher.stop()
     assert await store.live_engines() == []
+
+
+async def test_an_engine_that_lapsed_is_restored_by_its_next_beat():
+    clock = FakeClock()
+    store = InMemoryPrefixStore(ttl_s=1.0, clock=clock)
+    work = KVWorkload(seed=10)
+    publisher = IndexPublisher(store, "e", work.kv, clock=clock)
+    await publisher.start()
+    work.run(3)
+    await publisher.publish()
+    clock.now += 2.0  # the engine stalled past its TTL: the index dropped it
+    assert await store.live_engines() == []
+    await publisher.publish()  # no events: a heartbeat, refused, so a snapshot follows
+    assert publisher.snapshots == 2
+    await assert_index_matches(store, "e", work)
