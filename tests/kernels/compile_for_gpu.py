@@ -1,0 +1,76 @@
+"""Compiles every Triton kernel for an NVIDIA GPU (sm_90) without one, down to a cubin.
+
+The interpreter runs kernels as NumPy code, so it misses what only the compiler sees:
+loop-carried values changing type, dot shapes the hardware cannot do, unsupported casts.
+Run with TRITON_INTERPRET unset: `python -m tests.kernels.compile_for_gpu`.
+"""
+
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernels import activation_triton, kv_write_triton, paged_attention_triton, rms_norm_triton, rope_triton
+
+INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                  "pos_ptr": "*i64", "slot_ptr": "*i64"}
+FLOAT32_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "cache_ptr")
+FLOAT_SCALARS = ("eps", "scale_log2")
+
+
+def _signature(fn, constexprs: dict, dtype: str) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in INDEX_POINTERS:
+            sig[name] = INDEX_POINTERS[name]
+        elif name in FLOAT32_POINTERS:
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = f"*{dtype}"
+        elif name in FLOAT_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def variants():
+    pa = paged_attention_triton
+    for dtype, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
+        for qpk, block_m, splits in ((4, 16, 1), (4, 16, 8), (7, 64, 1), (32, 32, 1)):
+            yield pa._paged_attention_kernel, dtype, dict(
+                QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_m // qpk, TILE_N=64, HEAD_PAD=128,
+                NUM_SPLITS=splits, DOT_PRECISION=precision)
+    yield pa._merge_splits_kernel, "bf16", dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_PAD=128)
+    yield pa._merge_splits_kernel, "fp16", dict(NUM_SPLITS=3, SPLITS_PAD=4, HEAD_PAD=64)
+    yield rms_norm_triton._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK=2048)
+    yield rms_norm_triton._rms_norm_kernel, "fp32", dict(HAS_RESIDUAL=False, BLOCK=128)
+    yield rope_triton._rope_kernel, "bf16", dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64)
+    yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK=1024)
+    yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_H=8, BLOCK_D=128)
+
+
+def main() -> int:
+    if triton.knobs.runtime.interpret:
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", 90, 32)
+    failures = 0
+    for fn, dtype, constexprs in variants():
+        t0 = time.perf_counter()
+        label = f"{fn.__name__} {dtype} {constexprs}"
+        try:
+            src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype), constexprs=constexprs)
+            compiled = triton.compile(src, target=target)
+            print(f"ok   {label}: {time.perf_counter() - t0:.1f}s, shared {compiled.metadata.shared} B")
+        except Exception as exc:  # report every kernel, not just the first failure
+            failures += 1
+            print(f"FAIL {label}: {type(exc).__name__}: {exc}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
