@@ -13,6 +13,10 @@ from runtime import protocol
 from runtime.ref import ActorRef
 
 HEADER = struct.Struct(">I")
+# A TellBatch frame opens with: length, msgpack [tag "b", array32 of items]; both counts are
+# patched when the batch closes. COUNT_OFFSET locates the item count inside it.
+BATCH_HEAD = b"\0\0\0\0\x92\xa1b\xdd\0\0\0\0"
+COUNT_OFFSET = 8
 HANDSHAKE_MAX_BYTES = 4096
 
 
@@ -89,6 +93,10 @@ class FrameSet:
             self.ask_classes.append(ask)
             self.reply_classes.append(reply)
             frames += [tell, ask, reply]
+        # Tells sent in one loop iteration travel as one batch frame: one decode call for all.
+        self.batch = msgspec.defstruct("TellBatch", [("items", list[Union[tuple(self.tell_classes)]])],
+                                       tag="b", array_like=True, gc=False)
+        frames.append(self.batch)
         self.union = Union[tuple(frames)]   # type: ignore[valid-type]
 
 

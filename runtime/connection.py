@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime import auth, protocol
-from runtime.codec import (HANDSHAKE_MAX_BYTES, HEADER, Auth, Challenge, Codec, Died, ErrorReply,
+from runtime.codec import (BATCH_HEAD, COUNT_OFFSET, HANDSHAKE_MAX_BYTES, HEADER, Auth, Challenge, Codec, Died, ErrorReply,
                            Ping, ReplyAny, Unwatch, Watch, Welcome)
 from runtime.errors import ActorDead, AskTimeout, RemoteError
 from runtime.ref import Ask
@@ -74,11 +74,16 @@ class Connection(asyncio.Protocol):
         self._encode = self.codec.encoder.encode
         self._encode_into = self.codec.encoder.encode_into
         self._tell_prefix: dict[tuple[type, str], bytes] = {}
+        self._batch = -1        # offset of the open TellBatch frame in self.out, -1 when none
+        self._batch_n = 0
+        self._item_cap = self.cap - 16
+        self._batch_cap = min(self.cap // 2, 256 * 1024)
         self._bind_frames()
 
     def _bind_frames(self) -> None:
         fs = self.codec.frames
         self._tells = tuple(fs.tell_classes)
+        self._batch_cls = fs.batch
         self._handlers = {ReplyAny: self._on_reply, ErrorReply: self._on_error, Watch: self._on_watch,
                           Unwatch: self._on_unwatch, Died: self._on_died, Ping: _ignore}
         for cls in fs.ask_classes:
@@ -121,6 +126,7 @@ class Connection(asyncio.Protocol):
         mv = memoryview(data)
         cells = self.cells
         tells = self._tells
+        batch = self._batch_cls
         try:
             while n - pos >= 4:
                 size = HEADER.unpack_from(data, pos)[0]
@@ -138,7 +144,12 @@ class Connection(asyncio.Protocol):
                     continue
                 frame = self.codec.decoder.decode(mv[pos + 4:end])
                 pos = end
-                if frame.__class__ in tells:
+                if frame.__class__ is batch:
+                    for f in frame.items:
+                        cell = cells.get(f.to)
+                        if cell is not None:
+                            cell.put(f.msg)
+                elif frame.__class__ in tells:
                     cell = cells.get(frame.to)
                     if cell is not None:
                         cell.put(frame.msg)
@@ -239,6 +250,7 @@ class Connection(asyncio.Protocol):
     def send_frame(self, frame: Any) -> None:
         if self.closed:
             return
+        self._close_batch()
         out = self.out
         start = len(out)
         size = self.codec.write(out, frame)
@@ -249,7 +261,8 @@ class Connection(asyncio.Protocol):
             self._written(start)
 
     def send_tell(self, path: str, msg: Any) -> None:
-        """The hot path: a cached frame prefix, then the message encoded straight after it."""
+        """The hot path: appended to the open batch frame as a cached [tag, to] prefix plus the
+        message encoded in place; size errors still surface here, at the sender."""
         if self.closed:
             return
         prefix = self._tell_prefix.get((msg.__class__, path))
@@ -257,24 +270,54 @@ class Connection(asyncio.Protocol):
             prefix = self._make_tell_prefix(msg, path)
         out = self.out
         start = len(out)
+        opened = self._batch < 0
+        if opened:
+            self._batch = start
+            self._batch_n = 0
+            out += BATCH_HEAD
+        item = len(out)
         out += prefix
         try:
             self._encode_into(msg, out, -1)
         except BaseException:
-            del out[start:]
+            self._drop_item(start if opened else item, opened)
             raise
-        size = len(out) - start - 4
-        if size > self.cap:
-            del out[start:]
+        size = len(out) - item
+        if size > self._item_cap:
+            self._drop_item(start if opened else item, opened)
             raise ValueError(f"message of {size} bytes exceeds the frame cap of {self.cap}")
-        _pack_header(out, start, size)
+        if len(out) - self._batch - 4 > self.cap:
+            # Too big to join this batch: close the batch before it and start a new one.
+            data = bytes(out[item:])
+            del out[item:]
+            self._close_batch()
+            self._batch = len(out)
+            self._batch_n = 0
+            out += BATCH_HEAD
+            out += data
+        self._batch_n += 1
+        if len(out) - self._batch > self._batch_cap:
+            self._close_batch()
         if self.open:
             self._written(start)
 
+    def _drop_item(self, cut: int, opened: bool) -> None:
+        del self.out[cut:]
+        if opened:
+            self._batch = -1
+
+    def _close_batch(self) -> None:
+        b = self._batch
+        if b >= 0:
+            out = self.out
+            _pack_header(out, b, len(out) - b - 4)
+            _pack_header(out, b + COUNT_OFFSET, self._batch_n)
+            self._batch = -1
+
     def _make_tell_prefix(self, msg: Any, path: str) -> bytes:
         cls = self.frame_class("tell", msg)
-        # [tag, to, msg] as a msgpack array of 3; the placeholder length is patched per frame.
-        head = b"\0\0\0\0\x93" + self._encode(cls.__struct_config__.tag) + self._encode(path)
+        # A tell item is the msgpack array [tag, to, msg]; the message is encoded after this.
+        head = b"\x93" + self._encode(cls.__struct_config__.tag) + self._encode(path)
         if len(self._tell_prefix) > 10_000:
             self._tell_prefix.clear()
         self._tell_prefix[(msg.__class__, path)] = head
@@ -287,9 +330,11 @@ class Connection(asyncio.Protocol):
             if start == 0:
                 # Nothing else is waiting: write through now for latency; whatever else this
                 # loop iteration sends is batched into the scheduled flush.
+                self._close_batch()
                 data, self.out = self.out, bytearray()
                 self.transport.write(data)
         elif len(self.out) >= FLUSH_NOW_BYTES:
+            self._close_batch()
             data, self.out = self.out, bytearray()
             self.transport.write(data)
 
@@ -322,6 +367,7 @@ class Connection(asyncio.Protocol):
     def _flush(self) -> None:
         self.flush_scheduled = False
         if self.out and self.open:
+            self._close_batch()
             data, self.out = self.out, bytearray()
             self.transport.write(data)
 
@@ -352,6 +398,7 @@ class Connection(asyncio.Protocol):
         """Flush what is buffered, then close."""
         if self.transport is not None and not self.closed:
             if self.out and self.open:
+                self._close_batch()
                 self.transport.write(bytes(self.out))
             self.transport.close()
         self._shut(reason)
