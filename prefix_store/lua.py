@@ -80,25 +80,32 @@ refresh(KEYS[1], KEYS[2], KEYS[3], engine, ttl)
 return 1
 """
 
-# KEYS: engines. ARGV: blocks key prefix, then the prompt's block hashes in order.
-# Returns a flat list engine, matched, engine, matched... for every live engine. Reads each
-# engine's hash in chunks and stops at its first miss, so a short match costs little.
+# KEYS: engines. ARGV: blocks key prefix, k (prompts), k lengths, then every prompt's block
+# hashes in order. Returns {live engines, then for each prompt its matched count per engine}.
+# Reads each engine's hash in chunks and stops at its first miss, so a short match costs little.
 MATCH = _NOW + """
-local out = {}
-local last = #ARGV
-for _, engine in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
-  local key = ARGV[1] .. engine
-  local n, i, done = 0, 2, false
-  while i <= last and not done do
-    local j = math.min(i + 255, last)
-    local vals = redis.call('HMGET', key, unpack(ARGV, i, j))
-    for k = 1, #vals do
-      if vals[k] then n = n + 1 else done = true; break end
+local engines = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+local out = {engines}
+local k = tonumber(ARGV[2])
+local start = 3 + k
+for p = 1, k do
+  local last = start + tonumber(ARGV[2 + p]) - 1
+  local counts = {}
+  for _, engine in ipairs(engines) do
+    local key = ARGV[1] .. engine
+    local n, i, done = 0, start, false
+    while i <= last and not done do
+      local j = math.min(i + 63, last)
+      local vals = redis.call('HMGET', key, unpack(ARGV, i, j))
+      for v = 1, #vals do
+        if vals[v] then n = n + 1 else done = true; break end
+      end
+      i = j + 1
     end
-    i = j + 1
+    counts[#counts + 1] = n
   end
-  out[#out + 1] = engine
-  out[#out + 1] = n
+  out[#out + 1] = counts
+  start = last + 1
 end
 return out
 """

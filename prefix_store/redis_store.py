@@ -1,7 +1,7 @@
 """Redis prefix index: the cluster-wide twin of the in-memory store.
 
 Every operation is one round trip: a Lua script (atomic, so a batch of events is applied
-whole or not at all) or one MULTI pipeline. It never blocks for long: the client has short
+whole or not at all) or one MULTI pipeline; concurrent matches share theirs. It never blocks for long: the client has short
 socket timeouts and a small bounded retry, and callers add their own asyncio deadline.
 """
 
@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_store import lua
+from prefix_store.coalescer import Coalescer
 from prefix_store.events import AllBlocksCleared, ApplyResult, BlockStored, KVEvent
 from prefix_store.store import PrefixStore, validate_ttl
 
@@ -31,23 +32,32 @@ def make_client(
     socket_timeout_s: float = 0.25,
     connect_timeout_s: float = 0.25,
     retries: int = 1,
-    max_connections: int | None = 64,
+    max_connections: int = 16,
+    pool_timeout_s: float = 1.0,
 ) -> redis.Redis:
-    """A client that fails fast: a dead Redis must cost a request milliseconds, not seconds."""
-    if socket_timeout_s <= 0 or connect_timeout_s <= 0:
-        raise ValueError("Redis socket timeouts must be positive")
+    """A client that fails fast: a dead Redis must cost a request milliseconds, not seconds.
+
+    A burst of lookups queues for one of a few connections (each lookup takes well under a
+    millisecond) instead of opening hundreds of sockets, or failing once the pool is empty.
+    """
+    if socket_timeout_s <= 0 or connect_timeout_s <= 0 or pool_timeout_s <= 0:
+        raise ValueError("Redis timeouts must be positive")
     if retries < 0:
         raise ValueError(f"retries must be >= 0, got {retries}")
-    return redis.Redis.from_url(
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    pool = redis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
         retry=Retry(ExponentialWithJitterBackoff(cap=0.05, base=0.005), retries),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
-        max_connections=max_connections,
         decode_responses=False,
     )
+    return redis.Redis.from_pool(pool)
 
 
 class RedisPrefixStore(PrefixStore):
@@ -55,7 +65,7 @@ class RedisPrefixStore(PrefixStore):
     `{ns}:seq:<engine>` (last applied sequence number)."""
 
     def __init__(self, client: redis.Redis, namespace: str = "matinee:prefix", ttl_s: float = 10.0,
-                 *, owns_client: bool = False):
+                 *, owns_client: bool = False, max_match_batch: int = 64):
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.ttl_s = validate_ttl(ttl_s)
@@ -69,6 +79,7 @@ class RedisPrefixStore(PrefixStore):
         self._heartbeat = client.register_script(lua.HEARTBEAT)
         self._match = client.register_script(lua.MATCH)
         self._live = client.register_script(lua.LIVE_ENGINES)
+        self._coalescer = Coalescer(self._match_many, max_batch=max_match_batch)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "matinee:prefix", ttl_s: float = 10.0, **client_kw):
@@ -113,13 +124,21 @@ class RedisPrefixStore(PrefixStore):
         return await self._heartbeat(keys=self._keys(engine_id), args=[engine_id, self._ttl_ms]) == 1
 
     async def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        args = [f"{self._prefix}:blocks:", *block_hashes]
-        flat = await self._match(keys=[self._engines_key], args=args)
-        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        """One round trip, shared with the lookups made at the same moment."""
+        return await self._coalescer(block_hashes)
+
+    async def _match_many(self, prompts: list[Sequence[bytes]]) -> list[dict[str, int]]:
+        args: list[object] = [f"{self._prefix}:blocks:", len(prompts), *(len(p) for p in prompts)]
+        for prompt in prompts:
+            args += prompt
+        engines, *counts = await self._match(keys=[self._engines_key], args=args)
+        names = [e.decode() for e in engines]
+        return [dict(zip(names, per_prompt)) for per_prompt in counts]
 
     async def live_engines(self) -> list[str]:
         return sorted(e.decode() for e in await self._live(keys=[self._engines_key]))
 
     async def close(self) -> None:
+        await self._coalescer.close()
         if self._owns_client:
             await self._client.aclose()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
@@ -79,3 +81,18 @@ async def test_match_is_one_command_on_the_server(private_redis):
     assert calls.pop("cmdstat_hmget") == 10 * 8
     # The rest came from the admin connection itself.
     assert set(calls) <= {"cmdstat_config|resetstat", "cmdstat_info"}
+
+
+async def test_concurrent_matches_share_one_round_trip(make_store):
+    store = await make_store("redis", client=counting_client())
+    await store.load_scripts()
+    # Engine e{i} holds the first i blocks of the prompt: every answer differs.
+    prompt = [bytes([b]) * 32 for b in range(6)]
+    for i in range(6):
+        await store.publish_snapshot(f"e{i}", prompt[:i], 0)
+    probes = [prompt[:n] for n in range(7)] * 6
+    before = CountingConnection.sends
+    answers = await asyncio.gather(*(store.match(p) for p in probes))
+    assert CountingConnection.sends - before <= 2  # 42 lookups, one batch (two at worst)
+    for probe, answer in zip(probes, answers):
+        assert answer == {f"e{i}": min(i, len(probe)) for i in range(6)}
