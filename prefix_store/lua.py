@@ -62,11 +62,19 @@ refresh(KEYS[1], KEYS[2], KEYS[3], engine, ttl)
 return 1
 """
 
-# KEYS: engines, blocks, seq. ARGV: engine, ttl_ms, next_seq, then (hash, count) pairs.
+# KEYS: engines, blocks, seq, stage. ARGV: engine, ttl_ms, next_seq, staged (0 or 1), then
+# (hash, count) pairs. A large snapshot is first written to the stage key in small commands
+# (one long script would stall every gateway's lookups) and swapped in here at once.
 PUBLISH_SNAPSHOT = _NOW + _ALIVE_AND_REFRESH + """
 local engine, ttl = ARGV[1], tonumber(ARGV[2])
-redis.call('DEL', KEYS[2])
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('UNLINK', KEYS[2])  -- freed off the main thread
+if ARGV[4] == '1' then
+  if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end  -- the stage expired: start over
+  redis.call('RENAME', KEYS[4], KEYS[2])
+end
+for i = 5, #ARGV, 400 do  -- 200 pairs per call: few calls, and unpack stays small
+  redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + 399, #ARGV)))
+end
 redis.call('SET', KEYS[3], tonumber(ARGV[3]) - 1)
 refresh(KEYS[1], KEYS[2], KEYS[3], engine, ttl)
 return 1

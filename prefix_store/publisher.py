@@ -33,16 +33,19 @@ class KVEventSource(Protocol):
 
 class IndexPublisher:
     def __init__(self, store: PrefixStore, engine_id: str, source: KVEventSource, *,
-                 timeout_s: float = 1.0, heartbeat_s: float | None = None,
+                 timeout_s: float = 1.0, snapshot_timeout_s: float = 30.0,
+                 heartbeat_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if not engine_id:
             raise ValueError("engine_id must be non-empty")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if timeout_s <= 0 or snapshot_timeout_s <= 0:
+            raise ValueError(f"timeouts must be positive, got {timeout_s}, {snapshot_timeout_s}")
         self.store = store
         self.engine_id = engine_id
         self.source = source
         self.timeout_s = timeout_s
+        # A snapshot of a large cache uploads in chunks and may take seconds.
+        self.snapshot_timeout_s = snapshot_timeout_s
         # Three beats per TTL: one lost beat never expires a healthy engine.
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else store.ttl_s / 3
         if self.heartbeat_s <= 0:
@@ -86,14 +89,15 @@ class IndexPublisher:
         if not self._need_snapshot and not events and now - self._last_refresh < self.heartbeat_s:
             return
         try:
-            async with asyncio.timeout(self.timeout_s):
-                if not self._need_snapshot:
+            if not self._need_snapshot:
+                async with asyncio.timeout(self.timeout_s):
                     self._need_snapshot = not await self._send(events)
-                if self._need_snapshot:
-                    next_seq, hashes = self.source.snapshot()
+            if self._need_snapshot:
+                next_seq, hashes = self.source.snapshot()
+                async with asyncio.timeout(self.snapshot_timeout_s):
                     await self.store.publish_snapshot(self.engine_id, hashes, next_seq)
-                    self._need_snapshot = False
-                    self.snapshots += 1
+                self._need_snapshot = False
+                self.snapshots += 1
             self._last_refresh = self._clock()
         except Exception as exc:  # the drained events are lost: resync with a snapshot later
             self._need_snapshot = True

@@ -7,6 +7,7 @@ socket timeouts and a small bounded retry, and callers add their own asyncio dea
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -24,6 +25,8 @@ from prefix_store.store import PrefixStore, validate_ttl
 
 # Event kinds on the wire to the apply script.
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
+# A snapshot being staged must outlive its upload, however slow; then it frees itself.
+_STAGE_TTL_MS = 120_000
 
 
 def make_client(
@@ -62,16 +65,20 @@ def make_client(
 
 class RedisPrefixStore(PrefixStore):
     """Keys: `{ns}:engines` (engine -> deadline), `{ns}:blocks:<engine>` (hash -> refcount),
-    `{ns}:seq:<engine>` (last applied sequence number)."""
+    `{ns}:seq:<engine>` (last applied sequence number), and `{ns}:stage:<engine>:<id>` while a
+    large snapshot uploads."""
 
     def __init__(self, client: redis.Redis, namespace: str = "matinee:prefix", ttl_s: float = 10.0,
-                 *, owns_client: bool = False, max_match_batch: int = 64):
+                 *, owns_client: bool = False, max_match_batch: int = 64, snapshot_chunk: int = 2048):
         if not namespace or "{" in namespace or "}" in namespace:
             raise ValueError(f"namespace must be non-empty and without braces, got {namespace!r}")
         self.ttl_s = validate_ttl(ttl_s)
         self._ttl_ms = max(1, int(self.ttl_s * 1000))
         self._client = client
         self._owns_client = owns_client  # a client shared with others is theirs to close
+        if snapshot_chunk < 1:
+            raise ValueError(f"snapshot_chunk must be >= 1, got {snapshot_chunk}")
+        self._snapshot_chunk = snapshot_chunk
         self._prefix = "{" + namespace + "}"
         self._engines_key = f"{self._prefix}:engines"
         self._apply = client.register_script(lua.APPLY_EVENTS)
@@ -82,8 +89,11 @@ class RedisPrefixStore(PrefixStore):
         self._coalescer = Coalescer(self._match_many, max_batch=max_match_batch)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "matinee:prefix", ttl_s: float = 10.0, **client_kw):
-        return cls(make_client(url, **client_kw), namespace=namespace, ttl_s=ttl_s, owns_client=True)
+    def from_url(cls, url: str, namespace: str = "matinee:prefix", ttl_s: float = 10.0, *,
+                 max_match_batch: int = 64, snapshot_chunk: int = 2048, **client_kw) -> RedisPrefixStore:
+        """A store with its own client (`make_client`'s keywords), closed with the store."""
+        return cls(make_client(url, **client_kw), namespace=namespace, ttl_s=ttl_s, owns_client=True,
+                   max_match_batch=max_match_batch, snapshot_chunk=snapshot_chunk)
 
     def _keys(self, engine_id: str) -> list[str]:
         if not engine_id:
@@ -109,10 +119,23 @@ class RedisPrefixStore(PrefixStore):
     async def publish_snapshot(
         self, engine_id: str, block_hashes: Iterable[bytes], next_seq: int
     ) -> None:
-        args: list[object] = [engine_id, self._ttl_ms, next_seq]
-        for key, count in Counter(block_hashes).items():
+        """One round trip up to `snapshot_chunk` distinct hashes; beyond, one per chunk."""
+        keys = self._keys(engine_id)
+        stage = f"{self._prefix}:stage:{engine_id}:{uuid.uuid4().hex}"
+        items = list(Counter(block_hashes).items())
+        staged = len(items) > self._snapshot_chunk
+        if staged:
+            for start in range(0, len(items), self._snapshot_chunk):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.hset(stage, mapping=dict(items[start:start + self._snapshot_chunk]))
+                    pipe.pexpire(stage, _STAGE_TTL_MS)
+                    await pipe.execute()
+            items = []
+        args: list[object] = [engine_id, self._ttl_ms, next_seq, int(staged)]
+        for key, count in items:
             args += (key, count)
-        await self._snapshot(keys=self._keys(engine_id), args=args)
+        if await self._snapshot(keys=[*keys, stage], args=args) != 1:
+            raise RuntimeError(f"the staged snapshot of {engine_id!r} expired before it was swapped in")
 
     async def clear_engine(self, engine_id: str) -> None:
         engines, blocks, seq = self._keys(engine_id)

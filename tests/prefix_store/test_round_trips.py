@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import redis
 import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
-from prefix_store import RedisPrefixStore
-
+from actors.kv.events import BlockRemoved
+from prefix_store import ApplyResult, RedisPrefixStore
 from tests.prefix_store.conftest import SHARED_REDIS_URL
 from tests.prefix_store.kv_workload import KVWorkload
 
@@ -96,3 +97,23 @@ async def test_concurrent_matches_share_one_round_trip(make_store):
     assert CountingConnection.sends - before <= 2  # 42 lookups, one batch (two at worst)
     for probe, answer in zip(probes, answers):
         assert answer == {f"e{i}": min(i, len(probe)) for i in range(6)}
+
+
+async def test_a_large_snapshot_uploads_in_chunks_and_swaps_in_at_once(namespace):
+    store = RedisPrefixStore(counting_client(), namespace=namespace, ttl_s=10, owns_client=True,
+                             snapshot_chunk=4)
+    await store.load_scripts()
+    await store.publish_snapshot("e", [b"old"], 0)
+    hashes = [bytes([i]) for i in range(9)] + [b"\x00"]  # ten hashes, nine distinct
+    before = CountingConnection.sends
+    await store.publish_snapshot("e", hashes, 5)
+    assert CountingConnection.sends - before == 3 + 1  # three chunks of at most 4, then the swap
+    assert await store.match(hashes[:9]) == {"e": 9}
+    assert await store.match([b"old"]) == {"e": 0}
+    # Counts survived staging: the duplicate needs two removals.
+    assert await store.apply_events("e", [BlockRemoved(5, [b"\x00"])]) is ApplyResult.APPLIED
+    assert await store.match([b"\x00"]) == {"e": 1}
+    client = redis.Redis.from_url(SHARED_REDIS_URL)
+    assert list(client.scan_iter(match="{" + namespace + "}:stage:*")) == []
+    client.close()
+    await store.close()
