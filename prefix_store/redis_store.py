@@ -1,8 +1,8 @@
 """Redis prefix index: the cluster-wide twin of the in-memory store.
 
-Every operation is one round trip: a Lua script (atomic, so a batch of events is applied
-whole or not at all) or one MULTI pipeline; concurrent matches share theirs. It never blocks for long: the client has short
-socket timeouts and a small bounded retry, and callers add their own asyncio deadline.
+Every operation is one round trip (concurrent matches share theirs): a Lua script, atomic so
+a batch of events is applied whole or not at all, or one MULTI pipeline. Nothing blocks for
+long: short socket timeouts, a small bounded retry, and callers add their own deadline.
 """
 
 from __future__ import annotations

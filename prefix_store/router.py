@@ -54,14 +54,16 @@ class PrefixRouter:
                 return await self.store.match(block_hashes)
         except Exception as exc:  # any index failure only costs speed, never the request
             self.metrics.lookup_errors += 1
+            if self._clock() >= self._skip_until:  # one line per outage, not per request
+                log.warning("prefix index lookup failed; routing by load",
+                            error=repr(exc), cooldown_s=self.cooldown_s)
             self._skip_until = self._clock() + self.cooldown_s
-            log.warning("prefix index lookup failed; routing by load",
-                        error=repr(exc), cooldown_s=self.cooldown_s)
             return None
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - start)
 
     async def route(self, block_hashes: Sequence[bytes], loads: Sequence[EngineLoad]) -> RouteDecision:
+        """Pick one of `loads`' engines (ValueError when there is none) for a prompt's hashes."""
         matched = await self.lookup(block_hashes)
         decision = self.policy.choose(loads, matched, len(block_hashes))
         self.metrics.record_decision(decision.reason, decision.matched_blocks, len(block_hashes))

@@ -21,7 +21,8 @@ def test_the_longest_prefix_wins_among_idle_engines():
 
 def test_an_overloaded_engine_loses_its_prefix_to_the_next_best():
     policy = RoutingPolicy(RoutingConfig(max_waiting=4))
-    loads = [idle("a"), EngineLoad("b", requests_waiting=4, kv_blocks_total=100, kv_blocks_free=90), idle("c")]
+    queued = EngineLoad("b", requests_waiting=4, kv_blocks_total=100, kv_blocks_free=90)
+    loads = [idle("a"), queued, idle("c")]
     assert policy.choose(loads, {"a": 3, "b": 10, "c": 0}, 12).engine_id == "a"
     full_kv = EngineLoad("b", kv_blocks_total=100, kv_blocks_free=1)
     assert policy.choose([idle("a"), full_kv], {"a": 3, "b": 10}, 12).engine_id == "a"

@@ -31,7 +31,8 @@ class SimEngine:
         self.running: deque[str] = deque()
 
     def load(self) -> EngineLoad:
-        return EngineLoad(self.engine_id, len(self.running), 0, self.kv.num_total_blocks, self.kv.num_free_blocks)
+        kv = self.kv
+        return EngineLoad(self.engine_id, len(self.running), 0, kv.num_total_blocks, kv.num_free_blocks)
 
     def serve(self, request: KVRequest) -> int:
         """Admit (retiring the oldest requests for room) and prefill; returns cached tokens."""

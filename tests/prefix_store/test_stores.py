@@ -100,7 +100,8 @@ async def test_duplicate_hashes_are_refcounted(store):
     await store.publish_snapshot("e", [b"x", b"x"], 0)
     assert await store.apply_events("e", [removed(0, b"x")]) is ApplyResult.APPLIED
     assert await store.match([b"x"]) == {"e": 1}
-    assert await store.apply_events("e", [removed(1, b"x"), removed(2, b"never-stored")]) is ApplyResult.APPLIED
+    events = [removed(1, b"x"), removed(2, b"never-stored")]
+    assert await store.apply_events("e", events) is ApplyResult.APPLIED
     assert await store.match([b"x"]) == {"e": 0}
 
 
