@@ -31,14 +31,24 @@ async def test_concurrent_calls_ride_in_one_batch_and_get_their_own_answers():
 
 
 async def test_calls_made_during_a_batch_wait_for_the_next_and_batches_are_capped():
-    run = Doubler(delay=0.01)
-    coalescer = Coalescer(run, max_batch=3)
+    gate, started = asyncio.Event(), asyncio.Event()
+    batches = []
+
+    async def gated(queries):
+        batches.append(queries)
+        started.set()
+        await gate.wait()  # the first batch stays in flight until the later calls are queued
+        return [2 * q for q in queries]
+
+    coalescer = Coalescer(gated, max_batch=3)
     first = asyncio.gather(*(coalescer(i) for i in range(5)))
-    await asyncio.sleep(0.005)  # the first batch is in flight
+    await started.wait()
     later = asyncio.gather(*(coalescer(i) for i in range(5, 7)))
+    await asyncio.sleep(0)
+    gate.set()
     assert await first == [0, 2, 4, 6, 8]
     assert await later == [10, 12]
-    assert run.batches == [[0, 1, 2], [3, 4, 5], [6]]
+    assert batches == [[0, 1, 2], [3, 4, 5], [6]]
     await coalescer.close()
 
 
