@@ -1,0 +1,264 @@
+"""Token sampling from a batch of logits, with vLLM's semantics and order of operations.
+
+penalties (repetition over prompt+output, frequency and presence over output) -> greedy argmax,
+or temperature -> min-p -> top-k -> top-p -> one draw. Logprobs are vLLM's default `raw_logprobs`:
+log_softmax of the model's unmodified logits. `processed_probs` returns the exact distribution a
+row is drawn from, so speculative decoding computes p and q with this same code.
+Per-sequence state (params, seeded generator, output tokens) lives in `SamplingState`, kept by the
+worker per sequence; a seed therefore gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+_TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many best tokens before sorting a row
+
+
+class SamplingState:
+    """One sequence's sampling state on the worker.
+
+    `params` is duck-typed on the SamplingParams contract (temperature, top_p, top_k, min_p,
+    presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs). `seed` overrides
+    params.seed (n > 1 copies get distinct seeds). Call `append` with every token the sequence
+    keeps, so the penalties see them.
+    """
+
+    def __init__(self, params: Any, prompt_token_ids: Sequence[int], seed: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.params = params
+        seed = params.seed if seed is None else seed
+        self.generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+        self.output_token_ids: list[int] = []
+        self.prompt_token_ids = torch.tensor(list(prompt_token_ids), dtype=torch.long, device=device)
+        self.greedy = params.temperature < _EPS
+        self.top_k = params.top_k if params.top_k > 0 else 0
+        self.uses_top_p = params.top_p < 1.0
+        self.uses_min_p = params.min_p > 0.0
+        self.uses_penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                               or params.frequency_penalty != 0.0)
+        self.num_logprobs: int | None = params.logprobs
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+
+
+class SampledLogprobs(NamedTuple):
+    """Same fields, same order as messages.TokenLogprobs: `TokenLogprobs(*x)` converts."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N (token, logprob), most likely first
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[SampledLogprobs | None]  # None for rows that asked for none
+
+
+class Sampler:
+    """Samples a batch. Keeps two scratch buffers between calls: a fresh [B, V] tensor per step
+    costs page faults that dwarf the arithmetic on a CPU. One per worker thread; the caller's
+    logits are never modified."""
+
+    def __init__(self) -> None:
+        self._scratch: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
+               generator: torch.Generator | None = None) -> SamplerOutput:
+        """One token per row of `logits` [B, V]; `generator` drives the rows without a seed.
+
+        Each random row consumes one uniform draw per call, from its own generator when seeded.
+        """
+        _check(logits, states)
+        logprob_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
+        logprobs = _raw_logprobs(logits, states, logprob_rows) if logprob_rows else None
+        penalized = self._penalized(logits, states, None)
+        random_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if len(random_rows) < len(states):
+            tokens = penalized.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        if random_rows:
+            rows_states = [states[i] for i in random_rows]
+            weights = self._rows(penalized, random_rows, may_reuse=penalized is not logits)
+            _truncated_weights_(weights, rows_states)
+            tokens[random_rows] = _inverse_cdf_draw_(weights, rows_states, generator)
+        token_list = tokens.tolist()
+        out: list[SampledLogprobs | None] = [None] * len(states)
+        if logprobs is not None:
+            for i in logprob_rows:
+                out[i] = logprobs(i, token_list[i])
+        return SamplerOutput(token_list, out)
+
+    def processed_probs(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                        extra_output_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """The distribution `sample` draws each row from, as a new [B, V] float32 tensor.
+
+        Greedy rows give a point mass on the penalized argmax. `extra_output_ids[i]` are tokens
+        before row i's position that its state does not hold yet (earlier drafted tokens when
+        one sequence fills several rows); penalties count them as output. States may repeat.
+        """
+        _check(logits, states)
+        penalized = self._penalized(logits, states, extra_output_ids)
+        probs = penalized.float().clone() if penalized is logits else penalized.clone()
+        greedy_rows = [i for i, s in enumerate(states) if s.greedy]
+        random_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if random_rows:
+            weights = probs[random_rows]
+            _truncated_weights_(weights, [states[i] for i in random_rows])
+            probs[random_rows] = weights / weights.sum(dim=-1, keepdim=True)
+        if greedy_rows:
+            top = probs[greedy_rows].argmax(dim=-1)
+            probs[greedy_rows] = 0.0
+            probs[greedy_rows, top] = 1.0
+        return probs
+
+    def _penalized(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                   extra_output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
+        """`logits` itself when no row has a penalty, else a scratch copy with them applied."""
+        if not any(s.uses_penalties for s in states):
+            return logits
+        work = self._buffer(0, logits.shape, logits.device)
+        work.copy_(logits)
+        apply_penalties_(work, states, extra_output_ids)
+        return work
+
+    def _rows(self, src: torch.Tensor, rows: list[int], may_reuse: bool) -> torch.Tensor:
+        """float32 rows of `src` in a scratch buffer (or `src` itself when it is scratch already)."""
+        if may_reuse and len(rows) == src.shape[0]:
+            return src
+        out = self._buffer(1, (len(rows), src.shape[1]), src.device)
+        if len(rows) == src.shape[0]:
+            return out.copy_(src)
+        if src.dtype != torch.float32:
+            return out.copy_(src[rows])
+        return torch.index_select(src, 0, torch.tensor(rows, device=src.device), out=out)
+
+    def _buffer(self, slot: int, shape: tuple[int, int] | torch.Size, device: torch.device) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        buf = self._scratch[slot]
+        if buf.numel() < numel or buf.device != device:
+            buf = self._scratch[slot] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel].view(shape[0], shape[1])
+
+
+def apply_penalties_(logits: torch.Tensor, states: Sequence[SamplingState],
+                     extra_output_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """vLLM's penalties, in place on float32 `logits` [B, V]; touches only the tokens seen.
+
+    repetition: a seen token's logit is divided by the penalty when positive, multiplied when
+    not (seen = in the prompt or the output); frequency: minus penalty times the output count;
+    presence: minus penalty when the token occurs in the output.
+    """
+    vocab, device = logits.shape[1], logits.device
+    flat = logits.view(-1)
+    rows = [i for i, s in enumerate(states) if s.uses_penalties]
+    if not rows:
+        return logits
+    outputs, prompts = [], []
+    for i in rows:
+        extra = list(extra_output_ids[i]) if extra_output_ids is not None else []
+        outputs.append(torch.tensor(states[i].output_token_ids + extra, dtype=torch.long, device=device) + i * vocab)
+        prompts.append(states[i].prompt_token_ids + i * vocab)
+    out_ids, out_counts = torch.unique(torch.cat(outputs), return_counts=True)
+    seen = torch.unique(torch.cat(prompts + [out_ids]))
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([float(getattr(s.params, name)) for s in states], device=device)
+
+    rep = per_row("repetition_penalty")[seen // vocab]
+    values = flat[seen]
+    flat[seen] = torch.where(values > 0, values / rep, values * rep)
+    freq, pres = per_row("frequency_penalty")[out_ids // vocab], per_row("presence_penalty")[out_ids // vocab]
+    flat.index_add_(0, out_ids, -(freq * out_counts.to(flat.dtype) + pres))
+    return logits
+
+
+def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place: logits rows -> unnormalised probabilities after temperature, min-p, top-k, top-p.
+
+    Removed tokens get weight exactly 0. Rows are independent, so a row's result never depends
+    on the rest of the batch.
+    """
+    device, vocab = w.device, w.shape[1]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=w.dtype, device=device).unsqueeze(1)
+
+    w.div_(column([s.params.temperature for s in states]))
+    w.sub_(w.amax(dim=-1, keepdim=True)).exp_()  # softmax without its normalisation: the best weighs 1
+    if any(s.uses_min_p for s in states):
+        w.masked_fill_(w < column([s.params.min_p for s in states]), 0.0)
+    if any(s.top_k for s in states):
+        ks = [min(s.top_k, vocab) for s in states]
+        best = w.topk(max(ks), dim=-1).values
+        kth = best.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device).unsqueeze(1))
+        kth.masked_fill_(column([float(k == 0) for k in ks]).bool(), 0.0)  # rows without top-k keep all
+        w.masked_fill_(w < kth, 0.0)
+    if any(s.uses_top_p for s in states):
+        w.masked_fill_(w < _top_p_cut(w, states), 0.0)
+
+
+def _top_p_cut(w: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Per row, the weight of the last token in the smallest most-likely set holding top_p of
+    the mass (ties with it are kept); 0 for rows without top-p."""
+    device = w.device
+    top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=device)
+    goal = w.sum(dim=-1) * top_p
+    best = w.topk(min(_TOP_P_CANDIDATES, w.shape[1]), dim=-1).values
+    cumulative = best.cumsum(dim=-1)
+    reached = cumulative[:, -1] >= goal
+    # The first candidate whose running mass reaches the goal is the last one kept.
+    last = (cumulative < goal.unsqueeze(1)).sum(dim=-1).clamp_(max=best.shape[1] - 1)
+    cut = best.gather(1, last.unsqueeze(1)).squeeze(1)
+    for j in (~reached & (top_p < 1.0)).nonzero().flatten().tolist():  # flat distribution: sort the row
+        row = w[j].sort(descending=True).values
+        idx = int((row.cumsum(dim=0) < goal[j]).sum().clamp(max=row.numel() - 1))
+        cut[j] = row[idx]
+    cut.masked_fill_(top_p >= 1.0, 0.0)
+    return cut.unsqueeze(1)
+
+
+def _inverse_cdf_draw_(w: torch.Tensor, states: Sequence[SamplingState],
+                       generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from weights `w` (turned into running sums in place), one uniform each."""
+    device = w.device
+    u = torch.empty(len(states), dtype=w.dtype, device=device)
+    if any(s.generator is None for s in states):
+        u.uniform_(generator=generator)
+    for j, s in enumerate(states):
+        if s.generator is not None:
+            u[j] = torch.rand((), generator=s.generator, dtype=w.dtype, device=device)
+    w.cumsum_(dim=-1)
+    total = w[:, -1]
+    # u * total < total, so some running sum exceeds it; a zero-weight token never does first.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(w, target.unsqueeze(1), right=True).squeeze(1)
+
+
+def _raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]):
+    """Returns f(row, token) -> SampledLogprobs from the unmodified logits of `rows`."""
+    raw = logits[rows].float()
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    max_n = max(states[i].num_logprobs for i in rows)
+    top_vals, top_ids = raw.topk(min(max_n, raw.shape[1]), dim=-1) if max_n else (raw[:, :0], raw[:, :0].long())
+    top_vals = (top_vals - lse).tolist()
+    top_ids = top_ids.tolist()
+    lse_list = lse.squeeze(1).tolist()
+    where = {i: j for j, i in enumerate(rows)}
+
+    def for_row(i: int, token: int) -> SampledLogprobs:
+        j, n = where[i], states[i].num_logprobs
+        return SampledLogprobs(token, float(raw[j, token]) - lse_list[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
+
+    return for_row
+
+
+def _check(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
