@@ -17,7 +17,7 @@ import torch
 from actors.messages import GetWorkerInfo, SeqOutput, StepPlan, StepResult, TokenLogprobs, WorkerInfo
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
-from actors.worker.sampler import SamplingState, sample
+from actors.worker.sampler import Sampler, SamplingState
 from runtime import Actor
 
 
@@ -29,6 +29,7 @@ class WorkerActor(Actor):
         self.states: dict[int, SamplingState] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._generator: torch.Generator | None = None
+        self._sampler = Sampler()         # used on the compute thread only
 
     async def on_start(self) -> None:
         if self._executor is None:
@@ -66,7 +67,7 @@ class WorkerActor(Actor):
         if rows:
             states = [self.states[plan.seqs[i].seq_id] for i in rows]
             picked = logits if len(rows) == len(plan.seqs) else logits[rows]
-            sampled = sample(picked, states, self._generator)
+            sampled = self._sampler.sample(picked, states, self._generator)
             for i, state, token, lp in zip(rows, states, sampled.token_ids, sampled.logprobs):
                 state.append([token])
                 outputs.append(SeqOutput(plan.seqs[i].seq_id, [token], None if lp is None else [TokenLogprobs(*lp)]))

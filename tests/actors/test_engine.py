@@ -1,0 +1,136 @@
+"""The engine's actors driven through their messages, as the gateway drives them.
+
+A small sink actor stands in for the gateway: it submits, receives TokenDeltas and aborts.
+Covers requests joining a running batch (with transformers parity), abort freeing blocks at once,
+streaming while the forward runs, an idle scheduler that does not spin, and the stats.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.engine import start_engine
+from actors.worker.model_runner import ModelRunner
+from actors.messages import AbortRequest, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from runtime import Actor, ActorSystem
+from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts
+
+
+class Sink(Actor):
+    def __init__(self):
+        self.tokens: dict[tuple[str, int], list[int]] = {}
+        self.finish: dict[tuple[str, int], str] = {}
+        self.messages = 0
+        self.changed = asyncio.Event()
+
+    async def receive(self, msg):
+        assert isinstance(msg, TokenDeltas)
+        self.messages += 1
+        for d in msg.deltas:
+            key = (d.request_id, d.index)
+            assert key not in self.finish, "a delta after the finish"
+            self.tokens.setdefault(key, []).extend(d.token_ids)
+            if d.finish_reason is not None:
+                self.finish[key] = d.finish_reason
+        self.changed.set()
+
+    async def wait(self, pred, timeout=60.0):
+        async def loop():
+            while not pred():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(loop(), timeout)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    system = ActorSystem("engine-test")
+    await system.start()
+    cfg = EngineConfig(model=tiny_model_dir("qwen2"), dtype="float32", num_threads=1, block_size=16,
+                       num_blocks=96, max_num_batched_tokens=64)
+    eng = await start_engine(cfg, system)
+    sink = Sink()
+    sink_ref = await system.spawn(sink, name="sink")
+    yield eng, sink, sink_ref
+    await eng.stop()
+    await system.shutdown()
+
+
+async def test_requests_joining_a_running_batch_match_transformers(engine, tiny_model_dir):
+    eng, sink, ref = engine
+    batch = prompts(5)
+    for i, p in enumerate(batch[:4]):
+        eng.scheduler.tell(SubmitRequest(f"a{i}", p, GREEDY, ref))
+    await sink.wait(lambda: any(sink.tokens.get((f"a{i}", 0)) for i in range(4)))
+    for i, p in enumerate(batch[4:]):  # the first ones are decoding by now
+        eng.scheduler.tell(SubmitRequest(f"b{i}", p, GREEDY, ref))
+    ids = [f"a{i}" for i in range(4)] + [f"b{i}" for i in range(4)]
+    await sink.wait(lambda: all((r, 0) in sink.finish for r in ids))
+    assert len(sink.finish) == 8 and set(sink.finish.values()) == {"length"}
+    assert [sink.tokens[(r, 0)] for r in ids] == hf_greedy(tiny_model_dir("qwen2"), batch)
+    stats = await eng.scheduler.ask(GetStats())
+    assert stats.generation_tokens == 8 * NUM_NEW and stats.prompt_tokens == sum(map(len, batch))
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 96
+    assert sink.messages < 8 * NUM_NEW  # deltas of one step travel together
+
+
+async def test_abort_frees_blocks_at_once(engine):
+    eng, sink, ref = engine
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    eng.scheduler.tell(SubmitRequest("victim", list(range(4, 200)), long, ref))
+    eng.scheduler.tell(SubmitRequest("other", list(range(10, 40)), long, ref))
+    await sink.wait(lambda: len(sink.tokens.get(("victim", 0), [])) >= 3)
+    before = await eng.scheduler.ask(GetStats())
+    assert before.requests_running == 2 and before.kv_blocks_free < 96 - 13
+    eng.scheduler.tell(AbortRequest("victim"))
+    after = await eng.scheduler.ask(GetStats())  # handled right after the abort, before any step
+    assert after.kv_blocks_free >= before.kv_blocks_free + 13  # its 13+ blocks are back
+    assert after.requests_running == 1
+    await sink.wait(lambda: ("victim", 0) in sink.finish)
+    assert sink.finish[("victim", 0)] == "abort"
+    eng.scheduler.tell(AbortRequest("other"))
+    await sink.wait(lambda: ("other", 0) in sink.finish)
+    final = await eng.scheduler.ask(GetStats())
+    assert final.kv_blocks_free == 96 and final.requests_running == final.requests_waiting == 0
+
+
+async def test_idle_scheduler_does_not_step(engine):
+    eng, sink, ref = engine
+    eng.scheduler.tell(SubmitRequest("one", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3), ref))
+    await sink.wait(lambda: ("one", 0) in sink.finish)
+    steps = (await eng.scheduler.ask(GetStats())).steps
+    await asyncio.sleep(0.3)
+    assert (await eng.scheduler.ask(GetStats())).steps == steps
+
+
+async def test_loop_keeps_serving_while_the_forward_runs(engine, monkeypatch):
+    eng, sink, ref = engine
+    execute = ModelRunner.execute
+
+    def slow_execute(self, batch):
+        time.sleep(0.5)  # a long forward pass, blocking its thread
+        return execute(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", slow_execute)
+    eng.scheduler.tell(SubmitRequest("slow", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), ref))
+    ticks = 0
+    while ("slow", 0) not in sink.finish:
+        ticks += 1
+        await asyncio.sleep(0.01)
+    stats = await eng.scheduler.ask(GetStats())  # the scheduler answers between steps too
+    assert stats.steps == 1
+    assert ticks >= 10  # the event loop kept running during the half-second forward
+
+
+async def test_unknown_abort_and_duplicate_ids_are_harmless(engine):
+    eng, sink, ref = engine
+    eng.scheduler.tell(AbortRequest("nobody"))
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.scheduler.tell(SubmitRequest("dup", [5, 6], p, ref))
+    eng.scheduler.tell(SubmitRequest("dup", [7, 8], p, ref))
+    eng.scheduler.tell(SubmitRequest("empty", [], p, ref))
+    await sink.wait(lambda: ("dup", 0) in sink.finish and ("empty", 0) in sink.finish)
+    assert len(sink.tokens[("dup", 0)]) == 4 and sink.finish[("empty", 0)] == "abort"
