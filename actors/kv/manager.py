@@ -119,25 +119,28 @@ class KVCacheManager:
 
     # ---- n > 1 sampling ---------------------------------------------------------------------
 
-    def can_fork(self, src_id: str) -> bool:
-        return self._seq(src_id).num_computed % self.block_size == 0 or self._pool.num_free >= 1
+    def can_fork(self, src_id: str, num_tokens: int | None = None) -> bool:
+        return self._fork_length(src_id, num_tokens) % self.block_size == 0 or self._pool.num_free >= 1
 
-    def fork(self, src_id: str, dst_id: str) -> list[tuple[int, int]]:
-        """Start `dst_id` as a copy of `src_id`'s computed positions; returns KV copies to make.
+    def fork(self, src_id: str, dst_id: str, num_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Start `dst_id` holding the KV of `src_id`'s first `num_tokens` positions (default: all
+        computed ones); returns the KV copies the worker must make.
 
         Full blocks are shared (refcounted, never written again). A partly filled last block
         would be written by both, so dst gets a fresh block instead, and the caller must copy
         the KV of each returned (src_block, dst_block) pair, in every layer, before dst's next
-        forward pass. dst's token ids are src's first `num_computed` ones; append its own
-        sampled tokens afterwards. Fork once src's prompt is computed (for n > 1 sampling: right
-        after the step that finished the prompt, before sampling moves the copies apart).
+        forward pass. With `num_tokens` on a block boundary there is nothing to copy: dst then
+        recomputes src's remaining positions itself (at most block_size - 1 of a prompt).
+        dst's token ids are src's first `num_computed_tokens(src_id)` ones; append its own
+        sampled tokens afterwards. For n > 1 sampling, fork once src's prompt is computed.
         """
         src = self._seq(src_id)
         if dst_id in self._seqs:
             raise ValueError(f"request {dst_id!r} already holds blocks")
-        if not self.can_fork(src_id):
+        if not self.can_fork(src_id, num_tokens):
             raise RuntimeError(f"fork of {src_id!r} without a free block: call can_fork first")
-        num_full, partial = divmod(src.num_computed, self.block_size)
+        length = self._fork_length(src_id, num_tokens)
+        num_full, partial = divmod(length, self.block_size)
         blocks = src.blocks[:num_full]
         self._pool.touch(blocks)
         copies = []
@@ -145,8 +148,7 @@ class KVCacheManager:
             fresh = self._pool.take_fresh(1)[0]
             copies.append((src.blocks[num_full].block_id, fresh.block_id))
             blocks = blocks + [fresh]
-        dst = _Seq(src.token_ids[:src.num_computed], src.cache_salt, blocks, src.block_hashes[:num_full],
-                   src.num_computed)
+        dst = _Seq(src.token_ids[:src.num_computed], src.cache_salt, blocks, src.block_hashes[:num_full], length)
         dst.num_cached_blocks = min(src.num_cached_blocks, num_full)
         self._seqs[dst_id] = dst
         return copies
@@ -232,6 +234,14 @@ class KVCacheManager:
                 raise RuntimeError(f"{request_id!r} has fewer slots than computed positions")
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _fork_length(self, src_id: str, num_tokens: int | None) -> int:
+        computed = self._seq(src_id).num_computed
+        if num_tokens is None:
+            return computed
+        if not 0 <= num_tokens <= computed:
+            raise ValueError(f"fork of {num_tokens} positions of {src_id!r}, which has {computed} computed")
+        return num_tokens
 
     def _seq(self, request_id: str) -> _Seq:
         seq = self._seqs.get(request_id)

@@ -324,3 +324,19 @@ def test_prefix_caching_off_means_no_hits_and_no_events():
     m.free("a")
     assert admit(m, "b", range(9)).num_computed_tokens == 0
     assert m.take_events() == [] and m.num_cached_blocks == 0
+
+
+def test_fork_at_a_block_boundary_below_the_computed_length_needs_no_free_block():
+    m = make(num_blocks=3)
+    admit(m, "p", range(10))  # 3 blocks, none free
+    assert m.can_fork("p", num_tokens=8) and not m.can_fork("p")
+    assert m.fork("p", "q", num_tokens=8) == []
+    assert m.block_table("q") == m.block_table("p")[:2] and m.num_computed_tokens("q") == 8
+    with pytest.raises(ValueError):
+        m.fork("p", "r", num_tokens=11)  # more than p has computed
+    m.free("p")
+    m.allocate_slots("q", 2)  # q recomputes positions 8 and 9 itself (it knows their tokens)
+    assert m.num_computed_tokens("q") == 10
+    m.free("q")
+    m.check_invariants()
+    assert m.num_free_blocks == 3

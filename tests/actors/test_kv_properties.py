@@ -59,13 +59,14 @@ class Sim:
     def step(self, rid: str) -> None:
         s, m = self.seqs[rid], self.m
         done = m.num_computed_tokens(rid)
-        if done < s["prompt_len"]:  # next prefill chunk
-            n = self.rng.randrange(1, s["prompt_len"] - done + 1)
+        pending = len(s["tokens"]) - done
+        if pending > 1 or done < s["prompt_len"]:  # a prefill chunk (or a fork catching up)
+            n = self.rng.randrange(1, pending + 1)
             if not m.can_allocate(rid, n):
                 return self.preempt()
             m.allocate_slots(rid, n)
             return self.write(rid, done, done + n, s["tokens"])
-        if len(s["tokens"]) == done:  # the prompt's logits gave a first token
+        if pending == 0:  # the last chunk's logits gave a token
             self.append(rid, [self.rng.randrange(50)])
         k = self.rng.choice([0, 0, 1, 3])
         if not m.can_allocate(rid, 1, num_lookahead_tokens=k):
@@ -86,15 +87,17 @@ class Sim:
 
     def fork(self, rid: str) -> None:
         s = self.seqs[rid]
-        if self.m.num_computed_tokens(rid) < s["prompt_len"] or not self.m.can_fork(rid):
+        computed = self.m.num_computed_tokens(rid)
+        # Either the whole computed length (copying a partial block) or a block boundary below it.
+        length = self.rng.choice([None, computed // BS * BS])
+        if computed < s["prompt_len"] or not self.m.can_fork(rid, length):
             return
         dst = f"r{self.next_id}"
         self.next_id += 1
-        copies = self.m.fork(rid, dst)
+        copies = self.m.fork(rid, dst, length)
         for src_block, dst_block in copies:
             self.kv[dst_block * BS:(dst_block + 1) * BS] = self.kv[src_block * BS:(src_block + 1) * BS]
-        n = self.m.num_computed_tokens(dst)
-        self.seqs[dst] = {"tokens": s["tokens"][:n], "salt": s["salt"], "prompt_len": s["prompt_len"]}
+        self.seqs[dst] = {"tokens": s["tokens"][:computed], "salt": s["salt"], "prompt_len": s["prompt_len"]}
 
     def preempt(self) -> None:
         if self.seqs:
