@@ -190,7 +190,8 @@ def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> Non
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=w.dtype, device=device).unsqueeze(1)
 
-    w.div_(column([s.params.temperature for s in states]))
+    if any(s.params.temperature != 1.0 for s in states):
+        w.div_(column([s.params.temperature for s in states]))
     w.sub_(w.amax(dim=-1, keepdim=True)).exp_()  # softmax without its normalisation: the best weighs 1
     if any(s.uses_min_p for s in states):
         w.masked_fill_(w < column([s.params.min_p for s in states]), 0.0)
