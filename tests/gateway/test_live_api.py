@@ -1,0 +1,307 @@
+"""The OpenAI API over real HTTP on loopback, driven by the official `openai` client.
+
+The engine is a tiny random-weight llama, so text is gibberish: tests check shapes, counts,
+reproducibility and stop handling rather than meaning (the SmolLM2 tests check meaning).
+"""
+import asyncio
+import re
+import time
+
+import openai
+import pytest
+
+from tests.gateway import http_util as http
+from tests.gateway.conftest import API_KEY
+
+MSG = [{"role": "user", "content": "Hello world! How are you today?"}]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def metric(base: str, name: str) -> float:
+    text = http.get(base + "/metrics", headers=AUTH).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_health_ready_models(tiny_servers, client):
+    for path in ("/health", "/ready"):   # unprotected
+        assert http.get(tiny_servers.main + path).status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_chat_non_streamed(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.model == "tiny"
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and isinstance(ch.message.content, str)
+    assert ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_streamed_equals_non_streamed_for_same_seed(client):
+    kw = dict(model="tiny", messages=MSG, max_tokens=12, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices]
+    assert content[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 12
+    assert "".join(c.choices[0].delta.content or "" for c in content) == whole.choices[0].message.content
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_seed_reproducible_and_seeds_differ(client):
+    def text(seed):
+        return client.completions.create(model="tiny", prompt="One two three", max_tokens=16,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    a, b = text(7), text(7)
+    assert a == b
+    assert any(text(s) != a for s in (8, 9, 10))
+
+
+def test_completions_prompt_forms(client, tiny_servers):
+    ids = tiny_servers.tokenizer.encode("The quick brown fox")
+    r = client.completions.create(model="tiny", prompt=["The quick", "brown fox"], max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion"
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 6
+    by_text = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == by_text.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_n_two_samples(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, n=2,
+                                       temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 12
+    assert r.choices[0].message.content != r.choices[1].message.content
+    seen = {0: "", 1: ""}
+    for c in client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, n=2,
+                                            temperature=1.0, seed=3, stream=True,
+                                            extra_body={"ignore_eos": True}):
+        for ch in c.choices:
+            seen[ch.index] += ch.delta.content or ""
+    assert seen == {i: r.choices[i].message.content for i in (0, 1)}
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        # greedy: the sampled token is the most likely one
+        assert t.logprob == pytest.approx(max(x.logprob for x in t.top_logprobs), abs=1e-5)
+    c = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == c.choices[0].text
+
+
+def test_stop_strings_cut_output(client):
+    kw = dict(model="tiny", messages=MSG, max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    assert len(full) > 12
+    stop = full[6:10]
+    want = full[:full.find(stop)]
+    r = client.chat.completions.create(**kw, stop=[stop, "never-there"])
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_prefix_cache_reported_as_cached_tokens(client):
+    prompt = "In the beginning the model read every token, then it cached them in blocks. " * 6
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens > 32
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_tokenize_detokenize(tiny_servers):
+    text = "Hello world! 😀 東京"
+    t = http.post(tiny_servers.main + "/tokenize", headers=AUTH, json_body={"prompt": text}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] > 0
+    d = http.post(tiny_servers.main + "/detokenize", headers=AUTH, json_body={"tokens": t["tokens"]})
+    assert d.json()["prompt"] == text
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 1000}, "n"),
+    ({"stop": ["s"] * 100}, "stop"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": "many"}, "max_tokens"),
+])
+def test_bad_requests_are_400_naming_param(client, kwargs, param):
+    args = {"model": "tiny", "messages": MSG, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["message"]
+
+
+def test_context_length_exceeded(client, tiny_servers):
+    ids = [5] * 1100
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[5] * 1000, max_tokens=100)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-99", messages=MSG)
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+
+
+def test_api_key_required(tiny_servers):
+    bad = openai.OpenAI(base_url=tiny_servers.main + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="tiny", messages=MSG)
+    assert e.value.body["code"] == "invalid_api_key"
+    for path in ("/metrics", "/v1/models"):
+        r = http.get(tiny_servers.main + path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_over_cap_is_413(tiny_servers):
+    r = http.post(tiny_servers.limits + "/v1/chat/completions",
+                  json_body={"model": "tiny", "messages": [{"role": "user", "content": "x" * 10000}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_no_engine_is_503(tiny_servers):
+    assert http.get(tiny_servers.down + "/ready").status_code == 503
+    r = http.post(tiny_servers.down + "/v1/chat/completions", json_body={"messages": MSG})
+    assert r.status_code == 503 and "error" in r.json()
+    # validation still comes first, even without an engine
+    r = http.post(tiny_servers.down + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _long_stream(base: str):
+    """A streamed request whose long prompt keeps it waiting for many 32-token prefill chunks."""
+    body = {"model": "tiny", "prompt": [7] * 960, "max_tokens": 2, "stream": True,
+            "extra": "ignored"}
+    return http.open_request("POST", base + "/v1/completions", json_body=body)
+
+
+def test_queue_full_is_429_with_retry_after(tiny_servers):
+    for _ in range(5):   # the first request must still be prefilling when the second arrives
+        conn, first = _long_stream(tiny_servers.limits)
+        assert first.status == 200   # headers came: it is submitted and waiting
+        r = http.post(tiny_servers.limits + "/v1/completions",
+                      json_body={"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        first.read()
+        conn.close()
+        if r.status_code == 429:
+            break
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_idle_stream_gets_ping_comments(tiny_servers):
+    conn, resp = _long_stream(tiny_servers.limits)
+    try:
+        assert resp.getheader("content-type").startswith("text/event-stream")
+        assert resp.getheader("cache-control") == "no-cache"
+        assert resp.getheader("x-accel-buffering") == "no"
+        body = resp.read().decode()
+    finally:
+        conn.close()
+    assert ": ping\n\n" in body
+    assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_disconnect_frees_kv_blocks(tiny_servers):
+    base = tiny_servers.main
+    free_before = metric(base, "matinee_kv_blocks_free")
+    body = {"model": "tiny", "prompt": "The quick brown fox " * 10, "max_tokens": 800,
+            "stream": True, "ignore_eos": True}
+    conn, resp = http.open_request("POST", base + "/v1/completions", json_body=body, headers=AUTH)
+    assert resp.status == 200
+    got = 0
+    while got < 3:
+        line = resp.readline()
+        assert line, "the stream ended early"
+        got += line.startswith(b"data: ")
+    assert metric(base, "matinee_kv_blocks_free") < free_before
+    conn.close()   # hang up mid-stream
+    deadline = time.monotonic() + 20
+    while metric(base, "matinee_kv_blocks_free") != free_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base, "matinee_kv_blocks_free") == free_before
+    assert metric(base, "matinee_requests_running") == 0
+
+
+def test_64_concurrent_streams_finish(tiny_servers):
+    async def go():
+        c = openai.AsyncOpenAI(base_url=tiny_servers.main + "/v1", api_key=API_KEY, max_retries=0,
+                               timeout=120)
+
+        async def one(i):
+            finish, text = None, ""
+            stream = await c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"Request {i}"}],
+                max_tokens=8, stream=True, seed=i, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                for ch in chunk.choices:
+                    text += ch.delta.content or ""
+                    finish = ch.finish_reason or finish
+            return finish
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await c.close()
+
+    assert asyncio.run(go()) == ["length"] * 64
+
+
+def test_metrics_names_and_counts(tiny_servers, client):
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=2)
+    text = http.get(tiny_servers.main + "/metrics", headers=AUTH).text
+    for name in ("matinee_requests_running", "matinee_requests_waiting", "matinee_kv_blocks_total",
+                 "matinee_kv_blocks_free", "matinee_prefix_cache_queried_tokens_total",
+                 "matinee_prefix_cache_hit_tokens_total", "matinee_prompt_tokens_total",
+                 "matinee_generation_tokens_total", "matinee_preemptions_total",
+                 "matinee_requests_total", "matinee_time_to_first_token_seconds_bucket",
+                 "matinee_inter_token_latency_seconds_bucket", "matinee_e2e_request_latency_seconds_count",
+                 "matinee_request_queue_seconds_count"):
+        assert re.search(rf"^{name}[{{ ]", text, re.M), name
+    assert metric(tiny_servers.main, "matinee_kv_blocks_total") == 512
+    assert metric(tiny_servers.main, "matinee_generation_tokens_total") >= 2
+    assert metric(tiny_servers.main, "matinee_e2e_request_latency_seconds_count") >= 1
