@@ -10,7 +10,10 @@ import re
 
 import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
 
+from actors.worker.gguf_file import GGUFFile
 from actors.worker.model_config import ModelConfig, ModelLoadError
 
 _LAYER_NAMES = {
@@ -46,35 +49,17 @@ def _gguf_name(hf_name: str) -> str | None:
     return None
 
 
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception:  # exotic field types we never read
-        return None
-
-
 class GGUFWeights:
     """Opens one GGUF file; `config` is its ModelConfig, `get` dequantizes one tensor."""
 
-    # Arrays we never need in the config; decoding 50k strings in Python is slow.
-    _SKIP_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.merges")
-
     def __init__(self, path: str) -> None:
-        import gguf  # deferred: only GGUF users pay for the import
-
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(path)
+            self._file = GGUFFile(path)
         except Exception as e:
             raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
-        self._dequantize = gguf.quants.dequantize
-        meta = {k: _field_value(f) for k, f in self._reader.fields.items() if k not in self._SKIP_FIELDS}
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None and f"{meta.get('general.architecture')}.vocab_size" not in meta:
-            meta["tokenizer.ggml.tokens"] = range(len(tokens.data))  # only its length is read
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        config = ModelConfig.from_gguf(meta, set(self._tensors))
+        self._tensors = self._file.tensors
+        config = ModelConfig.from_gguf(self._file.metadata, set(self._tensors))
         if "rope_freqs.weight" in self._tensors:
             factors = self._array("rope_freqs.weight").reshape(-1)
             config = dataclasses.replace(config, rope_freq_factors=tuple(float(x) for x in factors))
@@ -96,11 +81,11 @@ class GGUFWeights:
         return torch.from_numpy(array).to(dtype)
 
     def _array(self, gname: str) -> np.ndarray:
-        t = self._tensors[gname]
-        return self._dequantize(t.data, t.tensor_type)
+        return dequantize(self._file.raw(gname), GGMLQuantizationType(self._tensors[gname].qtype))
 
     def close(self) -> None:
-        self._tensors.clear()
+        self._tensors = {}
+        self._file = None  # drops the memory map once the last tensor view is gone
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

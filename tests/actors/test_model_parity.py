@@ -104,7 +104,7 @@ def reference(tiny_model_dir):
 
 
 def _runner(folder: str, num_blocks: int = 96) -> ModelRunner:
-    return ModelRunner(folder, dtype="float32", kernels="torch", block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    return ModelRunner(folder, dtype="float32", kernels="torch", num_threads=1, block_size=BLOCK_SIZE, num_blocks=num_blocks)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
