@@ -14,11 +14,13 @@ import sys
 import time
 
 import msgspec
+import struct
 
 from runtime import Actor, ActorSystem, configure_logging, register_messages
 from runtime.loop import run, using_uvloop
 
 SECRET = "bench-secret"
+_HEADER = struct.Struct(">I")
 
 
 class BenchPing(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -117,11 +119,34 @@ async def peer_future_roundtrip(n: int) -> list[float]:
 
 
 class _EchoProto(asyncio.Protocol):
+    """Echoes bytes back; after a b"S" first byte it instead counts 16-byte frames and answers
+    the count to an empty frame (the bare one-way streaming peer)."""
+
     def connection_made(self, transport):
         self.transport = transport
+        self.stream = None
+        self.count = 0
 
     def data_received(self, data):
-        self.transport.write(data)
+        if self.stream is None and data[:1] == b"S":
+            self.stream = bytearray()
+            data = data[1:]
+        if self.stream is None:
+            self.transport.write(data)
+            return
+        buf = self.stream
+        buf += data
+        pos, n, unpack = 0, len(buf), _HEADER.unpack_from
+        while n - pos >= 4:
+            size = unpack(buf, pos)[0]
+            if n - pos - 4 < size:
+                break
+            pos += 4 + size
+            if size == 0:
+                self.transport.write(_HEADER.pack(self.count))
+            else:
+                self.count += 1
+        del buf[:pos]
 
 
 class _PingProto(asyncio.Protocol):
@@ -134,6 +159,40 @@ class _PingProto(asyncio.Protocol):
     def data_received(self, data):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(data)
+
+
+class _StreamProto(asyncio.Protocol):
+    def __init__(self):
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        if not self.done.done():
+            self.done.set_result(_HEADER.unpack_from(data)[0])
+
+
+async def peer_stream_rate(port: int, n: int, batch: int = 1024) -> float:
+    """Bare asyncio one-way throughput of 12-byte payloads in length-prefixed frames."""
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_connection(_StreamProto, "127.0.0.1", port)
+    transport.write(b"S")
+    payload, pack = b"x" * 12, _HEADER.pack
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        out = bytearray()
+        for _ in range(min(batch, n - i)):
+            out += pack(12)
+            out += payload
+        transport.write(out)
+        await asyncio.sleep(0)
+    transport.write(pack(0))
+    count = await proto.done
+    dt = time.perf_counter() - t0
+    transport.close()
+    assert count == n, (count, n)
+    return n / dt
 
 
 async def peer_loopback_rtt(port: int, n: int) -> list[float]:
@@ -185,7 +244,11 @@ async def measure(args) -> dict:
         address, raw_port = words[1], int(words[2])
         remote = system.remote_ref(address, "counter")
         await system.connect(address)
+        far0, near0 = await remote.ask(BenchCpu()), time.process_time()
         lat = await ask_latencies(remote, args.asks)
+        far1, near1 = await remote.ask(BenchCpu()), time.process_time()
+        n = args.asks + min(args.asks, 1000)
+        result["tcp_ask_cpu_us"] = {"asker": (near1 - near0) / n * 1e6, "replier": (far1 - far0) / n * 1e6}
         result["tcp_ask_p50_us"] = percentile(lat, 0.5)
         result["tcp_ask_p99_us"] = percentile(lat, 0.99)
         rates = []
@@ -198,6 +261,7 @@ async def measure(args) -> dict:
         result["tcp_tell_cpu_us"] = {"sender": (near1 - near0) / args.tcp_tells * 1e6,
                                      "receiver": (far1 - far0) / args.tcp_tells * 1e6}
         rtt = await peer_loopback_rtt(raw_port, args.asks)
+        stream = max([await peer_stream_rate(raw_port, args.tcp_tells) for _ in range(args.repeat)])
     finally:
         far.terminate()
         far.wait(10)
@@ -207,6 +271,7 @@ async def measure(args) -> dict:
         "asyncio_queue_put_per_s": max([await peer_queue_puts(args.tells) for _ in range(args.repeat)]),
         "future_roundtrip_p50_us": percentile(fut, 0.5),
         "loopback_rtt_p50_us": percentile(rtt, 0.5),
+        "loopback_stream_per_s": stream,
     }
     result["uvloop"] = using_uvloop()
     result["machine"] = f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
@@ -235,9 +300,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(target p50 <= 15; bare future round trip p50 {peer['future_roundtrip_p50_us']:.1f} us)")
     print(f"TCP ask (2 procs)    p50 {r['tcp_ask_p50_us']:6.1f} us  p99 {r['tcp_ask_p99_us']:6.1f} us   "
           f"(target p50 <= 100; bare loopback echo p50 {peer['loopback_rtt_p50_us']:.1f} us)")
-    cpu = r["tcp_tell_cpu_us"]
-    print(f"TCP tell (2 procs)   {r['tcp_tell_per_s']:>12,.0f} msg/s   (target >= 200,000; CPU per message: "
-          f"sender {cpu['sender']:.2f} us, receiver {cpu['receiver']:.2f} us)")
+    acpu, tcpu = r["tcp_ask_cpu_us"], r["tcp_tell_cpu_us"]
+    print(f"                     CPU per ask: asker {acpu['asker']:.1f} us, replier {acpu['replier']:.1f} us")
+    print(f"TCP tell (2 procs)   {r['tcp_tell_per_s']:>12,.0f} msg/s   (target >= 200,000; bare framed stream "
+          f"{peer['loopback_stream_per_s']:,.0f}/s)")
+    print(f"                     CPU per message: sender {tcpu['sender']:.2f} us, receiver {tcpu['receiver']:.2f} us")
     print(f"event loop: {'uvloop' if r['uvloop'] else 'asyncio'}; {r['machine']}")
     return 0
 

@@ -75,6 +75,14 @@ class ActorCell:
             if not w.done():
                 w.set_result(None)
 
+    def notify(self) -> None:
+        """Resume the drain loop after items were appended to `dq` directly."""
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
     def _dead_letter(self, item: Any) -> None:
         if type(item) is Ask and not item.reply.done():
             item.reply.set_exception(ActorDead(f"actor {self.path!r} is stopped"))

@@ -94,6 +94,9 @@ class Connection(asyncio.Protocol):
     # ---- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.closed:   # accepted while the node shuts down
+            transport.abort()
+            return
         self._last_rx = self.loop.time()
         self._timer = self.loop.call_later(self.system.connect_timeout_s, self._handshake_expired)
         if not self.outbound:
@@ -145,10 +148,22 @@ class Connection(asyncio.Protocol):
                 frame = self.codec.decoder.decode(mv[pos + 4:end])
                 pos = end
                 if frame.__class__ is batch:
+                    # Runs of tells to one actor: append to its mailbox, wake it once.
+                    last_to = None
+                    cell = append = None
                     for f in frame.items:
-                        cell = cells.get(f.to)
-                        if cell is not None:
-                            cell.put(f.msg)
+                        if f.to != last_to:
+                            if cell is not None:
+                                cell.notify()
+                            last_to = f.to
+                            cell = cells.get(last_to)
+                            if cell is not None and cell.dead:
+                                cell = None
+                            append = cell.dq.append if cell is not None else None
+                        if append is not None:
+                            append(f.msg)
+                    if cell is not None:
+                        cell.notify()
                 elif frame.__class__ in tells:
                     cell = cells.get(frame.to)
                     if cell is not None:
@@ -261,13 +276,16 @@ class Connection(asyncio.Protocol):
             self._written(start)
 
     def send_tell(self, path: str, msg: Any) -> None:
-        """The hot path: appended to the open batch frame as a cached [tag, to] prefix plus the
-        message encoded in place; size errors still surface here, at the sender."""
-        if self.closed:
-            return
         prefix = self._tell_prefix.get((msg.__class__, path))
         if prefix is None:
             prefix = self._make_tell_prefix(msg, path)
+        self.send_prefixed(prefix, msg)
+
+    def send_prefixed(self, prefix: bytes, msg: Any) -> None:
+        """The hot path: one tell appended to the open batch frame as its cached [tag, to]
+        prefix plus the message encoded in place; size errors still surface at the sender."""
+        if self.closed:
+            return
         out = self.out
         start = len(out)
         opened = self._batch < 0
@@ -282,24 +300,32 @@ class Connection(asyncio.Protocol):
         except BaseException:
             self._drop_item(start if opened else item, opened)
             raise
-        size = len(out) - item
-        if size > self._item_cap:
+        end = len(out)
+        if end - item > self._item_cap:
             self._drop_item(start if opened else item, opened)
-            raise ValueError(f"message of {size} bytes exceeds the frame cap of {self.cap}")
-        if len(out) - self._batch - 4 > self.cap:
+            raise ValueError(f"message of {end - item} bytes exceeds the frame cap of {self.cap}")
+        self._batch_n += 1
+        if end - self._batch > self._batch_cap:
+            self._split_batch(item, end)
+        if not self.flush_scheduled:
+            if self.open:
+                self._written(start)
+        elif end >= FLUSH_NOW_BYTES and self.open:
+            self._written(start)
+
+    def _split_batch(self, item: int, end: int) -> None:
+        out = self.out
+        if end - self._batch - 4 > self.cap:
             # Too big to join this batch: close the batch before it and start a new one.
             data = bytes(out[item:])
             del out[item:]
+            self._batch_n -= 1
             self._close_batch()
             self._batch = len(out)
-            self._batch_n = 0
+            self._batch_n = 1
             out += BATCH_HEAD
             out += data
-        self._batch_n += 1
-        if len(out) - self._batch > self._batch_cap:
-            self._close_batch()
-        if self.open:
-            self._written(start)
+        self._close_batch()
 
     def _drop_item(self, cut: int, opened: bool) -> None:
         del self.out[cut:]
@@ -313,6 +339,10 @@ class Connection(asyncio.Protocol):
             _pack_header(out, b, len(out) - b - 4)
             _pack_header(out, b + COUNT_OFFSET, self._batch_n)
             self._batch = -1
+
+    def tell_prefix(self, msg: Any, path: str) -> bytes:
+        prefix = self._tell_prefix.get((msg.__class__, path))
+        return prefix if prefix is not None else self._make_tell_prefix(msg, path)
 
     def _make_tell_prefix(self, msg: Any, path: str) -> bytes:
         cls = self.frame_class("tell", msg)

@@ -107,13 +107,15 @@ class LocalRef(ActorRef):
 class RemoteRef(ActorRef):
     """Ref to an actor on another node; frames go through the system's remoting layer."""
 
-    __slots__ = ("_remoting", "_node", "_path", "_conn")
+    __slots__ = ("_remoting", "_node", "_path", "_conn", "_cls", "_prefix")
 
     def __init__(self, remoting: Remoting, node: str, path: str):
         self._remoting = remoting
         self._node = node
         self._path = path
         self._conn: Any = None
+        self._cls: type | None = None      # the last message class and its frame prefix
+        self._prefix = b""
 
     @property
     def path(self) -> str:
@@ -134,7 +136,10 @@ class RemoteRef(ActorRef):
             conn = self._conn = self._remoting.conn_for(self._node)
             if conn is None:
                 return
-        conn.send_tell(self._path, msg)
+        if msg.__class__ is not self._cls:
+            self._prefix = conn.tell_prefix(msg, self._path)
+            self._cls = msg.__class__
+        conn.send_prefixed(self._prefix, msg)
 
     async def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT_S) -> Any:
         return await self._remoting.ask(self._node, self._path, msg, timeout)

@@ -125,3 +125,45 @@ async def test_a_frozen_node_is_declared_unreachable_by_heartbeat():
         node.proc.send_signal(signal.SIGCONT)
         await client.shutdown()
         await node.stop()
+
+
+class RtBlob(msgspec.Struct, tag=True, array_like=True):
+    n: int
+    data: str
+
+
+register_messages(RtBlob)
+
+
+class Collector(Actor):
+    def __init__(self):
+        self.seen: list[int] = []
+
+    async def receive(self, msg):
+        match msg:
+            case RtBlob(n=n):
+                self.seen.append(n)
+            case RtEcho():
+                return list(self.seen)
+
+
+async def test_batches_near_the_frame_cap_keep_order():
+    a = ActorSystem("small-a", listen=0, secret=SECRET, max_frame_bytes=4096)
+    b = ActorSystem("small-b", secret=SECRET, max_frame_bytes=4096)
+    await a.start()
+    await b.start()
+    try:
+        col = Collector()
+        await a.spawn(col, name="col")
+        ref = b.remote_ref(a.address, "col")
+        sizes = [0, 10, 3000, 5, 4000, 2500, 2500, 1, 4050, 0] * 30
+        for n, size in enumerate(sizes):
+            ref.tell(RtBlob(n, "x" * size))
+            if n % 7 == 0:
+                await asyncio.sleep(0)
+        with pytest.raises(ValueError):
+            ref.tell(RtBlob(-1, "x" * 5000))
+        assert await ref.ask(RtEcho(0)) == list(range(len(sizes)))
+    finally:
+        await b.shutdown()
+        await a.shutdown()
