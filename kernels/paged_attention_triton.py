@@ -16,25 +16,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """The sequence owning query tile `tile`.
-
-    Sequence b's tiles are numbered from query_start_loc[b] // BLOCK_Q + b; that leaves room
-    for its ceil(q_len / BLOCK_Q) tiles without a prefix sum, at the cost of a few idle tiles.
-    """
-    # Both bounds are int32 tensors from the start: loop-carried values must keep one type.
-    lo = num_seqs * 0
-    hi = num_seqs + 0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        go_right = first_tile <= tile
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo - 1
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -50,7 +31,19 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    # Binary search for the sequence owning this tile. Sequence b's tiles are numbered from
+    # query_start_loc[b] // BLOCK_Q + b: that leaves room for its ceil(q_len / BLOCK_Q) tiles
+    # without a prefix sum, at the cost of a few idle programs. (Inline rather than a helper:
+    # the interpreter pays dearly for every nested jit call.) Both bounds start as int32
+    # tensors: loop-carried values must keep one type.
+    lo = num_seqs * 0
+    hi = num_seqs + 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_in_seq = tile - (q_start // BLOCK_Q + seq)
