@@ -4,6 +4,7 @@ A general framework: it never imports the serving stack built on it."""
 from runtime.actor import Actor, ActorContext, Timer
 from runtime.errors import ActorDead, AskTimeout, Escalated, RemoteError
 from runtime.log import bound, configure_logging, get_logger
+from runtime.loop import run
 from runtime.messages import Terminated
 from runtime.protocol import register_messages
 from runtime.ref import ActorRef
@@ -16,5 +17,5 @@ register_messages(Terminated)
 __all__ = [
     "Actor", "ActorContext", "ActorDead", "ActorRef", "ActorSystem", "AskTimeout", "Escalated",
     "InMemoryRegistry", "Registry", "RemoteError", "Supervision", "Terminated", "Timer",
-    "bound", "configure_logging", "get_logger", "register_messages",
+    "bound", "configure_logging", "get_logger", "register_messages", "run",
 ]

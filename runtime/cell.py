@@ -84,6 +84,7 @@ class ActorCell:
                 w.set_result(None)
 
     def _dead_letter(self, item: Any) -> None:
+        self.system.dead_letters += 1
         if type(item) is Ask and not item.reply.done():
             item.reply.set_exception(ActorDead(f"actor {self.path!r} is stopped"))
 

@@ -162,12 +162,16 @@ class Connection(asyncio.Protocol):
                             append = cell.dq.append if cell is not None else None
                         if append is not None:
                             append(f.msg)
+                        else:
+                            self.system.dead_letters += 1
                     if cell is not None:
                         cell.notify()
                 elif frame.__class__ in tells:
                     cell = cells.get(frame.to)
                     if cell is not None:
                         cell.put(frame.msg)
+                    else:
+                        self.system.dead_letters += 1
                 else:
                     self._handlers[frame.__class__](frame)
                     if self.closed:

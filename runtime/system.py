@@ -49,6 +49,7 @@ class ActorSystem:
         self.address = f"~{name}-{uuid.uuid4().hex[:8]}"
         self.log = get_logger(node=name)
         self.exit_code: int | None = None
+        self.dead_letters = 0   # messages that found no live actor (counted, not logged: hot path)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.remoting: Any = None
         self._cells: dict[str, ActorCell] = {}
@@ -174,6 +175,10 @@ class ActorSystem:
             await asyncio.shield(ref._cell.request_stop())
         else:
             raise ValueError("only local actors can be stopped from here")
+
+    def tell_threadsafe(self, ref: ActorRef, msg: Any) -> None:
+        """tell() from another thread (e.g. a compute thread); tell itself is loop-only."""
+        self.loop.call_soon_threadsafe(ref.tell, msg)
 
     def lookup(self, path: str) -> ActorRef | None:
         cell = self._cells.get(path)

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import sys
 
-from runtime import Actor, ActorSystem, configure_logging
+from runtime import Actor, ActorSystem, Supervision, configure_logging
 from runtime.loop import run
 from tests.runtime.wire_messages import (RtEcho, RtFail, RtForward, RtGetSeen, RtPlain, RtSeq,
                                          RtSleep, RtStop)
@@ -27,7 +27,7 @@ class EchoActor(Actor):
                 ref.tell(RtEcho(v))
                 return ref.path
             case RtFail(text=t):
-                raise ValueError(t)
+                raise ValueError(t)   # by ask: the asker gets it; by tell: a supervised failure
             case RtSleep(seconds=s):
                 await asyncio.sleep(s)
                 return "slept"
@@ -51,7 +51,8 @@ async def main(argv: list[str]) -> int:
         from runtime.redis_registry import RedisRegistry
         registry = RedisRegistry("redis://127.0.0.1:6379/0", prefix=args.redis_prefix, ttl_s=args.ttl)
     system = ActorSystem(args.name, listen=("127.0.0.1", args.port), secret=args.secret,
-                         registry=registry)
+                         registry=registry,
+                         supervision=Supervision(max_restarts=2, backoff_initial_s=0.01))
     await system.start()
     system.install_signal_handlers()
     ref = await system.spawn(EchoActor(), name="echo")

@@ -60,3 +60,13 @@ async def test_actor_logger_binds_node_and_actor(system, capsys):
     seen = [r for r in lines if r["event"] == "working"][0]
     assert seen["node"] == "test" and seen["actor"] == "talker"
     assert structlog.is_configured()
+
+
+def test_run_uses_uvloop_when_installed():
+    import runtime
+    from runtime.loop import using_uvloop
+
+    async def probe():
+        return using_uvloop()
+
+    assert runtime.run(probe()) is True

@@ -145,3 +145,12 @@ async def test_reconnects_to_a_restarted_node(client):
             pytest.fail("never reconnected")
     finally:
         await node.stop()
+
+
+async def test_a_node_whose_top_level_actor_fails_past_its_limit_exits_non_zero(client):
+    node = await start_node()
+    echo = client.remote_ref(node.address, "echo")
+    assert await echo.ask(RtEcho(1)) == RtEcho(2)
+    for _ in range(3):   # two restarts allowed, the third failure escalates to the root
+        echo.tell(RtFail("crash"))
+    assert await asyncio.wait_for(node.proc.wait(), 10) == 1

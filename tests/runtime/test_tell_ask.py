@@ -149,3 +149,19 @@ async def test_system_context_manager_starts_and_shuts_down():
         assert await ref.ask(Get()) == {}
     assert not ref.is_alive
     assert s.terminated.done() and s.terminated.result() == 0
+
+
+async def test_dead_letters_are_counted(system):
+    ref = await system.spawn(Recorder(), name="rec")
+    await system.stop(ref)
+    before = system.dead_letters
+    ref.tell(Seq(0, 0))
+    ref.tell(Seq(0, 1))
+    assert system.dead_letters == before + 2
+
+
+async def test_tell_threadsafe_from_a_thread(system):
+    actor = Recorder()
+    ref = await system.spawn(actor, name="rec")
+    await asyncio.to_thread(lambda: [system.tell_threadsafe(ref, Seq(9, n)) for n in range(100)])
+    assert (await ref.ask(Get()))[9] == list(range(100))
