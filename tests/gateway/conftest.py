@@ -55,3 +55,19 @@ def client(tiny_servers):
     import openai
     return openai.OpenAI(base_url=tiny_servers.main + "/v1", api_key=API_KEY, max_retries=0,
                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def smol_server():
+    """SmolLM2 (the default model) behind one gateway: for tests where the text must make sense."""
+    from actors.config import EngineConfig
+    from gateway.config import GatewayConfig
+    from tests.gateway.live import LiveServer
+
+    live = LiveServer(EngineConfig(model=os.path.join(smollm2_dir(), SMOLLM2_GGUF), dtype="float32",
+                                   num_blocks=256, max_num_seqs=8))
+    live.start()
+    try:
+        yield live.add_app(GatewayConfig())
+    finally:
+        live.stop()

@@ -12,10 +12,24 @@ import threading
 from aiohttp import web
 
 from actors.config import EngineConfig
+from actors.messages import GetStats
 from gateway.app import create_app
 from gateway.app_keys import STATE
 from gateway.config import GatewayConfig
 from gateway.embedded import engine_handle
+from runtime import Actor
+
+
+class SchedulerProxy(Actor):
+    """Forwards to the real scheduler; stopping it looks, to a gateway, like the engine dying."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    async def receive(self, msg):
+        if isinstance(msg, GetStats):
+            return await self.target.ask(msg)
+        self.target.tell(msg)
 
 
 class LiveServer:
@@ -34,10 +48,18 @@ class LiveServer:
         from actors.engine import start_engine
         self.engine = self.run(start_engine(self.engine_config))
 
-    def add_app(self, config: GatewayConfig, ready: bool = True) -> str:
-        """Serve a gateway on a free port; returns its base URL. `ready=False`: no engine ever."""
+    def spawn_proxy(self, name: str):
+        return self.run(self.engine.system.spawn(SchedulerProxy(self.engine.scheduler), name=name))
+
+    def stop_actor(self, ref) -> None:
+        self.run(self.engine.system.stop(ref))
+
+    def add_app(self, config: GatewayConfig, ready: bool = True, scheduler=None) -> str:
+        """Serve a gateway on a free port; returns its base URL. `ready=False`: no engine ever;
+        `scheduler`: reach the engine through this ref instead of its own scheduler."""
         async def shared(system):
-            return dataclasses.replace(engine_handle(self.engine), close=None)
+            handle = engine_handle(self.engine)
+            return dataclasses.replace(handle, close=None, scheduler=scheduler or handle.scheduler)
 
         async def never(system):
             await asyncio.Event().wait()

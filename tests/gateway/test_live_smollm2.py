@@ -1,0 +1,36 @@
+"""The default model through the gateway: a chat answer that makes sense, emoji and CJK intact."""
+import openai
+import pytest
+
+from tests.gateway import http_util as http
+
+pytestmark = pytest.mark.slow
+
+TEXT = "Hello 😀 世界! 東京タワー 👩‍👩‍👧 naïve"
+
+
+@pytest.fixture(scope="module")
+def smol(smol_server):
+    return openai.OpenAI(base_url=smol_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_chat_answers_in_english(smol):
+    r = smol.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_emoji_and_cjk_round_trip(smol_server, smol):
+    toks = http.post(smol_server + "/tokenize", json_body={"prompt": TEXT}).json()["tokens"]
+    assert http.post(smol_server + "/detokenize", json_body={"tokens": toks}).json()["prompt"] == TEXT
+    messages = [{"role": "user", "content": f"Repeat exactly: {TEXT}"}]
+    expected_prompt = http.post(smol_server + "/tokenize", json_body={"messages": messages}).json()
+    kw = dict(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=4)
+    whole = smol.chat.completions.create(**kw)
+    assert whole.usage.prompt_tokens == expected_prompt["count"]
+    deltas = [c.choices[0].delta.content or "" for c in smol.chat.completions.create(**kw, stream=True)
+              if c.choices]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert "\ufffd" not in whole.choices[0].message.content
