@@ -17,7 +17,8 @@ class SequenceInput:
     token_ids: list[int]          # the new tokens to run this step (a prefill chunk, 1 decode token, or k+1)
     num_computed: int             # tokens of this sequence already in the KV cache (= first new position)
     block_table: list[int]        # physical block ids covering at least num_computed + len(token_ids)
-    num_logits: int = 1           # trailing new positions that need logits (k+1 when verifying a draft)
+    num_logits: int = 1           # trailing new positions that need logits: k+1 when verifying a draft,
+                                  # 0 for a prefill chunk that does not reach the prompt's end
 
 
 @dataclass(slots=True)
@@ -57,8 +58,8 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int) -> FlatBatch:
     seq_lens = starts + q_lens
     if n and (q_lens.min() < 1 or starts.min() < 0):
         raise ValueError("every sequence in a forward batch needs at least one new token and num_computed >= 0")
-    if n and ((n_logits < 1) | (n_logits > q_lens)).any():
-        raise ValueError("num_logits must be between 1 and the number of new tokens")
+    if n and ((n_logits < 0) | (n_logits > q_lens)).any():
+        raise ValueError("num_logits must be between 0 and the number of new tokens")
     if (table_lens * block_size < seq_lens).any():
         b = int(np.argmax(table_lens * block_size < seq_lens))
         raise ValueError(f"sequence {b}: block table of {table_lens[b]} blocks cannot hold {seq_lens[b]} tokens")

@@ -101,8 +101,14 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype."""
+        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype.
+
+        Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
+        caches gives the self-speculative (layer-skip) draft on the same weights.
+        """
         cfg, ops = self.config, self.ops
+        if not 0 < len(kv_caches) <= cfg.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for a model of {cfg.num_layers} layers")
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim

@@ -73,14 +73,21 @@ class ModelRunner:
         elif num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = int(num_blocks)
-        # One allocation, one contiguous [num_blocks, block_size, Hk, D] view per layer for K and for V.
-        # Zeroed, not empty: attention masks unused slots, and 0 * garbage NaN would still be NaN.
-        self._kv = torch.zeros(config.num_layers, 2, self.num_blocks, block_size, config.num_kv_heads,
-                               config.head_dim, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(config.num_layers)]
+        self.kv_caches = self.allocate_kv_caches(config.num_layers, self.num_blocks)
         self._tokenizer = None
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
+
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer.
+
+        Also for a layer-skip draft: its own caches for its first `num_layers` layers, passed to forward().
+        """
+        cfg = self.model_config
+        # One allocation. Zeroed, not empty: attention masks unused slots, but 0 * NaN garbage is still NaN.
+        kv = torch.zeros(num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=self.dtype, device=self.device)
+        return [(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
 
     @property
     def max_model_len(self) -> int:
@@ -99,20 +106,25 @@ class ModelRunner:
             self._tokenizer = load_tokenizer(self.source)
         return self._tokenizer
 
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Runs one step; returns float32 logits [batch.num_logits, vocab], sequences in batch order."""
+    def execute(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> torch.Tensor:
+        """Runs one step; returns float32 logits [batch.num_logits, vocab], sequences in batch order.
+
+        `kv_caches` (default: the runner's own) may hold fewer layers: see allocate_kv_caches.
+        """
         t0 = time.perf_counter()
-        flat = flatten(batch, self.block_size, self.num_blocks)
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        flat = flatten(batch, self.block_size, caches[0][0].shape[0])
         if flat.max_seq_len > self.max_model_len:
             raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
                              f"context length {self.max_model_len}")
         t1 = time.perf_counter()
-        logits = self.forward(flat)
+        logits = self.forward(flat, caches)
         t2 = time.perf_counter()
         self.last_prepare_s, self.last_forward_s = t1 - t0, t2 - t1
         return logits
 
-    def forward(self, flat: FlatBatch) -> torch.Tensor:
+    def forward(self, flat: FlatBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         dev = self.device
@@ -126,7 +138,7 @@ class ModelRunner:
         )
         with torch.inference_mode():
             logits = self.model.forward(flat.input_ids.to(dev, non_blocking=True),
-                                        flat.positions.to(dev, non_blocking=True), meta, self.kv_caches,
+                                        flat.positions.to(dev, non_blocking=True), meta, kv_caches,
                                         flat.logits_indices.to(dev, non_blocking=True))
             return logits.float()
 

@@ -165,3 +165,38 @@ def test_multi_position_logits_verify_a_draft(arch, tiny_model_dir, reference):
     assert logits.shape == (len(prompts) * (k + 1), runner.model_config.vocab_size)
     rows = logits.argmax(-1).view(len(prompts), k + 1).tolist()
     assert rows == [exp[:k + 1] for exp in expected]
+
+
+def test_layer_skip_caches_run_the_first_layers(tiny_model_dir):
+    """Passing caches for L layers runs the first L layers + final norm + LM head (self-speculation),
+    which is what transformers computes for the same checkpoint cut to L layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tiny_model_dir("llama")
+    runner = _runner(folder)
+    draft_caches = runner.allocate_kv_caches(2, 16)
+    prompt = _prompts()[4]
+    table = list(range(-(-len(prompt) // BLOCK_SIZE)))
+    got = runner.execute(ForwardBatch([SequenceInput(prompt, 0, table, num_logits=len(prompt))]), draft_caches)
+    assert not any(c[0].any() for c in runner.kv_caches[:1])  # the target's own cache was not touched
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = 2
+    cut = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
+    with torch.no_grad():
+        want = cut(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_without_logits(tiny_model_dir):
+    """num_logits=0 (a prefill chunk that does not end its prompt) returns no row for that sequence."""
+    runner = _runner(tiny_model_dir("qwen3"))
+    a, b = _prompts()[3], _prompts()[4]
+    logits = runner.execute(ForwardBatch([SequenceInput(a, 0, [0, 1, 2], num_logits=0),
+                                          SequenceInput(b, 0, [3, 4, 5, 6, 7], num_logits=2)]))
+    full = runner.execute(ForwardBatch([SequenceInput(b, 0, [8, 9, 10, 11, 12], num_logits=2)]))
+    assert logits.shape == (2, TINY_VOCAB)
+    torch.testing.assert_close(logits, full)
+    with pytest.raises(ValueError, match="num_logits"):
+        runner.execute(ForwardBatch([SequenceInput(a, 0, [0, 1, 2], num_logits=len(a) + 1)]))
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.execute(ForwardBatch([SequenceInput(b, 0, [0, 1])]))
