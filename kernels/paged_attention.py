@@ -12,13 +12,13 @@ import torch.nn.functional as F
 def _gather_context(
     cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int
 ) -> torch.Tensor:
-    """[num_blocks, bs, Hk, D] via tables[B, *] -> [B, Hk, max_seq_len, D]."""
+    """[num_blocks, bs, Hk, D] via tables[B, *] -> [B, Hk, max_seq_len, D] (a strided view)."""
     block_size = cache.shape[1]
     num_blocks = (max_seq_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long()
-    gathered = cache[tables]  # [B, nb, bs, Hk, D]
-    batch = tables.shape[0]
-    gathered = gathered.reshape(batch, num_blocks * block_size, *cache.shape[2:])
+    batch = block_tables.shape[0]
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    # index_select copies whole blocks with memcpy; advanced indexing is about twice slower here.
+    gathered = cache.index_select(0, ids).view(batch, num_blocks * block_size, *cache.shape[2:])
     return gathered[:, :max_seq_len].transpose(1, 2)
 
 
