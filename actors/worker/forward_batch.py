@@ -47,7 +47,7 @@ class FlatBatch:
     max_seq_len: int
 
 
-def flatten(batch: ForwardBatch, block_size: int, num_blocks: int) -> FlatBatch:
+def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: int) -> FlatBatch:
     """Validates and flattens; raises ValueError on a batch the KV cache cannot hold."""
     seqs = batch.seqs
     n = len(seqs)
@@ -77,6 +77,8 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int) -> FlatBatch:
         raise ValueError(f"block id out of range [0, {num_blocks})")
 
     input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, num_tokens)
+    if num_tokens and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+        raise ValueError(f"token id out of range [0, {vocab_size})")
     seq_of_token = np.repeat(np.arange(n), q_lens)
     # Token j of sequence b sits at position num_computed_b + (j - query_start_b).
     positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], q_lens)

@@ -114,7 +114,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         caches = self.kv_caches if kv_caches is None else kv_caches
-        flat = flatten(batch, self.block_size, caches[0][0].shape[0])
+        flat = flatten(batch, self.block_size, caches[0][0].shape[0], self.model_config.vocab_size)
         if flat.max_seq_len > self.max_model_len:
             raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
                              f"context length {self.max_model_len}")

@@ -198,5 +198,7 @@ def test_rows_without_logits(tiny_model_dir):
     torch.testing.assert_close(logits, full)
     with pytest.raises(ValueError, match="num_logits"):
         runner.execute(ForwardBatch([SequenceInput(a, 0, [0, 1, 2], num_logits=len(a) + 1)]))
+    with pytest.raises(ValueError, match="token id out of range"):
+        runner.execute(ForwardBatch([SequenceInput([TINY_VOCAB], 0, [0])]))
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute(ForwardBatch([SequenceInput(b, 0, [0, 1])]))
