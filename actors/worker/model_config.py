@@ -115,9 +115,18 @@ class ModelConfig:
         num_kv = int(get("attention.head_count_kv") or num_heads)
         vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
         scaling = None
-        if get("rope.scaling.type") not in (None, "none"):
-            raise ModelLoadError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        scaling_type = get("rope.scaling.type")
+        if scaling_type == "linear":
+            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+        elif scaling_type not in (None, "none"):
+            raise ModelLoadError(f"GGUF rope scaling {scaling_type!r} is not supported (none, linear)")
+        head_dim = int(get("attention.key_length") or hidden // num_heads)
+        rot_dim = get("rope.dimension_count")
+        if rot_dim is not None and int(rot_dim) != head_dim:
+            raise ModelLoadError(f"GGUF partial rotary embedding ({rot_dim} of {head_dim} dims) is not supported")
+        # Chat models end a turn with an end-of-turn token that may differ from EOS: stop on both.
+        eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                      "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
         return cls(
             family=arch,
             vocab_size=int(vocab),
@@ -126,7 +135,7 @@ class ModelConfig:
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=num_kv,
-            head_dim=int(get("attention.key_length") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length", 2048)),
@@ -134,7 +143,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2",
             qk_norm=False,
             rope_scaling=scaling,
-            eos_token_ids=() if eos is None else (int(eos),),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             name=str(meta.get("general.name", "")),
         )
@@ -161,8 +170,13 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
+    if rope_type == "linear":
+        if "factor" not in merged:
+            raise ModelLoadError("model config: linear rope_scaling lacks factor")
+        return theta, {"rope_type": "linear", "factor": float(merged["factor"])}
     if rope_type != "llama3":
-        raise ModelLoadError(f"model config: rope_scaling type {rope_type!r} is not supported (default, llama3)")
+        raise ModelLoadError(f"model config: rope_scaling type {rope_type!r} is not supported "
+                             f"(default, linear, llama3)")
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                if k not in merged]
     if missing:

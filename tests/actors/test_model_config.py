@@ -32,6 +32,11 @@ def test_transformers5_rope_parameters():
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
 
 
+def test_linear_rope_scaling():
+    cfg = ModelConfig.from_hf(dict(_BASE, rope_scaling={"type": "linear", "factor": 2.0}))
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
 def test_family_specifics():
     qwen2 = ModelConfig.from_hf(dict(_BASE, model_type="qwen2"))
     qwen3 = ModelConfig.from_hf(dict(_BASE, model_type="qwen3", head_dim=32))
@@ -67,9 +72,13 @@ def test_gguf_metadata():
     meta = {"general.architecture": "qwen2", "qwen2.block_count": 2, "qwen2.embedding_length": 64,
             "qwen2.feed_forward_length": 128, "qwen2.attention.head_count": 4, "qwen2.attention.head_count_kv": 2,
             "qwen2.rope.freq_base": 1e6, "qwen2.context_length": 4096, "qwen2.vocab_size": 300,
-            "tokenizer.ggml.eos_token_id": 7}
+            "tokenizer.ggml.eos_token_id": 7, "tokenizer.ggml.eot_token_id": 9}
     cfg = ModelConfig.from_gguf(meta, {"token_embd.weight", "output.weight"})
     assert cfg.family == "qwen2" and cfg.attention_bias and cfg.head_dim == 16 and not cfg.tie_word_embeddings
-    assert cfg.eos_token_ids == (7,) and cfg.max_position_embeddings == 4096
+    assert cfg.eos_token_ids == (7, 9) and cfg.max_position_embeddings == 4096
+    with pytest.raises(ModelLoadError, match="GGUF rope scaling 'yarn' is not supported"):
+        ModelConfig.from_gguf(dict(meta, **{"qwen2.rope.scaling.type": "yarn"}), set())
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        ModelConfig.from_gguf(dict(meta, **{"qwen2.rope.dimension_count": 8}), set())
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gemma'"):
         ModelConfig.from_gguf({"general.architecture": "gemma"}, set())
