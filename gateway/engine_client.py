@@ -67,8 +67,9 @@ class EngineClient:
         self.scheduler.tell(SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                           params=params, reply_to=self._receiver, priority=priority))
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.tell(AbortRequest(request_id=request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort one sample (`index`) or the whole request; the engine frees its blocks."""
+        self.scheduler.tell(AbortRequest(request_id=request_id, index=index))
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

@@ -132,9 +132,8 @@ class Generation:
         if ch.finish_reason is not None:
             self._open -= 1
             m.requests_total.inc(1, ch.finish_reason)
-            if all(c.finish_reason is not None for c in sub.choices) and \
-                    not all(c.engine_done for c in sub.choices):
-                self._client.abort(sub.request_id)   # stop string: the engine need not go on
+            if not ch.engine_done:   # a stop string matched: this sample need not go on
+                self._client.abort(sub.request_id, d.index if len(sub.choices) > 1 else None)
         return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason)
 
     def close(self) -> None:

@@ -127,7 +127,8 @@ class GatewayMetrics:
         self.itl = r.histogram("matinee_inter_token_latency_seconds", "Time between tokens.")
         self.e2e = r.histogram("matinee_e2e_request_latency_seconds", "Request latency, end to end.")
         self.queue = r.histogram("matinee_request_queue_seconds",
-                                 "Time from arrival until the engine started the request.")
+                                 "Time from arrival until the request was handed to the engine "
+                                 "(validation, templating, tokenization).")
 
     def update_engine(self, stats) -> None:
         self.requests_running.set(stats.requests_running)

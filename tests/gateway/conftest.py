@@ -28,16 +28,14 @@ class Servers:
 
 
 @pytest.fixture(scope="session")
-def tiny_servers(tmp_path_factory):
+def tiny_servers(tiny_model_folder):
     """A tiny random-weight llama engine behind three gateways: `main` (API key), `limits`
     (queue of 1, 5 ms pings, 4 KiB bodies) and `down` (an engine that never comes up)."""
     from actors.config import EngineConfig
     from gateway.config import GatewayConfig
-    from tests.actors.conftest import build_tiny_model
     from tests.gateway.live import LiveServer
 
-    folder = build_tiny_model("llama", str(tmp_path_factory.mktemp("gw-tiny-llama")))
-    live = LiveServer(EngineConfig(model=folder, dtype="float32", num_blocks=512, block_size=16,
+    live = LiveServer(EngineConfig(model=tiny_model_folder, dtype="float32", num_blocks=512, block_size=16,
                                    max_num_seqs=64, max_num_batched_tokens=32, num_threads=1))
     live.start()
     try:
@@ -71,3 +69,9 @@ def smol_server():
         yield live.add_app(GatewayConfig())
     finally:
         live.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory):
+    from tests.actors.conftest import build_tiny_model
+    return build_tiny_model("llama", str(tmp_path_factory.mktemp("gw-tiny-llama")))

@@ -1,0 +1,81 @@
+"""`matinee serve`: flags, and a real server process that prints a working curl line."""
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gateway import cli
+from gateway.config import GatewayConfig
+from tests.gateway import http_util as http
+
+
+def test_defaults_and_flags():
+    a = cli.build_parser().parse_args(["serve"])
+    assert (a.host, a.port, a.role, a.model, a.api_key) == ("127.0.0.1", 8000, "all", None, None)
+    a = cli.build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--no-prefix-caching",
+                                       "--max-waiting", "3", "--role", "gateway"])
+    kw = cli.engine_kwargs(a)
+    assert kw["kv_cache_memory"] == 2 << 30 and kw["enable_prefix_caching"] is False
+    assert cli.parse_bytes("512MB") == 512 << 20 and cli.parse_bytes("1000") == 1000
+
+
+def test_roles_not_yet_available_exit_2(capsys):
+    assert cli.main(["serve", "--role", "engine"]) == 2
+    assert "--role engine" in capsys.readouterr().err
+
+
+def test_bad_config_is_a_clear_error(capsys):
+    assert cli.main(["serve", "--model", "/no/such/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        GatewayConfig(max_waiting=0)
+
+
+def test_curl_line_has_key_and_body():
+    line = cli.curl_line(GatewayConfig(port=9, api_key="k"), "m")
+    parts = shlex.split(line)
+    assert parts[:2] == ["curl", "http://127.0.0.1:9/v1/chat/completions"]
+    assert "Authorization: Bearer k" in parts
+    assert json.loads(parts[-1])["model"] == "m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_process_prints_working_curl_and_stops_on_sigterm(tiny_model_folder):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model_folder, "--port",
+         str(port), "--num-blocks", "64", "--max-num-seqs", "4", "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    try:
+        curl = None
+        deadline = time.monotonic() + 240
+        while curl is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "matinee serve exited early"
+            if line.strip().startswith("curl "):
+                curl = shlex.split(line.strip())
+        assert curl is not None
+        assert http.get(f"http://127.0.0.1:{port}/ready").status_code == 200
+        body = json.loads(curl[-1])
+        body["max_tokens"] = 3
+        r = http.post(curl[1], json_body=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
