@@ -37,20 +37,37 @@ def _signature(fn, constexprs: dict, dtype: str) -> dict:
     return sig
 
 
+def _divisibility(fn) -> dict:
+    """What the JIT assumes at run time for 16-aligned pointers and strides divisible by 16:
+    without it the compiler cannot prove alignment and falls back to scalar loads."""
+    aligned = [i for i, name in enumerate(fn.arg_names)
+               if name.endswith("_ptr") or name.startswith("stride") or name in ("head_dim", "width", "inner", "half")]
+    return {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
+def _load_widths(ptx: str) -> str:
+    loads = [line for line in ptx.splitlines() if "ld.global" in line or "cp.async." in line and "[" in line]
+    # cp.async.cg copies 16 bytes; .v2/.v4 loads are vectors; anything else is a scalar load.
+    wide = sum(1 for line in loads if "cp.async.cg" in line or ".v2." in line or ".v4." in line)
+    return f"{wide} vector / {len(loads) - wide} scalar global loads"
+
+
 def variants():
     pa = paged_attention_triton
-    for dtype, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
-        for qpk, block_m, splits in ((4, 16, 1), (4, 16, 8), (7, 64, 1), (32, 32, 1)):
+    shapes = ((4, 16, 1), (4, 16, 8), (7, 64, 1), (32, 32, 1))  # (queries per KV head, BLOCK_M, splits)
+    for dtype, precision, variants in (("bf16", "tf32", shapes), ("fp16", "tf32", shapes[:1]),
+                                       ("fp32", "ieee", shapes[:1])):
+        for qpk, block_m, splits in variants:
             yield pa._paged_attention_kernel, dtype, dict(
                 QUERIES_PER_KV=qpk, BLOCK_M=block_m, BLOCK_Q=block_m // qpk, TILE_N=64, HEAD_PAD=128,
                 NUM_SPLITS=splits, DOT_PRECISION=precision)
     yield pa._merge_splits_kernel, "bf16", dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_PAD=128)
     yield pa._merge_splits_kernel, "fp16", dict(NUM_SPLITS=3, SPLITS_PAD=4, HEAD_PAD=64)
-    yield rms_norm_triton._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK=2048)
-    yield rms_norm_triton._rms_norm_kernel, "fp32", dict(HAS_RESIDUAL=False, BLOCK=128)
-    yield rope_triton._rope_kernel, "bf16", dict(BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64)
-    yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK=1024)
-    yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_H=8, BLOCK_D=128)
+    yield rms_norm_triton._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096)
+    yield rms_norm_triton._rms_norm_kernel, "fp32", dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128)
+    yield rope_triton._rope_kernel, "bf16", dict(BLOCK_ROWS=64, BLOCK_HALF=64)
+    yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK_ROWS=4, BLOCK_COLS=1024)
+    yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_T=4, BLOCK_W=1024)
 
 
 def main() -> int:
@@ -63,9 +80,11 @@ def main() -> int:
         t0 = time.perf_counter()
         label = f"{fn.__name__} {dtype} {constexprs}"
         try:
-            src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype), constexprs=constexprs)
+            src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype),
+                                            constexprs=constexprs, attrs=_divisibility(fn))
             compiled = triton.compile(src, target=target)
-            print(f"ok   {label}: {time.perf_counter() - t0:.1f}s, shared {compiled.metadata.shared} B")
+            print(f"ok   {label}: {time.perf_counter() - t0:.1f}s, shared {compiled.metadata.shared} B, "
+                  f"{_load_widths(compiled.asm['ptx'])}")
         except Exception as exc:  # report every kernel, not just the first failure
             failures += 1
             print(f"FAIL {label}: {type(exc).__name__}: {exc}")
