@@ -51,10 +51,10 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: i
     """Validates and flattens; raises ValueError on a batch the KV cache cannot hold."""
     seqs = batch.seqs
     n = len(seqs)
-    q_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-    starts = np.fromiter((s.num_computed for s in seqs), np.int64, n)
-    n_logits = np.fromiter((s.num_logits for s in seqs), np.int64, n)
-    table_lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+    # One pass over the sequences for every per-sequence number (this runs every step).
+    per_seq = np.fromiter(chain.from_iterable((len(s.token_ids), s.num_computed, s.num_logits, len(s.block_table))
+                                              for s in seqs), np.int64, 4 * n).reshape(n, 4)
+    q_lens, starts, n_logits, table_lens = per_seq.T
     seq_lens = starts + q_lens
     if n and (q_lens.min() < 1 or starts.min() < 0):
         raise ValueError("every sequence in a forward batch needs at least one new token and num_computed >= 0")
@@ -70,9 +70,9 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: i
     max_seq_len = int(seq_lens.max()) if n else 0
     width = max(-(-max_seq_len // block_size), 1)
     block_tables = np.zeros((n, width), np.int64)
-    for i, s in enumerate(seqs):
-        row = s.block_table[:width]
-        block_tables[i, :len(row)] = row
+    used = np.minimum(table_lens, width)
+    ids = np.fromiter(chain.from_iterable(s.block_table[:width] for s in seqs), np.int64, int(used.sum()))
+    block_tables[np.arange(width) < used[:, None]] = ids  # row-major: fills each row's prefix in order
     if n and (block_tables.max() >= num_blocks or block_tables.min() < 0):
         raise ValueError(f"block id out of range [0, {num_blocks})")
 
