@@ -22,6 +22,43 @@ def _gather_context(
     return gathered[:, :max_seq_len].transpose(1, 2)
 
 
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
+    """One query per sequence, rows in batch order: q[B, Hq, D] -> [B, Hq, D]."""
+    keys = _gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)
+    values = _gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
+    key_pos = torch.arange(max_seq_len, device=q.device)
+    mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_lens, seq_of_token, max_query_len, max_seq_len, scale):
+    """Query chunks of several tokens: q[T, Hq, D], token t in sequence seq_of_token[t]."""
+    device = q.device
+    batch = seq_lens.shape[0]
+    num_tokens, num_q_heads, head_dim = q.shape
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    row_of_token = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+    # Scatter queries into [B, max_query_len] slots.
+    padded_q = q.new_zeros(batch, max_query_len, num_q_heads, head_dim)
+    padded_q[seq_of_token, row_of_token] = q
+    keys = _gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)
+    values = _gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
+    key_pos = torch.arange(max_seq_len, device=device)
+    # Query row i of sequence b sits at absolute position seq_len_b - q_len_b + i.
+    query_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    # Padding rows must see at least one key, or softmax gives NaN (they are dropped anyway).
+    mask[:, :, 0] = True
+    out = F.scaled_dot_product_attention(
+        padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
+        enable_gqa=num_q_heads != keys.shape[1],
+    )  # [B, Hq, Lq, D]
+    return out.transpose(1, 2)[seq_of_token, row_of_token]
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -33,8 +70,12 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """q[T, Hq, D] -> out[T, Hq, D]; see the kernels contract for the batch layout."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    """q[T, Hq, D] -> out[T, Hq, D]; see the kernels contract for the batch layout.
+
+    Decodes and prefill chunks are computed apart: padding every sequence of a mixed batch to
+    the longest chunk would multiply the work of each decode by that chunk's length.
+    """
+    num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
@@ -43,37 +84,32 @@ def paged_attention(
         return q.new_empty(q.shape)
     device = q.device
     seq_lens = seq_lens.to(device=device, dtype=torch.long)
+    if max_query_len == 1 and num_tokens == batch:
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+
     starts = query_start_loc.to(device=device, dtype=torch.long)
     q_lens = starts[1:] - starts[:-1]
+    is_decode = q_lens == 1
+    decodes = is_decode.nonzero().squeeze(1)
+    chunks = (~is_decode).nonzero().squeeze(1)
+    if decodes.numel() == 0:
+        seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
+        return _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_lens, seq_of_token,
+                        max_query_len, max_seq_len, scale)
 
-    keys = _gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)
-    values = _gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
-    key_pos = torch.arange(max_seq_len, device=device)
-    gqa = num_q_heads != num_kv_heads
-
-    if max_query_len == 1 and num_tokens == batch:
-        # Decode only: one query per sequence, rows already in batch order.
-        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+    out = torch.empty_like(q)
+    # Sizes of each part, so neither gathers keys up to the other's longest sequence.
+    dec_rows, dec_lens = starts[decodes], seq_lens[decodes]
+    out[dec_rows] = _decode(q[dec_rows], k_cache, v_cache, block_tables[decodes], dec_lens,
+                            int(dec_lens.max()), scale)
+    if chunks.numel():
+        chunk_q_lens, chunk_lens = q_lens[chunks], seq_lens[chunks]
+        seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
+        chunk_rows = (~is_decode[seq_of_token]).nonzero().squeeze(1)
+        # Renumber the chunked sequences 0..len(chunks)-1 for the sub-batch.
+        sub_index = torch.cumsum(~is_decode, 0) - 1
+        out[chunk_rows] = _prefill(
+            q[chunk_rows], k_cache, v_cache, block_tables[chunks], chunk_lens, chunk_q_lens,
+            sub_index[seq_of_token[chunk_rows]], int(chunk_q_lens.max()), int(chunk_lens.max()), scale,
         )
-        return out[:, :, 0, :]
-
-    # Mixed batch: scatter queries into [B, max_query_len] slots.
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(batch, device=device), q_lens, output_size=num_tokens
-    )
-    row_of_token = torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    padded_q = q.new_zeros(batch, max_query_len, num_q_heads, head_dim)
-    padded_q[seq_of_token, row_of_token] = q
-    # Query row i of sequence b sits at absolute position seq_len_b - q_len_b + i.
-    query_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
-    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (
-        key_pos[None, None, :] < seq_lens[:, None, None]
-    )
-    # Padding rows must see at least one key, or softmax gives NaN (they are dropped anyway).
-    mask[:, :, 0] = True
-    out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
-    )  # [B, Hq, Lq, D]
-    return out.transpose(1, 2)[seq_of_token, row_of_token]
+    return out

@@ -34,13 +34,35 @@ def test_paged_attention_half_precision(dtype):
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_paged_attention_decode_fast_path_equals_general_path():
+def test_paged_attention_decode_path_equals_chunk_path():
+    from kernels.paged_attention import _decode, _prefill
+
     batch = make_batch([(1, 20), (1, 3), (1, 45)], 4, 2, head_dim=16, block_size=16)
-    fast = OPS.paged_attention(*batch.args())
-    # max_query_len 2 forces the general (padded) path on the same data.
-    batch.max_query_len = 2
-    general = OPS.paged_attention(*batch.args())
+    seq_lens = batch.seq_lens.long()
+    fast = _decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, 45, batch.scale)
+    ones = torch.ones(3, dtype=torch.long)
+    general = _prefill(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, ones,
+                       torch.arange(3), 1, 45, batch.scale)
     torch.testing.assert_close(fast, general, atol=1e-6, rtol=1e-5)
+
+
+def test_paged_attention_mixed_batch_does_not_pad_decodes_to_the_chunk(monkeypatch):
+    """Padded together, 5 decodes beside a 40-token chunk would each do 40 rows of work: the
+    chunk path must see only the chunked sequence."""
+    import kernels.paged_attention as module
+
+    seen = []
+    real_prefill = module._prefill
+
+    def spy(q, k_cache, v_cache, block_tables, *args):
+        seen.append((q.shape[0], block_tables.shape[0]))
+        return real_prefill(q, k_cache, v_cache, block_tables, *args)
+
+    monkeypatch.setattr(module, "_prefill", spy)
+    batch = make_batch([(1, 30), (1, 9), (40, 50), (1, 1), (1, 64), (1, 17)], 4, 2, head_dim=16, block_size=16)
+    out = OPS.paged_attention(*batch.args())
+    assert seen == [(40, 1)]
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
