@@ -37,7 +37,8 @@ class SkippedStrings:
 class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
-        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        # A plain ndarray view of the map: np.memmap slices pay a Python hook on every view.
+        self._mm = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
         self._buf = memoryview(self._mm)
         self._pos = 0
         magic, version = struct.unpack_from("<4sI", self._buf, 0)

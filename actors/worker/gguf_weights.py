@@ -11,8 +11,8 @@ import re
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType
-from gguf.quants import dequantize
 
+from actors.worker.dequant import dequantize
 from actors.worker.gguf_file import GGUFFile
 from actors.worker.model_config import ModelConfig, ModelLoadError
 

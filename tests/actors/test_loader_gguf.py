@@ -180,3 +180,31 @@ def test_lean_reader_agrees_with_gguf_reader(tiny_model_dir, tmp_path, smollm2_g
     assert "{% for message in messages %}" in real.metadata["tokenizer.chat_template"]
     emb = gguf.quants.dequantize(real.raw("token_embd.weight"), gguf.GGMLQuantizationType.Q8_0)
     assert emb.shape == (49152, 576)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])  # BF16: the fallback path
+def test_fast_dequantize_equals_gguf(qtype):
+    import gguf
+
+    from actors.worker.dequant import dequantize
+
+    q = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    weights = rng.normal(0, 0.5, size=(48, 512)).astype(np.float32)
+    raw = gguf.quants.quantize(weights, q)
+    ours = dequantize(raw, q)
+    assert ours.dtype == np.float32 and ours.shape == weights.shape
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, q))
+    assert np.abs(ours - weights).max() < 0.2  # and it is the weights, roughly
+
+
+def test_fast_dequantize_on_the_real_file(smollm2_gguf):
+    import gguf
+
+    from actors.worker.dequant import dequantize
+    from actors.worker.gguf_file import GGUFFile
+
+    f = GGUFFile(smollm2_gguf)
+    for name in ("token_embd.weight", "blk.3.attn_q.weight", "blk.29.ffn_down.weight", "blk.0.attn_norm.weight"):
+        q = gguf.GGMLQuantizationType(f.tensors[name].qtype)
+        np.testing.assert_array_equal(dequantize(f.raw(name), q), gguf.quants.dequantize(f.raw(name), q))
