@@ -35,6 +35,7 @@ class _Layer:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up_weight: torch.Tensor
     down_weight: torch.Tensor
@@ -79,6 +80,7 @@ class DecoderModel:
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
                 o_weight=get(attn + "o_proj.weight"),
+                o_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
                 gate_up_weight=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down_weight=get(p + "mlp.down_proj.weight"),
@@ -133,7 +135,7 @@ class DecoderModel:
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, q_size), layer.o_weight)
+            hidden = F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = F.linear(ops.silu_and_mul(F.linear(hidden, layer.gate_up_weight)), layer.down_weight)
         # Only the rows that need logits go through the final norm and the (large) LM head.

@@ -34,6 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool              # bias on q/k/v projections (Qwen2 always has it)
     qk_norm: bool                     # per-head RMSNorm on q and k before RoPE (Qwen3)
+    o_proj_bias: bool = False         # bias on the attention output projection (Llama/Qwen3 attention_bias)
     rope_scaling: dict[str, Any] | None = None   # HF form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -94,6 +95,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
+            o_proj_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             rope_scaling=scaling,
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id"),

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-TINY_ARCHS = ("llama", "llama_tied", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama_tied", "qwen2", "qwen3")   # also "llama_bias" (attention_bias=True)
 TINY_VOCAB = 384
 
 _CORPUS = [
@@ -41,6 +41,9 @@ def _arch_config(arch: str):
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     if arch == "llama_tied":  # GQA 4, tied, explicit head_dim (q width != hidden)
         return LlamaConfig(**common, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                           tie_word_embeddings=True)
+    if arch == "llama_bias":  # attention_bias: q/k/v and o_proj biases
+        return LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
                            tie_word_embeddings=True)
     if arch == "qwen2":  # QKV bias, GQA 4, untied
         return Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,

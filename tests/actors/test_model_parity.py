@@ -124,6 +124,15 @@ def test_chunked_prefill_mixed_with_decode_matches_hf(arch, tiny_model_dir, refe
     assert [s.output for s in seqs] == reference(arch)
 
 
+def test_llama_attention_bias_matches_hf(tiny_model_dir):
+    folder = tiny_model_dir("llama_bias")
+    runner = _runner(folder)
+    assert runner.model_config.attention_bias and runner.model_config.o_proj_bias
+    seqs = [Seq(p) for p in _prompts()[:4]]
+    run_greedy(runner, seqs, Blocks(runner.num_blocks), NUM_NEW, chunk=7)
+    assert [s.output for s in seqs] == hf_greedy(folder, _prompts()[:4], NUM_NEW)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_shared_prefix_blocks_match_hf(arch, tiny_model_dir):
     """A second request maps the first one's full prompt blocks and prefills only its own tail."""
