@@ -9,8 +9,10 @@ Greedy rows keep drafts while they equal the target's argmax.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,6 +29,46 @@ class SpecRow:
     draft_probs: torch.Tensor | None = None
     greedy: bool = False
     generator: torch.Generator | None = None
+
+
+@dataclass
+class SpecSeq:
+    """One sequence's draft as the worker receives it, with its sampling state (duck-typed:
+    `greedy`, `generator`, the fields Sampler.processed_probs reads)."""
+
+    state: object
+    draft_token_ids: list[int]
+    draft_probs: bytes = b""      # float32 [k, V]; empty: a point mass on each draft
+
+
+def verify_logits(sampler, logits: torch.Tensor, seqs: Sequence[SpecSeq],
+                  generator: torch.Generator | None = None) -> list[list[int]]:
+    """Emitted tokens per sequence from the target's logits: k+1 consecutive rows per sequence.
+
+    p comes from the same `processed_probs` the draft used for q, with the earlier drafts of
+    the same sequence counted as output for the penalties. Rows without a seed draw from
+    `generator` (the worker's), seeded rows from their own.
+    """
+    states, extra = [], []
+    for seq in seqs:
+        for j in range(len(seq.draft_token_ids) + 1):
+            states.append(seq.state)
+            extra.append(seq.draft_token_ids[:j])
+    if logits.shape[0] != len(states):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} verified positions")
+    p = sampler.processed_probs(logits, states, extra)
+    rows, start = [], 0
+    for seq in seqs:
+        k = len(seq.draft_token_ids)
+        q = None
+        if seq.draft_probs:
+            q = torch.from_numpy(np.frombuffer(seq.draft_probs, dtype=np.float32).copy()).view(k, -1)
+            if q.shape[1] != p.shape[1]:
+                raise ValueError(f"draft distributions over {q.shape[1]} tokens, target over {p.shape[1]}")
+        gen = seq.state.generator if seq.state.generator is not None else generator
+        rows.append(SpecRow(seq.draft_token_ids, p[start:start + k + 1], q, seq.state.greedy, gen))
+        start += k + 1
+    return verify(rows)
 
 
 def verify(rows: list[SpecRow]) -> list[list[int]]:

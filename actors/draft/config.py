@@ -1,0 +1,86 @@
+"""The speculative-decoding configuration: `speculative={"method": ..., "num_speculative_tokens": k, ...}`.
+
+Built once from the engine's keyword arguments (or `matinee serve` flags) and validated here with
+clear ValueErrors; what depends on the target model (the layer count, the vocabulary) is checked
+when the engine starts, by `check_against_target`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft", "layerskip")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4            # k: the most tokens drafted per sequence and step
+    model: str | None = None                   # the draft model ("draft" only): HF folder or .gguf
+    draft_layers: int | None = None            # L ("layerskip" only): the first L layers of the target
+    ngram_min: int = 1                         # n-gram lengths tried, longest first ("ngram" only)
+    ngram_max: int = 4
+    # Adaptive control: speculation turns off for the whole step when more sequences than this are
+    # decoding (decode is then no longer memory-bound); None: never.
+    disable_batch_size: int | None = 8
+    adaptive: bool = True                      # per-sequence k from its measured acceptance
+    verify_cost: float = 0.05                  # target cost of one more verified position / one decode step
+    draft_cost: float | None = None            # cost of one drafted token / one decode step; None: by method
+    probe_interval: int = 16                   # steps a sequence stays off before it tries k=1 again
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if self.method == "draft":
+            if not self.model:
+                raise ValueError('speculative method "draft" needs "model": the draft model\'s path')
+        elif self.model is not None:
+            raise ValueError(f'"model" is only for speculative method "draft", not {self.method!r}')
+        if self.method == "layerskip":
+            L = self.draft_layers
+            if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+                raise ValueError(f'speculative method "layerskip" needs "draft_layers" >= 1, got {L!r}')
+        elif self.draft_layers is not None:
+            raise ValueError(f'"draft_layers" is only for speculative method "layerskip", not {self.method!r}')
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.disable_batch_size is not None and self.disable_batch_size < 1:
+            raise ValueError(f"disable_batch_size must be at least 1 (or None), got {self.disable_batch_size}")
+        if self.verify_cost < 0 or (self.draft_cost is not None and self.draft_cost < 0):
+            raise ValueError("verify_cost and draft_cost must be non-negative")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval must be at least 1, got {self.probe_interval}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From the `speculative=` engine argument: a dict (unknown keys are an error) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError(f'speculative needs "method", one of {METHODS}')
+        return cls(**value)
+
+    def check_against_target(self, num_target_layers: int) -> None:
+        if self.method == "layerskip" and self.draft_layers >= num_target_layers:
+            raise ValueError(f"draft_layers={self.draft_layers} must be below the target's "
+                             f"{num_target_layers} layers")
+
+    def resolved_draft_cost(self, num_target_layers: int, draft_params: int = 0, target_params: int = 1) -> float:
+        """One drafted token's cost relative to one target decode step."""
+        if self.draft_cost is not None:
+            return self.draft_cost
+        if self.method == "ngram":
+            return 0.0
+        if self.method == "layerskip":
+            return self.draft_layers / num_target_layers
+        return draft_params / target_params

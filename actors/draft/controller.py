@@ -1,0 +1,98 @@
+"""Adaptive speculation: how many tokens to draft for each decoding sequence in the next step.
+
+A plain synchronous class. It estimates each sequence's per-token acceptance rate alpha (an
+exponentially decayed count of accepted drafts over accepted drafts plus rejections) and picks
+the k that maximises tokens emitted per unit of step cost, (1 - alpha^(k+1)) / (1 - alpha) over
+1 + (draft_cost + verify_cost) * k. A sequence for which no k beats plain decoding stops
+speculating and tries k=1 again every `probe_interval` steps; above `disable_batch_size`
+decoding sequences nobody speculates, so speculation never makes serving slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _SeqStats:
+    successes: float
+    trials: float
+    off_steps: int = 0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification emits on average: accepted drafts plus the corrected/bonus one."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpecController:
+    def __init__(self, max_k: int, *, disable_batch_size: int | None = None, adaptive: bool = True,
+                 draft_cost: float = 0.0, verify_cost: float = 0.05, probe_interval: int = 16,
+                 prior_alpha: float = 0.7, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be at least 1, got {max_k}")
+        if not 0.0 < decay <= 1.0 or not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
+            raise ValueError("decay must be in (0, 1], prior_alpha in [0, 1], prior_weight positive")
+        self.max_k = max_k
+        self.disable_batch_size = disable_batch_size
+        self.adaptive = adaptive
+        self.step_cost = draft_cost + verify_cost
+        self.probe_interval = probe_interval
+        self.prior = (prior_alpha * prior_weight, prior_weight)
+        self.decay = decay
+        self._seqs: dict[int, _SeqStats] = {}
+
+    def alpha(self, seq_id: int) -> float:
+        s = self._stats(seq_id)
+        return s.successes / s.trials
+
+    def choose(self, seq_ids: list[int]) -> dict[int, int]:
+        """k for each of the step's decoding sequences (0: decode plainly)."""
+        if self.disable_batch_size is not None and len(seq_ids) > self.disable_batch_size:
+            return {sid: 0 for sid in seq_ids}
+        if not self.adaptive:
+            return {sid: self.max_k for sid in seq_ids}
+        return {sid: self._choose_one(sid) for sid in seq_ids}
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        """One verification of `num_drafted` tokens, of which the first `num_accepted` were kept."""
+        if num_drafted <= 0:
+            return
+        s = self._stats(seq_id)
+        rejected = 1.0 if num_accepted < num_drafted else 0.0
+        s.successes = self.decay * s.successes + num_accepted
+        s.trials = self.decay * s.trials + num_accepted + rejected
+        if s.trials <= 0:
+            s.successes, s.trials = self.prior
+
+    def forget(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._seqs)
+
+    def _stats(self, seq_id: int) -> _SeqStats:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            s = self._seqs[seq_id] = _SeqStats(*self.prior)
+        return s
+
+    def _choose_one(self, seq_id: int) -> int:
+        s = self._stats(seq_id)
+        alpha = s.successes / s.trials
+        best_k, best_rate = 0, 1.0   # plain decoding: one token per unit cost
+        for k in range(1, self.max_k + 1):
+            rate = expected_tokens(alpha, k) / (1.0 + self.step_cost * k)
+            if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            s.off_steps += 1
+            if s.off_steps >= self.probe_interval:
+                s.off_steps = 0
+                return 1  # probe: acceptance may have changed (the text moved on to a quote, say)
+            return 0
+        s.off_steps = 0
+        return best_k

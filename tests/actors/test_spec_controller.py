@@ -1,0 +1,53 @@
+"""Adaptive speculation: k follows each sequence's acceptance, and big batches do not speculate."""
+
+from actors.draft.controller import SpecController, expected_tokens
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_good_acceptance_keeps_full_k_and_poor_turns_it_off():
+    c = SpecController(4, verify_cost=0.05)
+    assert c.choose([1, 2]) == {1: 4, 2: 4}          # the prior is optimistic
+    for _ in range(10):
+        c.observe(1, 4, 4)                           # always accepted
+        c.observe(2, 4, 0)                           # never accepted
+    assert c.alpha(1) > 0.9 and c.alpha(2) < 0.1
+    assert c.choose([1, 2]) == {1: 4, 2: 0}
+
+
+def test_middling_acceptance_lowers_k():
+    c = SpecController(8, verify_cost=0.2)
+    for _ in range(20):
+        c.observe(7, 2, 1)                           # alpha about 0.5
+    k = c.choose([7])[7]
+    assert 1 <= k < 8
+
+
+def test_switched_off_sequences_probe_again():
+    c = SpecController(4, probe_interval=3)
+    for _ in range(10):
+        c.observe(5, 4, 0)
+    ks = [c.choose([5])[5] for _ in range(6)]
+    assert ks == [0, 0, 1, 0, 0, 1]
+    for _ in range(10):                              # the text turned into a quote: drafts hit again
+        c.observe(5, 1, 1)
+    assert c.choose([5])[5] > 0
+
+
+def test_large_batches_do_not_speculate():
+    c = SpecController(4, disable_batch_size=3)
+    assert set(c.choose([1, 2, 3]).values()) == {4}
+    assert set(c.choose([1, 2, 3, 4]).values()) == {0}
+
+
+def test_fixed_k_without_adaptation_and_forget():
+    c = SpecController(3, adaptive=False)
+    c.observe(1, 3, 0)
+    assert c.choose([1]) == {1: 3}
+    assert c.num_tracked == 1
+    c.forget(1)
+    assert c.num_tracked == 0
