@@ -1,7 +1,6 @@
-"""One authenticated TCP connection between two nodes, as an asyncio Protocol.
-
-Frames are written into one buffer that is flushed once per loop iteration, and parsed many per
-read. Anything malformed closes this connection (with a logged reason), never the node."""
+"""One authenticated TCP connection between two nodes, as an asyncio Protocol: handshake,
+frame parsing (many frames per read) and dispatch; the write side is outbox.py.
+Anything malformed closes this connection (with a logged reason), never the node."""
 from __future__ import annotations
 
 import asyncio
@@ -10,16 +9,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime import auth, protocol
-from runtime.codec import (BATCH_HEAD, COUNT_OFFSET, HANDSHAKE_MAX_BYTES, HEADER, Auth, Challenge, Codec, Died, ErrorReply,
+from runtime.codec import (HANDSHAKE_MAX_BYTES, HEADER, Auth, Challenge, Codec, Died, ErrorReply,
                            Ping, ReplyAny, Unwatch, Watch, Welcome)
 from runtime.errors import ActorDead, AskTimeout, RemoteError
+from runtime.outbox import Outbox
 from runtime.ref import Ask
 
 if TYPE_CHECKING:
     from runtime.remoting import Remoting
 
-FLUSH_NOW_BYTES = 1 << 20
-_pack_header = HEADER.pack_into
 _LOCAL_ERRORS = {"ActorDead": ActorDead, "AskTimeout": AskTimeout}
 
 
@@ -60,9 +58,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.open = False
         self.closed = False
-        self.out = bytearray()
         self.rx = bytearray()
-        self.flush_scheduled = False
         self.pending: dict[int, asyncio.Future] = {}
         self.remote_watched: set[str] = set()
         self.ready: asyncio.Future = self.loop.create_future()
@@ -71,16 +67,19 @@ class Connection(asyncio.Protocol):
         self._peer_announced = ""
         self._last_rx = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
-        self._encode = self.codec.encoder.encode
-        self._encode_into = self.codec.encoder.encode_into
-        self._tell_prefix: dict[tuple[type, str], bytes] = {}
-        self._batch = -1        # offset of the open TellBatch frame in self.out, -1 when none
-        self._batch_n = 0
-        self._item_cap = self.cap - 16
-        self._batch_cap = min(self.cap // 2, 256 * 1024)
+        ob = self.outbox = Outbox(self.loop, self.codec, self.cap)
+        # The write side's methods, bound once: refs call these on every message.
+        self.send_frame = ob.send_frame
+        self.send_prefixed = ob.send_prefixed
+        self.send_tell = ob.send_tell
+        self.send_ask = ob.send_ask
+        self.send_reply = ob.send_reply
+        self.tell_prefix = ob.tell_prefix
         self._bind_frames()
 
     def _bind_frames(self) -> None:
+        self.codec.refresh()
+        self._bound_version = self.codec.version
         fs = self.codec.frames
         self._tells = tuple(fs.tell_classes)
         self._batch_cls = fs.batch
@@ -94,6 +93,7 @@ class Connection(asyncio.Protocol):
     # ---- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox.transport = transport  # type: ignore[assignment]
         if self.closed:   # accepted while the node shuts down
             transport.abort()
             return
@@ -107,8 +107,7 @@ class Connection(asyncio.Protocol):
         self._last_rx = self.loop.time()
         if self.closed:
             return
-        if self.codec.version != protocol.version:
-            self.codec.refresh()
+        if self._bound_version != protocol.version:
             self._bind_frames()
         if self.rx:
             self.rx += data
@@ -209,6 +208,7 @@ class Connection(asyncio.Protocol):
 
     def _opened(self) -> None:
         self.open = True
+        self.outbox.open = True
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self.loop.call_later(self.system.heartbeat_s, self._heartbeat)
@@ -216,8 +216,7 @@ class Connection(asyncio.Protocol):
             self.remoting.adopt(self)
         if not self.ready.done():
             self.ready.set_result(None)
-        if self.out:
-            self._flush()
+        self.outbox.flush()
 
     def _on_ask(self, frame: Any) -> None:
         cell = self.cells.get(frame.to)
@@ -266,145 +265,6 @@ class Connection(asyncio.Protocol):
         self.codec.write(buf, frame)
         self.transport.write(bytes(buf))
 
-    def send_frame(self, frame: Any) -> None:
-        if self.closed:
-            return
-        self._close_batch()
-        out = self.out
-        start = len(out)
-        size = self.codec.write(out, frame)
-        if size > self.cap:
-            del out[start:]
-            raise ValueError(f"message of {size} bytes exceeds the frame cap of {self.cap}")
-        if self.open:
-            self._written(start)
-
-    def send_tell(self, path: str, msg: Any) -> None:
-        prefix = self._tell_prefix.get((msg.__class__, path))
-        if prefix is None:
-            prefix = self._make_tell_prefix(msg, path)
-        self.send_prefixed(prefix, msg)
-
-    def send_prefixed(self, prefix: bytes, msg: Any) -> None:
-        """The hot path: one tell appended to the open batch frame as its cached [tag, to]
-        prefix plus the message encoded in place; size errors still surface at the sender."""
-        if self.closed:
-            return
-        out = self.out
-        start = len(out)
-        opened = self._batch < 0
-        if opened:
-            self._batch = start
-            self._batch_n = 0
-            out += BATCH_HEAD
-        item = len(out)
-        out += prefix
-        try:
-            self._encode_into(msg, out, -1)
-        except BaseException:
-            self._drop_item(start if opened else item, opened)
-            raise
-        end = len(out)
-        if end - item > self._item_cap:
-            self._drop_item(start if opened else item, opened)
-            raise ValueError(f"message of {end - item} bytes exceeds the frame cap of {self.cap}")
-        self._batch_n += 1
-        if end - self._batch > self._batch_cap:
-            self._split_batch(item, end)
-        if not self.flush_scheduled:
-            if self.open:
-                self._written(start)
-        elif end >= FLUSH_NOW_BYTES and self.open:
-            self._written(start)
-
-    def _split_batch(self, item: int, end: int) -> None:
-        out = self.out
-        if end - self._batch - 4 > self.cap:
-            # Too big to join this batch: close the batch before it and start a new one.
-            data = bytes(out[item:])
-            del out[item:]
-            self._batch_n -= 1
-            self._close_batch()
-            self._batch = len(out)
-            self._batch_n = 1
-            out += BATCH_HEAD
-            out += data
-        self._close_batch()
-
-    def _drop_item(self, cut: int, opened: bool) -> None:
-        del self.out[cut:]
-        if opened:
-            self._batch = -1
-
-    def _close_batch(self) -> None:
-        b = self._batch
-        if b >= 0:
-            out = self.out
-            _pack_header(out, b, len(out) - b - 4)
-            _pack_header(out, b + COUNT_OFFSET, self._batch_n)
-            self._batch = -1
-
-    def tell_prefix(self, msg: Any, path: str) -> bytes:
-        prefix = self._tell_prefix.get((msg.__class__, path))
-        return prefix if prefix is not None else self._make_tell_prefix(msg, path)
-
-    def _make_tell_prefix(self, msg: Any, path: str) -> bytes:
-        cls = self.frame_class("tell", msg)
-        # A tell item is the msgpack array [tag, to, msg]; the message is encoded after this.
-        head = b"\x93" + self._encode(cls.__struct_config__.tag) + self._encode(path)
-        if len(self._tell_prefix) > 10_000:
-            self._tell_prefix.clear()
-        self._tell_prefix[(msg.__class__, path)] = head
-        return head
-
-    def _written(self, start: int) -> None:
-        if not self.flush_scheduled:
-            self.flush_scheduled = True
-            self.loop.call_soon(self._flush)
-            if start == 0:
-                # Nothing else is waiting: write through now for latency; whatever else this
-                # loop iteration sends is batched into the scheduled flush.
-                self._close_batch()
-                data, self.out = self.out, bytearray()
-                self.transport.write(data)
-        elif len(self.out) >= FLUSH_NOW_BYTES:
-            self._close_batch()
-            data, self.out = self.out, bytearray()
-            self.transport.write(data)
-
-    def frame_class(self, table: str, msg: Any) -> type:
-        cls = getattr(self.codec.frames, table).get(type(msg))
-        if cls is None and self.codec.version != protocol.version:
-            self.codec.refresh()
-            self._bind_frames()
-            cls = getattr(self.codec.frames, table).get(type(msg))
-        if cls is None:
-            raise TypeError(f"{type(msg).__name__} is not a registered message type "
-                            "(runtime.register_messages) and cannot cross processes")
-        return cls
-
-    def send_ask(self, path: str, id: int, msg: Any) -> None:
-        self.send_frame(self.frame_class("ask", msg)(path, id, msg))
-
-    def send_reply(self, id: int, value: Any) -> None:
-        cls = self.codec.frames.reply.get(type(value))
-        try:
-            if cls is not None:
-                self.send_frame(cls(id, value))
-            elif isinstance(value, msgspec.Struct):
-                self.send_frame(ErrorReply(id, "TypeError", f"reply type {type(value).__name__} is not registered"))
-            else:
-                self.send_frame(ReplyAny(id, value))
-        except (TypeError, ValueError, OverflowError) as exc:
-            self.send_frame(ErrorReply(id, type(exc).__name__, f"cannot send the reply: {exc}"))
-
-    def _flush(self) -> None:
-        self.flush_scheduled = False
-        if self.out and self.open:
-            self._close_batch()
-            data, self.out = self.out, bytearray()
-            self.transport.write(data)
-
     # ---- liveness and closing ------------------------------------------------------------
     def _heartbeat(self) -> None:
         if self.closed:
@@ -431,9 +291,7 @@ class Connection(asyncio.Protocol):
     def close(self, reason: str) -> None:
         """Flush what is buffered, then close."""
         if self.transport is not None and not self.closed:
-            if self.out and self.open:
-                self._close_batch()
-                self.transport.write(bytes(self.out))
+            self.outbox.flush_final()
             self.transport.close()
         self._shut(reason)
 
@@ -442,7 +300,9 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         self.open = False
-        self.out = bytearray()
+        self.outbox.closed = True
+        self.outbox.open = False
+        self.outbox.out = bytearray()
         if self._timer is not None:
             self._timer.cancel()
         if not self.ready.done():
