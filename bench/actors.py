@@ -281,10 +281,10 @@ async def measure(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--tells", type=int, default=1_000_000)
+    p.add_argument("--tells", type=int, default=500_000)
     p.add_argument("--tcp-tells", type=int, default=300_000)
     p.add_argument("--asks", type=int, default=20_000)
-    p.add_argument("--repeat", type=int, default=3, help="throughput runs; the best is reported")
+    p.add_argument("--repeat", type=int, default=5, help="throughput runs; the best is reported")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:

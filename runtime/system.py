@@ -133,12 +133,19 @@ class ActorSystem:
         except Exception as exc:
             self.log.warning("registry call failed during shutdown", error=repr(exc))
 
+    def request_shutdown(self, exit_code: int | None = None) -> None:
+        """Start shutdown without waiting for it (from inside an actor, or a signal handler:
+        awaiting shutdown() there would wait on the very actor that awaits it)."""
+        if exit_code is not None and self.exit_code is None:
+            self.exit_code = exit_code
+        if not self._closing and self._fatal_task is None:
+            self._fatal_task = self.loop.create_task(self.shutdown())
+
     def _root_failed(self, path: str, exc: BaseException) -> None:
         self.log.critical("top-level actor failed past its restart limit; stopping the node",
                           failed_actor=path, error=repr(exc))
         self.exit_code = 1
-        if not self._closing:
-            self._fatal_task = self.loop.create_task(self.shutdown())
+        self.request_shutdown()
 
     # ---- actors --------------------------------------------------------------------------
     async def spawn(self, actor: Any, name: str | None = None, *,
@@ -260,7 +267,7 @@ class ActorSystem:
         """SIGINT/SIGTERM start a graceful shutdown (Unix only)."""
         import signal
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, lambda: self.loop.create_task(self.shutdown()))
+            self.loop.add_signal_handler(sig, self.request_shutdown)
 
 
 __all__ = ["ActorSystem", "ActorDead"]

@@ -72,3 +72,17 @@ async def test_stopping_self_from_receive(system):
     assert await ref.ask("x") == "bye"
     with pytest.raises(ActorDead):
         await ref.ask("y")
+
+
+async def test_an_actor_can_request_shutdown_with_an_exit_code():
+    class Quitter(Actor):
+        async def receive(self, msg):
+            self.context.system.request_shutdown(exit_code=3)
+            return "ok"
+
+    s = ActorSystem("quit")
+    await s.start()
+    ref = await s.spawn(Quitter(), name="q")
+    assert await ref.ask("quit") == "ok"
+    assert await asyncio.wait_for(s.terminated, 5) == 3
+    assert not ref.is_alive
