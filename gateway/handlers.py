@@ -5,6 +5,7 @@ an error travels inside the stream as `data: {"error": ...}`.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -14,15 +15,20 @@ from aiohttp import web
 from gateway import protocol
 from gateway.app_keys import STATE
 from gateway.engine_client import EngineLost
-from gateway.errors import APIError, invalid, unavailable
+from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
 from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
+from runtime import get_logger
 
 _encode = msgspec.json.Encoder().encode
+log = get_logger(component="gateway")
+# Prompts longer than this (characters) are templated and tokenized in a thread, so one huge
+# prompt does not stall every other stream on the event loop.
+_THREAD_TOKENIZE_CHARS = 8192
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -42,7 +48,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [{"role": "system" if m.role == "developer" else m.role,
                  "content": protocol.message_text(m)} for m in req.messages]
     try:
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = await _off_loop(sum(len(m["content"]) for m in messages),
+                                 engine.tokenizer.apply_chat_template, messages, True)
     except Exception as e:   # a template that rejects this conversation (e.g. role order)
         raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -65,7 +72,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     client, engine = state.require_engine()
     state.check_model(req.model)
     tok = engine.tokenizer
-    prompts = [p if isinstance(p, list) else tok.encode(p)
+    prompts = [p if isinstance(p, list) else await _off_loop(len(p), tok.encode, p)
                for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]
     params = sampling_params(req, prompts, req.max_tokens, engine.max_model_len, "prompt",
                              req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
@@ -76,6 +83,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
                      state.metrics, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
+
+
+async def _off_loop(size: int, fn, *args):
+    if size > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _include_usage(req: protocol._Common) -> bool:
@@ -122,5 +135,11 @@ async def _stream(request, state: GatewayState, gen: Generation, fmt,
         await sse.done()
     except EngineLost as e:
         await sse.send(APIError(503, str(e), type="service_unavailable").body())
+        await sse.response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:   # headers are out: the error can only travel inside the stream
+        log.exception("stream failed")
+        await sse.send(internal().body())
         await sse.response.write_eof()
     return sse.response

@@ -179,6 +179,9 @@ def test_context_length_exceeded(client, tiny_servers):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt=[5] * 1000, max_tokens=100)
     assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:   # long text: tokenized off the event loop
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello " * 2000}])
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
 
 
 def test_unknown_model_is_404(client):

@@ -1,0 +1,115 @@
+"""The gateway role of a cluster: the same HTTP app, served by an `EnginePool` of remote engines.
+
+The gateway loads only the tokenizer; engines are found in the Redis registry and reached over
+the runtime's TCP transport with the cluster secret. /ready is 200 while some engine is routable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.app_keys import STATE
+from gateway.config import GatewayConfig
+from gateway.engine_pool import EnginePool, PoolConfig
+from gateway.metrics import GatewayMetrics
+from gateway.pool_metrics import PoolMetrics
+from gateway.state import EngineHandle, GatewayState
+from gateway.responses import TokenStrings
+from runtime import ActorSystem
+
+
+@dataclass
+class GatewayNodeConfig:
+    secret: bytes
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    tokenizer: str | None = None             # model folder or .gguf; None: the default model
+    pool: PoolConfig | None = None
+    index_namespace: str = "matinee:prefix"
+    registry_prefix: str = "matinee:registry:"
+    index_timeout_s: float = 0.05            # a slower index lookup routes by load instead
+
+    def __post_init__(self) -> None:
+        if not self.secret:
+            raise ValueError("a gateway node needs the cluster secret (MATINEE_CLUSTER_SECRET)")
+        if self.index_timeout_s <= 0:
+            raise ValueError(f"index_timeout_s must be positive, got {self.index_timeout_s}")
+        self.pool = self.pool or PoolConfig()
+
+
+class ClusterMetrics(GatewayMetrics):
+    """The gateway's metrics followed by the pool's (routing, index latency, migrations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: PoolMetrics | None = None
+
+    def render(self) -> str:
+        text = super().render()
+        return text + self.pool.render() if self.pool is not None else text
+
+
+class ClusterGatewayState(GatewayState):
+    """Connects through the pool instead of one scheduler ref."""
+
+    async def connect(self) -> None:
+        self.engine = engine = await self.launcher(self.system)
+        self.client = engine.client
+        self.metrics.pool = engine.client.metrics
+        self.token_strings = TokenStrings(engine.tokenizer)
+        self.model_name = self.config.served_model_name or _model_name(engine.model_path)
+        self.ready_event.set()
+
+
+def _model_name(path: str) -> str:
+    from gateway.state import model_name_from_path
+    return model_name_from_path(path) or "matinee"
+
+
+def cluster_launcher(node: GatewayNodeConfig):
+    async def launch(system: ActorSystem):
+        from actors.config import default_model_path
+        from actors.tokenizer import load_tokenizer
+        from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
+        from runtime.redis_registry import RedisRegistry
+
+        registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix)
+        store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace)
+        router = PrefixRouter(store, timeout_s=node.index_timeout_s)
+        salts = TenantSalts(b"tenant-salt:" + node.secret)
+        pool = EnginePool(system, registry, router, node.pool, salts)
+        await pool.start()
+        tokenizer_path = node.tokenizer or default_model_path()
+        tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
+        info = await pool.wait_for_engine()
+
+        async def close() -> None:
+            await pool.close()
+            await registry.close()
+
+        handle = EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer,
+                              max_model_len=info.max_model_len, model_path=info.model or tokenizer_path,
+                              close=close)
+        handle.client = pool
+        return handle
+
+    return launch
+
+
+def create_cluster_app(config: GatewayConfig, node: GatewayNodeConfig) -> web.Application:
+    system = ActorSystem(f"gateway-{socket.gethostname()}", secret=node.secret)
+    app = create_app(config, cluster_launcher(node), system)
+    app[STATE] = ClusterGatewayState(config=config, launcher=app[STATE].launcher, system=system,
+                                     metrics=ClusterMetrics())
+
+    async def own_system(app: web.Application):
+        await system.start()
+        yield
+        await system.shutdown()
+
+    app.cleanup_ctx.insert(0, own_system)   # started first, shut down last
+    return app

@@ -1,0 +1,331 @@
+"""The gateway's view of a cluster: engines found in the registry, routed to by prefix and load,
+and requests that lose their engine continued on another.
+
+`EnginePool` offers the same calls as `EngineClient` (submit, abort, release, stats), so the
+HTTP side does not care whether one embedded engine or many remote ones serve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from actors.cluster_messages import EngineInfo, GetEngineInfo, SubmitRefused
+from actors.engine_node import REGISTRY_PREFIX
+from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from gateway.engine_client import EngineLost
+from gateway.inflight import InflightRequest, Resubmission
+from gateway.pool_metrics import PoolMetrics
+from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts
+from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
+
+log = get_logger(component="engine-pool")
+
+ROUTINGS = ("kv", "least_loaded", "round_robin")
+
+
+@dataclass
+class PoolConfig:
+    routing: str = "kv"
+    max_migrations: int = 3               # per request; past it the stream ends with an error
+    discovery_interval_s: float = 0.5
+    stats_interval_s: float = 0.25
+    no_engine_wait_s: float = 10.0        # how long a request waits for some engine to appear
+    join_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        for name in ("discovery_interval_s", "stats_interval_s", "no_engine_wait_s", "join_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class _Engine:
+    key: str                  # node/path: one run of one engine
+    ref: ActorRef
+    info: EngineInfo
+    stats: EngineStats | None = None
+    sent: int = 0             # requests sent since the last stats
+    routable: bool = True     # False once it left the registry (draining)
+
+    def load(self) -> EngineLoad:
+        s = self.stats
+        if s is None:
+            return EngineLoad(self.info.engine_id, requests_waiting=self.sent)
+        return EngineLoad(self.info.engine_id, s.requests_running, s.requests_waiting + self.sent,
+                          s.kv_blocks_total, s.kv_blocks_free)
+
+
+class _Watch:
+    def __init__(self, ref: ActorRef):
+        self.ref = ref
+
+
+class PoolReceiver(Actor):
+    """Every engine's replies to this gateway, and their deaths, in arrival order."""
+
+    def __init__(self, pool: EnginePool):
+        self.pool = pool
+
+    async def receive(self, msg: Any) -> None:
+        match msg:
+            case TokenDeltas(deltas=deltas):
+                self.pool._on_deltas(deltas)
+            case SubmitRefused(request_id=rid):
+                self.pool._on_refused(rid)
+            case Terminated(ref=ref):
+                self.pool._on_engine_dead(ref)
+            case _Watch(ref=ref):
+                self.context.watch(ref)
+
+
+class EnginePool:
+    def __init__(self, system: ActorSystem, registry: Any, router: PrefixRouter,
+                 config: PoolConfig | None = None, salts: TenantSalts | None = None):
+        self.system = system
+        self.registry = registry
+        self.router = router
+        self.config = config or PoolConfig()
+        self.salts = salts
+        self.metrics = PoolMetrics(router.metrics, lambda: sum(e.routable for e in self.engines.values()))
+        self.hasher: PromptHasher | None = None
+        self.engines: dict[str, _Engine] = {}
+        self._dead: set[str] = set()
+        self._joining: set[str] = set()
+        self._requests: dict[str, tuple[InflightRequest, asyncio.Queue]] = {}
+        self._by_engine_rid: dict[str, str] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._turn = itertools.count()
+        self._changed = asyncio.Event()
+        self.receiver: ActorRef | None = None
+
+    async def start(self, name: str = "pool-receiver") -> None:
+        self.receiver = await self.system.spawn(PoolReceiver(self), name=name)
+        self._spawn(self._discover())
+        self._spawn(self._poll_stats())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.router.store is not None:
+            await self.router.store.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- the EngineClient interface ---------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return any(e.routable for e in self.engines.values())
+
+    @property
+    def num_open(self) -> int:
+        return len(self._requests)
+
+    def tenant_salt(self, api_key: str | None) -> str | None:
+        return self.salts.salt_for(api_key) if self.salts is not None else None
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
+        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
+        self._requests[request_id] = (req, queue)
+        self._spawn(self._send(req, None))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        for key, erid, i in entry[0].abort_targets(index):
+            if i is None:
+                self._by_engine_rid.pop(erid, None)
+            e = self.engines.get(key)
+            if e is not None:
+                e.ref.tell(AbortRequest(erid, i))
+
+    def release(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            for erid in entry[0].parts:
+                self._by_engine_rid.pop(erid, None)
+
+    async def stats(self, timeout: float = 2.0) -> EngineStats:
+        """The cluster's totals, from the latest stats of every engine."""
+        fields = EngineStats.__struct_fields__
+        total = dict.fromkeys(fields, 0)
+        for e in self.engines.values():
+            if e.stats is not None:
+                for f in fields:
+                    total[f] += getattr(e.stats, f)
+        return EngineStats(**total)
+
+    async def wait_for_engine(self) -> EngineInfo:
+        while not self.alive:
+            self._changed.clear()
+            await self._changed.wait()
+        return next(e.info for e in self.engines.values() if e.routable)
+
+    # ---- routing --------------------------------------------------------------------------
+    async def _send(self, req: InflightRequest, resub: Resubmission | None) -> None:
+        prompt = req.prompt_token_ids if resub is None else resub.prompt_token_ids
+        params = req.params if resub is None else resub.params
+        try:
+            async with asyncio.timeout(self.config.no_engine_wait_s):
+                while True:
+                    engine = await self._choose(prompt, req.cache_salt)
+                    if engine is not None and engine.key in self.engines and engine.routable:
+                        break
+                    self._changed.clear()
+                    if not self.alive:
+                        await self._changed.wait()
+        except TimeoutError:
+            self._fail(req, "no engine is available to serve the request")
+            return
+        if req.finished or req.request_id not in self._requests:
+            return
+        if resub is None:
+            erid = req.place(engine.key)
+        else:
+            erid = resub.engine_request_id
+            req.place_continuation(resub, engine.key)
+        self._by_engine_rid[erid] = req.request_id
+        engine.sent += 1
+        engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt))
+
+    async def _choose(self, prompt: list[int], cache_salt: str | None) -> _Engine | None:
+        pool = [e for e in self.engines.values() if e.routable]
+        if not pool:
+            return None
+        if self.config.routing == "round_robin":
+            self.router.metrics.record_decision("round_robin", 0, 0)
+            pool.sort(key=lambda e: e.info.engine_id)
+            return pool[next(self._turn) % len(pool)]
+        by_id = {e.info.engine_id: e for e in pool}   # the newest run of an id wins
+        loads = [e.load() for e in by_id.values()]
+        if self.config.routing == "least_loaded" or self.hasher is None:
+            decision = self.router.policy.choose(loads, None, 0)
+            self.router.metrics.record_decision("load", 0, 0)
+        else:
+            hashes = self.hasher.block_hashes(prompt, cache_salt)
+            decision = await self.router.route(hashes, loads)
+        return by_id.get(decision.engine_id)
+
+    def _fail(self, req: InflightRequest, why: str) -> None:
+        entry = self._requests.get(req.request_id)
+        if entry is not None:
+            entry[1].put_nowait(EngineLost(why))
+
+    # ---- replies and deaths (from the receiver actor) ---------------------------------------
+    def _on_deltas(self, deltas) -> None:
+        for d in deltas:
+            rid = self._by_engine_rid.get(d.request_id)
+            entry = self._requests.get(rid) if rid is not None else None
+            if entry is None:
+                continue
+            out = entry[0].on_delta(d.request_id, d)
+            if out is not None:
+                entry[1].put_nowait(out)
+            if d.request_id not in entry[0].parts:
+                self._by_engine_rid.pop(d.request_id, None)
+
+    def _on_refused(self, engine_rid: str) -> None:
+        rid = self._by_engine_rid.pop(engine_rid, None)
+        entry = self._requests.get(rid) if rid is not None else None
+        if entry is None:
+            return
+        req = entry[0]
+        part = req.parts.pop(engine_rid, None)
+        if part is None:
+            return
+        e = self.engines.get(part.engine_id)
+        if e is not None:
+            e.routable = False   # it is draining: send nothing more there
+        if part.index is None:
+            self._spawn(self._send(req, None))
+        else:
+            resub = req.continuation(part.index)
+            if resub is not None:
+                self._spawn(self._send(req, resub))
+
+    def _on_engine_dead(self, ref: ActorRef) -> None:
+        key = f"{ref.node}/{ref.path}"
+        engine = self.engines.pop(key, None)
+        self._dead.add(key)
+        if engine is None:
+            return
+        log.warning("engine lost", engine_id=engine.info.engine_id, address=ref.node)
+        self._changed.set()
+        for req, queue in list(self._requests.values()):
+            if key not in req.engines():
+                continue
+            lost = req.lose_engine(key)
+            if not lost:
+                continue
+            if req.migrations >= self.config.max_migrations:
+                queue.put_nowait(EngineLost("the engine stopped and the request may not move again"))
+                continue
+            req.migrations += 1
+            self.metrics.migrations += 1
+            for index in lost:
+                resub = req.continuation(index)
+                if resub is None:
+                    queue.put_nowait(req.finish_locally(index, "length"))
+                else:
+                    self._spawn(self._send(req, resub))
+
+    # ---- discovery and load ---------------------------------------------------------------
+    async def _discover(self) -> None:
+        while True:
+            try:
+                entries = await self.registry.entries(REGISTRY_PREFIX)
+            except Exception as exc:
+                log.warning("engine discovery failed", error=repr(exc))
+                entries = None
+            if entries is not None:
+                listed = {f"{node}/{path}": (node, path) for node, path in entries.values()}
+                for key, e in self.engines.items():
+                    if e.routable and key not in listed:
+                        e.routable = False   # left the registry: draining, or its beats stopped
+                        self._changed.set()
+                for key, (node, path) in listed.items():
+                    if key not in self.engines and key not in self._dead and key not in self._joining:
+                        self._joining.add(key)
+                        self._spawn(self._join(key, node, path))
+            await asyncio.sleep(self.config.discovery_interval_s)
+
+    async def _join(self, key: str, node: str, path: str) -> None:
+        try:
+            ref = self.system.ref_for(node, path)
+            info = await ref.ask(GetEngineInfo(), timeout=self.config.join_timeout_s)
+        except Exception as exc:
+            log.warning("cannot reach a registered engine", address=node, error=repr(exc))
+            return
+        finally:
+            self._joining.discard(key)
+        if key in self._dead or info.draining:
+            return
+        if self.hasher is None:
+            self.hasher = PromptHasher(info.block_size)
+        self.engines[key] = _Engine(key, ref, info)
+        self.receiver.tell(_Watch(ref))
+        log.info("engine joined", engine_id=info.engine_id, address=node)
+        self._changed.set()
+
+    async def _poll_stats(self) -> None:
+        while True:
+            engines = list(self.engines.values())
+            results = await asyncio.gather(
+                *(e.ref.ask(GetStats(), timeout=self.config.stats_interval_s * 4) for e in engines),
+                return_exceptions=True)
+            for e, r in zip(engines, results):
+                if isinstance(r, EngineStats):
+                    e.stats, e.sent = r, 0
+            await asyncio.sleep(self.config.stats_interval_s)

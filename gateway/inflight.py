@@ -1,0 +1,133 @@
+"""One request in flight across a cluster: which engine runs which of its samples, what each
+sample generated so far, and how to continue it elsewhere when that engine dies.
+
+Pure and synchronous. A continuation is the prompt plus the sample's tokens so far, submitted
+under a new engine request id, so stray deltas from the lost engine can never be mistaken for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from actors.messages import SamplingParams, TokenDelta
+
+
+@dataclass
+class Part:
+    """One engine request: all samples of the request (`index` None) or one continued sample."""
+
+    engine_id: str
+    index: int | None
+
+
+@dataclass
+class Resubmission:
+    engine_request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class InflightRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    generated: list[list[int]] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+    parts: dict[str, Part] = field(default_factory=dict)
+    migrations: int = 0
+    num_cached_tokens: int | None = None
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.generated = [[] for _ in range(n)]
+        self.done = [False] * n
+
+    @property
+    def finished(self) -> bool:
+        return self.aborted or all(self.done)
+
+    def place(self, engine_id: str) -> str:
+        """The first submission: every sample on one engine, under the request's own id."""
+        self.parts[self.request_id] = Part(engine_id, None)
+        return self.request_id
+
+    def on_delta(self, engine_request_id: str, d: TokenDelta) -> TokenDelta | None:
+        """The delta as the client sees it (its sample index, the original prompt's length),
+        or None for a delta of a part this request no longer has."""
+        part = self.parts.get(engine_request_id)
+        if part is None:
+            return None
+        index = d.index if part.index is None else part.index
+        if index >= len(self.done) or self.done[index]:
+            return None
+        self.generated[index].extend(d.token_ids)
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = d.num_cached_tokens
+        if d.finish_reason is not None:
+            self.done[index] = True
+            if part.index is not None or all(self.done):
+                self.parts.pop(engine_request_id, None)
+        return TokenDelta(self.request_id, index, d.token_ids, d.logprobs, d.finish_reason,
+                          len(self.prompt_token_ids), self.num_cached_tokens)
+
+    def abort_targets(self, index: int | None) -> list[tuple[str, str, int | None]]:
+        """(engine id, engine request id, sample index or None) to abort for `index` (None: all)."""
+        out = []
+        for rid, part in list(self.parts.items()):
+            if index is None:
+                out.append((part.engine_id, rid, None))
+            elif part.index == index:
+                out.append((part.engine_id, rid, None))
+            elif part.index is None:
+                out.append((part.engine_id, rid, index))
+        if index is None:
+            self.aborted = True
+            self.parts.clear()
+        else:
+            self.done[index] = True
+            for _, rid, i in out:
+                if i is None:
+                    self.parts.pop(rid, None)
+        return out
+
+    def engines(self) -> set[str]:
+        return {p.engine_id for p in self.parts.values()}
+
+    def lose_engine(self, engine_id: str) -> list[int]:
+        """Forget the parts on a dead engine; the unfinished samples they carried, in order."""
+        lost: list[int] = []
+        for rid, part in list(self.parts.items()):
+            if part.engine_id != engine_id:
+                continue
+            del self.parts[rid]
+            indices = range(len(self.done)) if part.index is None else [part.index]
+            lost += [i for i in indices if not self.done[i]]
+        return sorted(set(lost))
+
+    def continuation(self, index: int) -> Resubmission | None:
+        """How sample `index` goes on elsewhere; None when it has no tokens left to make."""
+        made = self.generated[index]
+        params = msgspec.structs.replace(self.params, n=1)
+        if params.max_tokens is not None:
+            left = params.max_tokens - len(made)
+            if left <= 0:
+                return None
+            params = msgspec.structs.replace(params, max_tokens=left)
+        return Resubmission(f"{self.request_id}@{self.migrations}.{index}", index,
+                            self.prompt_token_ids + made, params)
+
+    def place_continuation(self, r: Resubmission, engine_id: str) -> None:
+        self.parts[r.engine_request_id] = Part(engine_id, r.index)
+
+    def finish_locally(self, index: int, reason: str) -> TokenDelta:
+        """End a sample without an engine (its token budget ran out as its engine died)."""
+        self.done[index] = True
+        return TokenDelta(self.request_id, index, [], None, reason, len(self.prompt_token_ids),
+                          self.num_cached_tokens or 0)

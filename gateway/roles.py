@@ -1,0 +1,113 @@
+"""`matinee serve --role gateway|engine`: the cluster roles' flags and their entry points.
+
+Configuration comes from flags, with environment variables as their defaults (what compose
+sets); the cluster secret comes only from the environment, never from a flag or a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SECRET_ENV = "MATINEE_CLUSTER_SECRET"
+
+
+def add_cluster_args(s: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    c = s.add_argument_group("cluster (--role gateway|engine)")
+    c.add_argument("--redis-url", default=env("MATINEE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    c.add_argument("--listen-host", default=env("MATINEE_LISTEN_HOST", "127.0.0.1"),
+                   help="the engine node's TCP address for gateways")
+    c.add_argument("--listen-port", type=int, default=int(env("MATINEE_LISTEN_PORT", "7100")))
+    c.add_argument("--advertise", default=env("MATINEE_ADVERTISE") or None,
+                   help="host:port gateways dial (default: this host's name and --listen-port)")
+    c.add_argument("--engine-id", default=env("MATINEE_ENGINE_ID") or None,
+                   help="the engine's id in the prefix index (default: host name and port)")
+    c.add_argument("--drain-grace", type=float, default=float(env("MATINEE_DRAIN_GRACE_S", "30")),
+                   help="seconds a stopping engine lets its running requests finish")
+    c.add_argument("--registry-ttl", type=float, default=float(env("MATINEE_REGISTRY_TTL_S", "3")))
+    c.add_argument("--routing", default=env("MATINEE_ROUTING", "kv"),
+                   choices=("kv", "least_loaded", "round_robin"))
+    c.add_argument("--max-migrations", type=int, default=int(env("MATINEE_MAX_MIGRATIONS", "3")))
+
+
+def _secret() -> bytes:
+    secret = os.environ.get(SECRET_ENV, "")
+    if not secret:
+        raise ValueError(f"set {SECRET_ENV} to the cluster secret shared by every node")
+    return secret.encode()
+
+
+def serve_engine(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from actors.config import EngineConfig
+    from actors.engine_node import EngineNodeConfig, run_engine_node
+    from runtime import configure_logging, run
+
+    configure_logging(args.log_level)
+    try:
+        node = EngineNodeConfig(secret=_secret(), redis_url=args.redis_url,
+                                listen_host=args.listen_host, listen_port=args.listen_port,
+                                advertise=args.advertise, engine_id=args.engine_id,
+                                drain_grace_s=args.drain_grace, registry_ttl_s=args.registry_ttl)
+        engine_config = EngineConfig(**engine_kwargs)
+    except ValueError as e:
+        print(f"matinee serve: {e}", file=sys.stderr)
+        return 2
+    return run(run_engine_node(node, engine_config))
+
+
+def serve_gateway(args: argparse.Namespace, config) -> int:
+    from aiohttp import web
+
+    from gateway.cluster import GatewayNodeConfig, create_cluster_app
+    from gateway.engine_pool import PoolConfig
+    from runtime import configure_logging
+
+    configure_logging(args.log_level)
+    try:
+        node = GatewayNodeConfig(secret=_secret(), redis_url=args.redis_url, tokenizer=args.model,
+                                 pool=PoolConfig(routing=args.routing, max_migrations=args.max_migrations))
+    except ValueError as e:
+        print(f"matinee serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        import asyncio
+        loop = asyncio.new_event_loop()
+    print(f"matinee gateway listening on http://{config.host}:{config.port} "
+          f"(/ready turns 200 once an engine is found)", flush=True)
+    web.run_app(create_cluster_app(config, node), host=config.host, port=config.port,
+                handler_cancellation=True, print=None, shutdown_timeout=30.0, loop=loop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gateway.roles serve --role ...`: the console script's serve, with the roles."""
+    from gateway.cli import build_parser, engine_kwargs
+    from gateway.config import GatewayConfig
+
+    parser = build_parser()
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    add_cluster_args(serve_parser)
+    args = parser.parse_args(argv)
+    if args.role == "engine":
+        return serve_engine(args, engine_kwargs(args))
+    if args.role == "gateway":
+        try:
+            config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                   served_model_name=args.served_model_name,
+                                   max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                                   ping_interval_s=args.ping_interval, role=args.role)
+        except ValueError as e:
+            print(f"matinee serve: {e}", file=sys.stderr)
+            return 2
+        return serve_gateway(args, config)
+    from gateway.cli import serve
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
