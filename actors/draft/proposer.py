@@ -18,6 +18,7 @@ from actors.draft.ngram import NgramConfig, propose_ngram
 from actors.messages import NewSequence
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
+from actors.worker.rejection_sampler import draw_rows
 from actors.worker.sampler import Sampler, SamplingState
 
 
@@ -174,15 +175,14 @@ class ModelProposer:
             state.output_token_ids = seq.history[seq.prompt_len:end]   # penalties see the known output
         extra = [drafts[item.seq_id] for item, _ in drafting]
         q = self.sampler.processed_probs(logits, states, extra)
-        for row, ((item, _), state) in enumerate(zip(drafting, states)):
-            if state.greedy:
-                token = int(q[row].argmax())
-                probs[item.seq_id].append(None)
-            else:
-                gen = state.generator if state.generator is not None else self.generator
-                token = int(torch.multinomial(q[row], 1, generator=gen))
-                probs[item.seq_id].append(q[row].cpu())
+        tokens = q.argmax(dim=-1)
+        random_rows = [i for i, state in enumerate(states) if not state.greedy]
+        if random_rows:
+            gens = [states[i].generator if states[i].generator is not None else self.generator for i in random_rows]
+            tokens[random_rows] = draw_rows(q[random_rows], gens)
+        for row, ((item, _), state, token) in enumerate(zip(drafting, states, tokens.tolist())):
             drafts[item.seq_id].append(token)
+            probs[item.seq_id].append(None if state.greedy else q[row].cpu())
 
 
 def check_same_vocab(target: ModelRunner, draft: ModelRunner) -> None:
