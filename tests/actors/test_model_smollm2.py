@@ -2,21 +2,17 @@
 the same GGUF, greedy 32 tokens for several prompts batched together, and a chat answer in English."""
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from actors.worker.model_runner import ModelRunner
+from tests.actors.conftest import hf_greedy_batch
 from tests.actors.test_model_parity import Blocks, Seq, run_greedy
 
 NUM_NEW = 32
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf, smollm2_hf):
     runner = ModelRunner(None, dtype="float32", kernels="torch", num_threads=1, block_size=16, num_blocks=64)
     assert runner.source.path == smollm2_gguf
     tok = runner.tokenizer
@@ -31,15 +27,9 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
     seqs = [Seq(p) for p in prompts]
     run_greedy(runner, seqs, Blocks(runner.num_blocks), NUM_NEW, chunk=24)  # chunked prefill, mixed steps
 
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf),
-                                              dtype=torch.float32)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 2
-    with torch.no_grad():
-        for p, s in zip(prompts, seqs):
-            ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NUM_NEW)
-            assert s.output == out[0, len(p):].tolist(), tok.decode(p)
+    expected = hf_greedy_batch(smollm2_hf, prompts, NUM_NEW)
+    for p, s, want in zip(prompts, seqs, expected):
+        assert s.output == want, tok.decode(p)
 
     answer = tok.decode(seqs[0].output)
     assert "Paris" in answer, answer
