@@ -260,7 +260,11 @@ async def measure(args) -> dict:
         # CPU per message at each end (last run): what the rate would be on two idle cores.
         result["tcp_tell_cpu_us"] = {"sender": (near1 - near0) / args.tcp_tells * 1e6,
                                      "receiver": (far1 - far0) / args.tcp_tells * 1e6}
+        far0, near0 = await remote.ask(BenchCpu()), time.process_time()
         rtt = await peer_loopback_rtt(raw_port, args.asks)
+        far1, near1 = await remote.ask(BenchCpu()), time.process_time()
+        n = args.asks + 500
+        rtt_cpu = {"asker": (near1 - near0) / n * 1e6, "replier": (far1 - far0) / n * 1e6}
         stream = max([await peer_stream_rate(raw_port, args.tcp_tells) for _ in range(args.repeat)])
     finally:
         far.terminate()
@@ -271,6 +275,7 @@ async def measure(args) -> dict:
         "asyncio_queue_put_per_s": max([await peer_queue_puts(args.tells) for _ in range(args.repeat)]),
         "future_roundtrip_p50_us": percentile(fut, 0.5),
         "loopback_rtt_p50_us": percentile(rtt, 0.5),
+        "loopback_rtt_cpu_us": rtt_cpu,
         "loopback_stream_per_s": stream,
     }
     result["uvloop"] = using_uvloop()
@@ -301,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TCP ask (2 procs)    p50 {r['tcp_ask_p50_us']:6.1f} us  p99 {r['tcp_ask_p99_us']:6.1f} us   "
           f"(target p50 <= 100; bare loopback echo p50 {peer['loopback_rtt_p50_us']:.1f} us)")
     acpu, tcpu = r["tcp_ask_cpu_us"], r["tcp_tell_cpu_us"]
-    print(f"                     CPU per ask: asker {acpu['asker']:.1f} us, replier {acpu['replier']:.1f} us")
+    pcpu = peer["loopback_rtt_cpu_us"]
+    print(f"                     CPU per ask: asker {acpu['asker']:.1f} us, replier {acpu['replier']:.1f} us "
+          f"(bare echo: {pcpu['asker']:.1f} us, {pcpu['replier']:.1f} us)")
     print(f"TCP tell (2 procs)   {r['tcp_tell_per_s']:>12,.0f} msg/s   (target >= 200,000; bare framed stream "
           f"{peer['loopback_stream_per_s']:,.0f}/s)")
     print(f"                     CPU per message: sender {tcpu['sender']:.2f} us, receiver {tcpu['receiver']:.2f} us")

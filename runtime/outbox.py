@@ -14,6 +14,7 @@ from runtime.codec import BATCH_HEAD, COUNT_OFFSET, HEADER, Codec, ErrorReply, R
 
 FLUSH_NOW_BYTES = 1 << 20
 _pack_header = HEADER.pack_into
+_NO_LENGTH = b"\0\0\0\0"   # patched once the frame is encoded
 
 
 class Outbox:
@@ -35,17 +36,28 @@ class Outbox:
         self._batch_cap = min(cap // 2, 256 * 1024)
 
     def send_frame(self, frame: Any) -> None:
+        """Asks, replies and control frames: written at once (they wait on a round trip) unless
+        this iteration's tells are already waiting for the flush, which keeps them in order."""
         if self.closed:
             return
-        self._close_batch()
+        if self._batch >= 0:
+            self._close_batch()
         out = self.out
         start = len(out)
-        size = self.codec.write(out, frame)
+        out += _NO_LENGTH
+        try:
+            self._encode_into(frame, out, start + 4)
+        except BaseException:
+            del out[start:]
+            raise
+        size = len(out) - start - 4
         if size > self.cap:
             del out[start:]
             raise ValueError(f"message of {size} bytes exceeds the frame cap of {self.cap}")
-        if self.open:
-            self._written(start)
+        _pack_header(out, start, size)
+        if self.open and (not self.flush_scheduled or len(out) >= FLUSH_NOW_BYTES):
+            self.out = bytearray()
+            self.transport.write(out)
 
     def send_tell(self, path: str, msg: Any) -> None:
         prefix = self._tell_prefix.get((msg.__class__, path))
@@ -151,7 +163,10 @@ class Outbox:
         return cls
 
     def send_ask(self, path: str, id: int, msg: Any) -> None:
-        self.send_frame(self.frame_class("ask", msg)(path, id, msg))
+        cls = self.codec.frames.ask.get(msg.__class__)
+        if cls is None:
+            cls = self.frame_class("ask", msg)
+        self.send_frame(cls(path, id, msg))
 
     def send_reply(self, id: int, value: Any) -> None:
         cls = self.codec.frames.reply.get(type(value))
