@@ -74,7 +74,13 @@ def load_tokenizer(model: str | os.PathLike | ModelSource | None = None,
     """
     from transformers import AutoTokenizer  # deferred: importing transformers takes seconds
 
-    source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    if isinstance(model, ModelSource):
+        source = model
+    elif model is not None and any(os.path.isfile(os.path.join(model, f))
+                                   for f in ("tokenizer.json", "tokenizer_config.json")):
+        source = ModelSource("hf", os.fspath(model))  # a tokenizer-only folder has no config.json
+    else:
+        source = resolve_model_source(model)
     eos: list[int] = []
     try:
         if source.kind == "hf":

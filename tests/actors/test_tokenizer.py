@@ -27,6 +27,15 @@ def test_hf_folder_tokenizer(tiny_model_dir):
     assert tok.decode([3] + ids + [2], skip_special_tokens=True) == text
 
 
+def test_tokenizer_only_folder(tiny_model_dir, tmp_path):
+    from tests.actors.conftest import build_tiny_tokenizer
+
+    build_tiny_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.encode("Hello world") == load_tokenizer(tiny_model_dir("llama")).encode("Hello world")
+    assert tok.eos_token_ids == (2,)
+
+
 def test_no_chat_template_is_a_clear_error(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir("llama"))
     bare = Tokenizer(tok.hf, tok.eos_token_ids)
