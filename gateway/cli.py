@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     http = s.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
-    http.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    http.add_argument("--api-key", default=os.environ.get("MATINEE_API_KEY") or None,
+                      help="require `Authorization: Bearer KEY` (default: $MATINEE_API_KEY)")
     http.add_argument("--max-waiting", type=int, default=256,
                       help="requests waiting for their first token before new ones get 429")
     http.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20)
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes for the KV cache (e.g. 2GiB)")
     eng.add_argument("--num-blocks", type=int, default=None, help="KV pool size exactly")
     eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--num-threads", type=int, default=None,
+                     help="torch threads for the forward pass (default: torch's own choice)")
     eng.add_argument("--log-level", default="INFO")
     return p
 
@@ -65,7 +69,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching)
+                num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                num_threads=args.num_threads)
 
 
 def curl_line(config: GatewayConfig, model: str) -> str:

@@ -1,0 +1,150 @@
+"""`matinee serve` against `transformers serve` on the same weights, in one run of the load generator.
+
+Each server runs alone (started, swept over the rates, stopped), so they never share the CPU.
+The figure of merit: at the highest rate where each holds p90 TPOT <= the SLO, Matinee's req/s
+over transformers'. Run: `python -m bench.serving_compare --rates 0.5,1,2 --json out.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from bench import serving
+
+HF_DIR = os.path.join("/tmp", "matinee-bench-smollm2-hf")
+
+
+def hf_folder_from_gguf(gguf: str, out: str = HF_DIR) -> str:
+    """transformers serve cannot load a GGUF file: dequantize it once into an HF folder."""
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    folder, name = os.path.split(gguf)
+    m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    cfg = m.config
+    cfg.architectures = ["LlamaForCausalLM"]
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    plain = LlamaForCausalLM(cfg)
+    plain.load_state_dict(m.state_dict())
+    plain.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready within {timeout}s")
+
+
+def _server_cmds(model_dir: str, port: int, threads: int | None) -> dict[str, tuple[list[str], str]]:
+    py = sys.executable
+    matinee = [py, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
+               "--dtype", "float32", "--served-model-name", "smollm2", "--log-level", "WARNING"]
+    if threads:
+        matinee += ["--num-threads", str(threads)]
+    hf = [os.path.join(os.path.dirname(py), "transformers"), "serve", "--continuous-batching",
+          "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+          model_dir]
+    return {"matinee": (matinee, f"http://127.0.0.1:{port}/ready"),
+            "transformers": (hf, f"http://127.0.0.1:{port}/health")}
+
+
+def run_server(label: str, model_dir: str, args: argparse.Namespace) -> dict:
+    port = _free_port()
+    cmd, ready_url = _server_cmds(model_dir, port, args.threads)[label]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if args.threads:   # the same torch thread count for both servers
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    log = open(os.path.join(args.log_dir, f"{label}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        _wait_ready(ready_url, proc)
+        argv = ["--url", f"http://127.0.0.1:{port}", "--label", label, "--dataset", args.dataset,
+                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                "--output-len", str(args.output_len), "--rates", args.rates, "--no-ignore-eos",
+                "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot)]
+        print(f"--- {label} ({' '.join(cmd[:4])} ...)", file=sys.stderr, flush=True)
+        return asyncio.run(serving.amain(serving.build_parser().parse_args(argv)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def best_rate(result: dict, slo_tpot: float) -> dict | None:
+    """The run with the highest achieved req/s among those holding p90 TPOT within the SLO."""
+    ok = [r for r in result["runs"] if r["failed"] == 0 and r["tpot_s"]["p90"] is not None
+          and r["tpot_s"]["p90"] <= slo_tpot]
+    return max(ok, key=lambda r: r["req_s"], default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serving_compare", description=__doc__)
+    p.add_argument("--model", default=None, help="HF folder (default: SmolLM2 from its GGUF)")
+    p.add_argument("--rates", default="0.5,1,2")
+    p.add_argument("--dataset", default="random")
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--servers", default="matinee,transformers")
+    p.add_argument("--json", default="serving_compare.json")
+    p.add_argument("--plot", default="serving_compare.png")
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for both servers (1 avoids spinning on a busy machine)")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from actors.config import default_model_path
+        args.model = hf_folder_from_gguf(default_model_path())
+    results = {label: run_server(label, args.model, args) for label in args.servers.split(",")}
+    summary = {label: best_rate(r, args.slo_tpot) for label, r in results.items()}
+    m, h = summary.get("matinee"), summary.get("transformers")
+    ratio = (m["req_s"] / h["req_s"]) if m and h and h["req_s"] > 0 else None
+    out = {"model": args.model, "slo_tpot_s": args.slo_tpot, "results": results,
+           "best_under_slo": summary, "req_s_ratio_at_slo": ratio}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    serving.plot({label: r["runs"] for label, r in results.items()}, args.plot)
+    print(json.dumps({"req_s_ratio_at_slo": ratio,
+                      "best": {k: (v and {"rate": v["rate"], "req_s": v["req_s"],
+                                          "tpot_p90_s": v["tpot_s"]["p90"]})
+                               for k, v in summary.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
