@@ -156,6 +156,8 @@ def copy_bandwidth(device, timer, dry_run) -> float:
 
 
 def attention_grid(ops, device, dtype, timer, ceiling, dry_run):
+    from kernels.paged_attention_triton import choose_num_splits
+
     grid = [(1, 256), (4, 64)] if dry_run else ATTENTION_GRID
     heads = dict(num_q_heads=8, num_kv_heads=2, head_dim=64) if dry_run else ATTENTION_HEADS
     rows = []
@@ -165,12 +167,13 @@ def attention_grid(ops, device, dtype, timer, ceiling, dry_run):
         kv_bytes = 2 * batch * context * heads["num_kv_heads"] * heads["head_dim"] * k_cache.element_size()
         io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
         triton_ms = timer(lambda: ops.paged_attention(*args))
+        splits = choose_num_splits(batch, heads["num_kv_heads"], 1, context, 64, device)
         # SDPA on the same keys and values, laid out contiguously per sequence (its best case).
         keys = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
         values = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
         query = q.view(batch, 1, heads["num_q_heads"], heads["head_dim"]).transpose(1, 2)
         sdpa_ms = timer(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
-        rows.append(dict(batch=batch, context=context, triton_ms=triton_ms, sdpa_ms=sdpa_ms,
+        rows.append(dict(batch=batch, context=context, num_splits=splits, triton_ms=triton_ms, sdpa_ms=sdpa_ms,
                          triton_bw_frac=io_bytes / (triton_ms / 1000) / ceiling,
                          sdpa_bw_frac=io_bytes / (sdpa_ms / 1000) / ceiling,
                          speedup_vs_sdpa=sdpa_ms / triton_ms))
@@ -308,9 +311,10 @@ def main() -> None:
     print(f"device-to-device copy: {ceiling / 1e9:.0f} GB/s (read + write)")
 
     summary["decode_attention"] = attention_grid(ops, device, dtype, timer, ceiling, args.dry_run)
-    print("decode attention   batch x context   triton ms  bw frac   sdpa ms  bw frac  speedup")
+    print("decode attention   batch x context  splits  triton ms  bw frac   sdpa ms  bw frac  speedup")
     for r in summary["decode_attention"]:
-        print(f"  {r['batch']:>16d} x {r['context']:<7d} {r['triton_ms']:9.3f} {r['triton_bw_frac']:8.2f} "
+        print(f"  {r['batch']:>16d} x {r['context']:<7d} {r['num_splits']:6d} {r['triton_ms']:9.3f} "
+              f"{r['triton_bw_frac']:8.2f} "
               f"{r['sdpa_ms']:9.3f} {r['sdpa_bw_frac']:8.2f} {r['speedup_vs_sdpa']:8.2f}")
 
     summary["model_decode_step"] = model_steps(ops, device, dtype, timer, ceiling, args.dry_run)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -163,7 +164,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_
     if max_query_len != 1:
         return 1
     programs = num_seqs * num_kv_heads
-    target = 2 * _multiprocessors(device)
+    # A decode program keeps only a couple of key tiles in flight; several per SM are needed
+    # to cover memory latency, so aim for a few times as many programs as SMs.
+    target = PROGRAMS_PER_SM * _multiprocessors(device)
     if programs >= target:
         return 1
     # At least four key tiles per split, or the merge costs more than the parallelism gains.
@@ -229,7 +232,8 @@ def paged_attention(
         block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         HEAD_PAD=head_pad, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        # Decode tiles are small: a third pipeline stage keeps more key bytes in flight.
+        num_warps=4, num_stages=3 if block_m <= 32 else 2,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import get_ops
-from kernels.paged_attention_triton import choose_num_splits
+from kernels.paged_attention_triton import PROGRAMS_PER_SM, choose_num_splits
 from tests.kernels.batches import make_batch
 from tests.kernels.conftest import DEVICE
 
@@ -114,8 +114,9 @@ def test_write_kv_slots_past_int32_offsets(triton_ops):
 
 
 def test_split_heuristic_only_splits_small_decode_batches():
-    cuda_like = torch.device("cpu")  # one "SM" off the GPU: target of 2 programs
-    assert choose_num_splits(1, 1, 1, 32768, 64, cuda_like) == 2
-    assert choose_num_splits(1, 1, 7, 32768, 64, cuda_like) == 1   # prefill never splits
-    assert choose_num_splits(4, 8, 1, 32768, 64, cuda_like) == 1   # enough programs already
-    assert choose_num_splits(1, 1, 1, 100, 64, cuda_like) == 1     # too short to be worth it
+    cpu = torch.device("cpu")  # counts as one SM: a target of PROGRAMS_PER_SM programs
+    assert choose_num_splits(1, 1, 1, 32768, 64, cpu) == PROGRAMS_PER_SM
+    assert choose_num_splits(1, 3, 1, 32768, 64, cpu) == 2         # ceil(4 / 3) splits
+    assert choose_num_splits(1, 1, 7, 32768, 64, cpu) == 1         # prefill never splits
+    assert choose_num_splits(4, 8, 1, 32768, 64, cpu) == 1         # enough programs already
+    assert choose_num_splits(1, 1, 1, 100, 64, cpu) == 1           # too short to be worth it
