@@ -1,0 +1,215 @@
+"""Offline throughput: Matinee against transformers' static `generate` and its continuous batching.
+
+`python -m bench.engine --json` runs one skewed workload (about 90% short outputs, 10% long ones,
+varied prompt lengths, EOS ignored) on SmolLM2 in float32 on the CPU through Matinee's whole
+engine, through transformers' padded static `generate` (batches of 16) and through transformers'
+continuous-batching manager (what `generate_batch` drives, fed each request's own length), then
+Matinee again in bfloat16. Figures are ratios against the peers of the same run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP: idle worker threads sleep instead of spinning, which matters on a
+# small shared machine (a spinning thread steals the core the other one needs).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(n: int, vocab: int, seed: int, scale: float) -> Workload:
+    rng = random.Random(seed)
+    prompts, lens = [], []
+    for i in range(n):
+        long = i % 10 == 9  # 10% long, spread over the arrival order
+        lens.append(max(1, round((rng.randint(256, 512) if long else rng.randint(16, 64)) * scale)))
+        prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 256))])
+    return Workload(prompts, lens)
+
+
+def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    a = torch.randn(1024, 1024, dtype=dtype)
+    b = torch.randn(1024, 1024, dtype=dtype)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * 1024 ** 3 * n / (time.perf_counter() - t0) / 1e9
+
+
+def matmul_params(cfg) -> int:
+    """Weights that take part in matmuls per token (the LM head included, embeddings looked up)."""
+    attn = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp) + cfg.vocab_size * cfg.hidden_size
+
+
+def run_matinee(model: str, wl: Workload, dtype: str, threads: int, budget: int) -> dict:
+    from actors import LLM, SamplingParams
+
+    with LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=len(wl.prompts),
+             max_num_batched_tokens=budget) as llm:
+        llm.generate([wl.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        before = llm.stats()
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+        t0 = time.perf_counter()
+        outs = llm.generate(wl.prompts, params)
+        wall = time.perf_counter() - t0
+        after = llm.stats()
+        cfg = llm.engine.model_config
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != wl.output_tokens:
+        raise RuntimeError(f"Matinee produced {produced} tokens, expected {wl.output_tokens}")
+    step_s = after.step_s - before.step_s
+    forward_s = after.forward_s - before.forward_s
+    slots = after.kv_slots_allocated - before.kv_slots_allocated
+    used = after.kv_slots_used - before.kv_slots_used
+    processed = (after.prompt_tokens - before.prompt_tokens) - (after.prefix_cache_hit_tokens
+                                                                 - before.prefix_cache_hit_tokens) + produced
+    return {"tok_s": produced / wall, "wall_s": wall, "steps": after.steps - before.steps,
+            "step_s": step_s, "forward_s": forward_s, "overhead_frac": (step_s - forward_s) / step_s,
+            "loop_idle_frac": max(0.0, 1 - step_s / wall), "kv_waste_frac": 1 - used / slots if slots else 0.0,
+            "preemptions": after.preemptions - before.preemptions,
+            "model_flops": 2 * matmul_params(cfg) * processed, "tokens_processed": processed}
+
+
+def load_hf(model: str):
+    from transformers import AutoModelForCausalLM
+
+    if model.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
+                                                    dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def run_hf_static(hf, wl: Workload, batch: int = 16) -> dict:
+    """The usual user path: padded batches in arrival order, each run until its longest output."""
+    t0 = time.perf_counter()
+    for i in range(0, len(wl.prompts), batch):
+        rows = wl.prompts[i:i + batch]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(wl.output_lens[i:i + batch]),
+                        eos_token_id=None, pad_token_id=0)
+    wall = time.perf_counter() - t0
+    return {"tok_s": wl.output_tokens / wall, "wall_s": wall}  # only the requested tokens count
+
+
+def run_hf_batch(hf, wl: Workload, budget: int) -> dict:
+    """transformers' continuous batching (the manager behind `generate_batch`), each request with its
+    own max_new_tokens, which `generate_batch` itself cannot express."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=None, pad_token_id=0)
+    page = 256
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(wl.prompts, wl.output_lens)) + 8
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=budget,
+                                  max_requests_per_batch=len(wl.prompts), use_cuda_graph=False)
+    t0 = time.perf_counter()
+    produced, done = 0, 0
+    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                block=True, timeout=30, warmup=False) as mgr:
+        for p, n in zip(wl.prompts, wl.output_lens):
+            mgr.add_request(p, max_new_tokens=n, eos_token_id=-1)
+        while done < len(wl.prompts):
+            res = mgr.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                done += 1
+                produced += len(res.generated_tokens)
+            elif res is None and not mgr.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+    wall = time.perf_counter() - t0
+    return {"tok_s": produced / wall, "wall_s": wall, "produced": produced}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (else a table)")
+    ap.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--output-scale", type=float, default=1.0, help="scale every output length (quick runs)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--budget", type=int, default=1024, help="max tokens per step, for Matinee and transformers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma list of: hf_static, hf_batch, bf16")
+    ap.add_argument("--bf16-requests", type=int, default=None,
+                    help="run bfloat16 on the first N requests only (a CPU without bf16 units is slow at it)")
+    ap.add_argument("--bf16-scale", type=float, default=None, help="output scale of the bfloat16 run")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    from actors.config import default_model_path
+    from actors.tokenizer import load_tokenizer
+
+    model = args.model or default_model_path()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    vocab = load_tokenizer(model).vocab_size
+    wl = make_workload(args.num_requests, vocab, args.seed, args.output_scale)
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    out = {"model": os.path.basename(model), "num_requests": len(wl.prompts), "output_tokens": wl.output_tokens,
+           "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
+           "output_scale": args.output_scale}
+    out["fp32_matmul_gflops"] = matmul_gflops(torch.float32)
+    log("fp32 matmul GFLOP/s", out["fp32_matmul_gflops"])
+
+    m = run_matinee(model, wl, "float32", threads, args.budget)
+    log("matinee fp32", m)
+    out.update(matinee_tok_s=m["tok_s"], matinee_wall_s=m["wall_s"], overhead_frac=m["overhead_frac"],
+               loop_idle_frac=m["loop_idle_frac"], kv_waste_frac=m["kv_waste_frac"], steps=m["steps"],
+               preemptions=m["preemptions"],
+               roofline_frac=m["model_flops"] / m["wall_s"] / (out["fp32_matmul_gflops"] * 1e9))
+    if not {"hf_static", "hf_batch"} <= skip:
+        hf = load_hf(model)
+        if "hf_static" not in skip:
+            s = run_hf_static(hf, wl)
+            log("hf static", s)
+            out.update(hf_static_tok_s=s["tok_s"], hf_static_wall_s=s["wall_s"],
+                       speedup_vs_hf_static=m["tok_s"] / s["tok_s"])
+        if "hf_batch" not in skip:
+            b = run_hf_batch(hf, wl, args.budget)
+            log("hf generate_batch", b)
+            out.update(hf_batch_tok_s=b["tok_s"], hf_batch_wall_s=b["wall_s"],
+                       speedup_vs_hf_batch=m["tok_s"] / b["tok_s"])
+        del hf
+    if "bf16" not in skip:
+        out["bf16_matmul_gflops"] = matmul_gflops(torch.bfloat16)
+        sub = wl
+        if args.bf16_requests or args.bf16_scale:
+            sub = make_workload(args.bf16_requests or args.num_requests, vocab, args.seed,
+                                args.bf16_scale or args.output_scale)
+            out.update(bf16_num_requests=len(sub.prompts), bf16_output_tokens=sub.output_tokens)
+            same = run_matinee(model, sub, "float32", threads, args.budget)  # the fp32 peer on that subset
+            out["matinee_fp32_subset_tok_s"] = same["tok_s"]
+        b16 = run_matinee(model, sub, "bfloat16", threads, args.budget)
+        log("matinee bf16", b16)
+        ref = out.get("matinee_fp32_subset_tok_s", m["tok_s"])
+        out.update(matinee_bf16_tok_s=b16["tok_s"], bf16_speedup=b16["tok_s"] / ref)
+    print(json.dumps(out, indent=None if args.json else 2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
