@@ -57,6 +57,7 @@ class Connection(asyncio.Protocol):
         self.cap = system.max_frame_bytes
         self.transport: asyncio.Transport | None = None
         self.open = False
+        self.was_open = False   # authenticated at some point (a failed dial never was)
         self.closed = False
         self.rx = bytearray()
         self.pending: dict[int, asyncio.Future] = {}
@@ -208,6 +209,7 @@ class Connection(asyncio.Protocol):
 
     def _opened(self) -> None:
         self.open = True
+        self.was_open = True
         self.outbox.open = True
         if self._timer is not None:
             self._timer.cancel()

@@ -102,8 +102,8 @@ class Remoting:
             return
         was_main = lst[0] is conn
         lst.remove(conn)
-        if not conn.open and conn.outbound:
-            self.failed_at[node] = self.loop.time()
+        if conn.outbound and not conn.was_open:
+            self.failed_at[node] = self.loop.time()   # a failed dial: do not redial at once
         if lst:
             if was_main:   # the peer's watch registrations lived on the old connection
                 for (n, path) in self.watches:
