@@ -34,3 +34,14 @@ def test_load_run_against_live_gateway(tiny_servers, tmp_path):
         assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p50"]
         assert run["tpot_s"]["p90"] > 0 and run["req_s"] > 0 and run["output_tok_s"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_best_rate_under_slo_picks_highest_holding_run():
+    from bench.serving_compare import best_rate
+
+    def run(req_s, p90, failed=0):
+        return {"req_s": req_s, "failed": failed, "tpot_s": {"p90": p90}}
+
+    result = {"runs": [run(1.0, 0.05), run(2.0, 0.09), run(3.0, 0.2), run(2.5, 0.05, failed=1)]}
+    assert best_rate(result, 0.1)["req_s"] == 2.0
+    assert best_rate({"runs": [run(1.0, 0.5)]}, 0.1) is None
