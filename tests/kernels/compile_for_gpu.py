@@ -2,7 +2,7 @@
 
 The interpreter runs kernels as NumPy code, so it misses what only the compiler sees:
 loop-carried values changing type, dot shapes the hardware cannot do, unsupported casts.
-Run with TRITON_INTERPRET unset: `python -m tests.kernels.compile_for_gpu`.
+Run with TRITON_INTERPRET unset: `python -m tests.kernels.compile_for_gpu [--quick]`.
 """
 
 import sys
@@ -52,8 +52,17 @@ def _load_widths(ptx: str) -> str:
     return f"{wide} vector / {len(loads) - wide} scalar global loads"
 
 
-def variants():
+def variants(quick: bool = False):
     pa = paged_attention_triton
+    if quick:  # one of each kernel: what the test suite affords
+        yield pa._paged_attention_kernel, "bf16", dict(
+            QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, HEAD_PAD=128, NUM_SPLITS=8, DOT_PRECISION="tf32")
+        yield pa._merge_splits_kernel, "bf16", dict(NUM_SPLITS=8, SPLITS_PAD=8, HEAD_PAD=128)
+        yield rms_norm_triton._rms_norm_kernel, "bf16", dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096)
+        yield rope_triton._rope_kernel, "bf16", dict(BLOCK_ROWS=64, BLOCK_HALF=64)
+        yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK_ROWS=4, BLOCK_COLS=1024)
+        yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_T=4, BLOCK_W=1024)
+        return
     shapes = ((4, 16, 1), (4, 16, 8), (7, 64, 1), (32, 32, 1))  # (queries per KV head, BLOCK_M, splits)
     for dtype, precision, variants in (("bf16", "tf32", shapes), ("fp16", "tf32", shapes[:1]),
                                        ("fp32", "ieee", shapes[:1])):
@@ -76,7 +85,7 @@ def main() -> int:
         return 2
     target = GPUTarget("cuda", 90, 32)
     failures = 0
-    for fn, dtype, constexprs in variants():
+    for fn, dtype, constexprs in variants(quick="--quick" in sys.argv):
         t0 = time.perf_counter()
         label = f"{fn.__name__} {dtype} {constexprs}"
         try:
