@@ -4,7 +4,7 @@ A ref may be a field of a msgspec message; the transport turns it into (node, pa
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable
 
 from runtime.errors import ActorDead, AskTimeout
 
@@ -141,8 +141,9 @@ class RemoteRef(ActorRef):
             self._cls = msg.__class__
         conn.send_prefixed(self._prefix, msg)
 
-    async def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT_S) -> Any:
-        return await self._remoting.ask(self._node, self._path, msg, timeout)
+    def ask(self, msg: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT_S) -> Awaitable[Any]:
+        # The remoting coroutine itself, without a wrapper coroutine around it.
+        return self._remoting.ask(self._node, self._path, msg, timeout)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemoteRef) and other._node == self._node and other._path == self._path
