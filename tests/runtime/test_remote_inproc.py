@@ -41,6 +41,9 @@ class Mirror(Actor):
                 return NotOnTheWire(1)
             case RtEcho(value=v):
                 return RtEcho(v + 1)
+            case RtSleep(seconds=sec):
+                await asyncio.sleep(sec)
+                return "slept"
 
 
 @pytest.fixture
@@ -167,3 +170,27 @@ async def test_batches_near_the_frame_cap_keep_order():
     finally:
         await b.shutdown()
         await a.shutdown()
+
+
+async def test_shutdown_with_open_connections_leaves_no_task():
+    before = asyncio.all_tasks()
+    a = ActorSystem("ta", listen=0, secret=SECRET)
+    b = ActorSystem("tb", listen=0, secret=SECRET)
+    await a.start()
+    await b.start()
+    await a.spawn(Mirror(), name="m")
+    w = Watcher()
+    me = await b.spawn(w, name="w")
+    remote = b.remote_ref(a.address, "m")
+    await me.ask(("watch", remote))
+    assert await remote.ask(RtEcho(1)) == RtEcho(2)
+    pending = asyncio.ensure_future(remote.ask(RtSleep(30), timeout=None))
+    await asyncio.sleep(0.05)   # the ask is in the far handler now
+    await a.shutdown(timeout=0.2)
+    with pytest.raises(ActorDead):
+        await asyncio.wait_for(pending, 5)
+    note = await asyncio.wait_for(w.got.get(), 5)
+    assert note.ref == remote
+    await b.shutdown()
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == before
