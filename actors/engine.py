@@ -19,7 +19,7 @@ from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.tokenizer import Tokenizer, load_tokenizer
 from actors.worker.model_config import ModelConfig
 from actors.worker.model_runner import ModelRunner
-from actors.worker.worker_actor import WorkerActor
+from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
 from runtime import ActorRef, ActorSystem
 
 
@@ -59,7 +59,13 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
     await system.start()
     tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.tokenizer or config.model))
     try:
-        worker_actor = WorkerActor(lambda: _make_runner(config), seed=config.seed)
+        executor = compute_thread()
+        try:
+            runner = await build_runner(lambda: _make_runner(config), executor)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        worker_actor = WorkerActor(runner, executor, seed=config.seed)
         worker = await system.spawn(worker_actor, name=f"{name}-worker")
         info: WorkerInfo = await worker.ask(GetWorkerInfo())
         max_model_len = config.context_len(info.max_model_len, info.num_blocks)

@@ -1,7 +1,7 @@
 """The model worker actor: runs each StepPlan (forward + sampling) on its own compute thread.
 
-A thin shell around ModelRunner and the sampler. The model is built, and every forward runs, on
-one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
+A thin shell around ModelRunner and the sampler. The model is built (see `build_runner`), and every
+forward runs, on one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
 """
 
 from __future__ import annotations
@@ -21,22 +21,26 @@ from actors.worker.sampler import Sampler, SamplingState
 from runtime import Actor
 
 
+def compute_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="matinee-forward")
+
+
+async def build_runner(make_runner: Callable[[], ModelRunner], executor: ThreadPoolExecutor) -> ModelRunner:
+    """Loads the model on the compute thread (seconds of work, off the loop); a model that cannot be
+    loaded raises its one clear error here, before any actor exists."""
+    return await asyncio.get_running_loop().run_in_executor(executor, make_runner)
+
+
 class WorkerActor(Actor):
-    def __init__(self, make_runner: Callable[[], ModelRunner], seed: int = 0):
-        self._make_runner = make_runner
-        self._seed = seed
-        self.runner: ModelRunner | None = None
+    def __init__(self, runner: ModelRunner, executor: ThreadPoolExecutor, seed: int = 0):
+        self.runner = runner
         self.states: dict[int, SamplingState] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._generator: torch.Generator | None = None
+        self._executor: ThreadPoolExecutor | None = executor
+        self._generator = torch.Generator(runner.device).manual_seed(seed)
         self._sampler = Sampler()         # used on the compute thread only
 
     async def on_start(self) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="matinee-forward")
-        if self.runner is None:  # loading weights takes seconds: off the loop, on the forward thread
-            self.runner = await asyncio.get_running_loop().run_in_executor(self._executor, self._make_runner)
-            self._generator = torch.Generator(self.runner.device).manual_seed(self._seed)
+        self.states.clear()  # a restarted worker forgets sequences; the scheduler fails their step
 
     async def on_stop(self) -> None:
         if self._executor is not None:

@@ -111,3 +111,6 @@ def test_bad_engine_config_is_a_clear_error(tmp_path):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="kernels"):
         LLM(str(tmp_path), kernels="cuda-magic")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
+        LLM(str(tmp_path))  # one clear error from the constructor, no actor left running
