@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from runtime.log import get_logger
@@ -78,7 +79,8 @@ class RedisRegistry:
                     for name, value in self._owned.items():
                         pipe.set(self.prefix + name, value, px=self.ttl_ms)
                     await pipe.execute()
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisError, OSError) as exc:
+                # Keep beating: once Redis is back, the next beat restores the entries.
                 self.log.warning("registry heartbeat failed", error=repr(exc))
 
     async def close(self) -> None:

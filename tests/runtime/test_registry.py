@@ -85,3 +85,47 @@ async def test_redis_entry_of_a_killed_node_expires(prefix):
     finally:
         await client.shutdown()
         await node.stop()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _start_redis(port: int):
+    proc = await asyncio.create_subprocess_exec(
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        stdout=asyncio.subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+            return proc
+        except OSError:
+            await asyncio.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+async def test_heartbeat_survives_a_redis_restart():
+    port = _free_port()
+    redis_proc = await _start_redis(port)
+    reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", prefix="t:", ttl_s=0.6,
+                        socket_timeout_s=0.5, connect_timeout_s=0.5, retries=1)
+    try:
+        await reg.register("svc", "127.0.0.1:1", "a")
+        redis_proc.kill()
+        await redis_proc.wait()
+        await asyncio.sleep(0.5)   # heartbeats fail meanwhile: logged, not fatal
+        redis_proc = await _start_redis(port)   # empty: the entry is gone until the next beat
+        for _ in range(40):
+            if await reg.lookup("svc") is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert await reg.lookup("svc") == ("127.0.0.1:1", "a")
+    finally:
+        await reg.close()
+        redis_proc.kill()
+        await redis_proc.wait()
