@@ -178,6 +178,8 @@ class SchedulingPolicy:
                                      end == seq.num_tokens))
             seq.num_computed = end
         self._step = _Step()
+        if not seqs:  # nothing runs: keep the releases for the next real step
+            return StepPlan(self._step_id, [], [], [])
         self._step_id += 1
         self.counters.steps += 1
         self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size

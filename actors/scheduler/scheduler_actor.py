@@ -65,16 +65,22 @@ class SchedulerActor(Actor):
         if self._inflight is not None or not self.policy.has_work():
             return
         started = time.perf_counter()
-        kv_step = self.policy.schedule()
-        while kv_step is not None:
-            kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
-        plan = self.policy.plan()
+        plan = await self._schedule()
+        if not plan.seqs:  # a step that only preempted: the next pass admits from the queue
+            plan = await self._schedule()
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
             self.policy.fail_all()
             self._emit()
             return
         self._inflight = asyncio.create_task(self._run(plan, started))
+
+    async def _schedule(self) -> StepPlan:
+        """One KV transaction per step; another only after a preemption."""
+        kv_step = self.policy.schedule()
+        while kv_step is not None:
+            kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
+        return self.policy.plan()
 
     async def _run(self, plan: StepPlan, started: float) -> None:
         try:
