@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 
 from runtime.cell import ActorCell
-from runtime.errors import ActorDead
 from runtime.log import get_logger
 from runtime.messages import Terminated
 from runtime.ref import ActorRef, DeadRef, LocalRef, RemoteRef
@@ -269,5 +268,3 @@ class ActorSystem:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.request_shutdown)
 
-
-__all__ = ["ActorSystem", "ActorDead"]
