@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from actors.config import EngineConfig
 from actors.kv.kv_actor import KVManagerActor
+from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
 from actors.messages import GetWorkerInfo, WorkerInfo
 from actors.scheduler.policy import PolicyConfig
@@ -35,7 +37,14 @@ class Engine:
     num_blocks: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    kv_manager: KVCacheManager        # in-process only: read it on this loop (events, snapshot)
+    scheduler_actor: SchedulerActor
     owns_system: bool = False
+
+    def on_step(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` on the event loop after each step's KV transaction (say, to publish the
+        KV manager's new events to the prefix index). It must be quick and never raise."""
+        self.scheduler_actor.step_listeners.append(callback)
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the worker and the KV manager."""
@@ -58,6 +67,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         system = ActorSystem(name)
     await system.start()
     tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.tokenizer or config.model))
+    spawned: list[ActorRef] = []
     try:
         executor = compute_thread()
         try:
@@ -67,23 +77,27 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             raise
         worker_actor = WorkerActor(runner, executor, seed=config.seed)
         worker = await system.spawn(worker_actor, name=f"{name}-worker")
+        spawned.append(worker)
         info: WorkerInfo = await worker.ask(GetWorkerInfo())
         max_model_len = config.context_len(info.max_model_len, info.num_blocks)
-        kv = await system.spawn(KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size,
-                                                             config.enable_prefix_caching)), name=f"{name}-kv")
+        kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching))
+        kv = await system.spawn(kv_actor, name=f"{name}-kv")
+        spawned.append(kv)
         tokenizer = await tokenizer_task
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
                               max_model_len, eos)
-        scheduler = await system.spawn(SchedulerActor(policy, kv, worker, config.step_timeout_s),
-                                       name=f"{name}-scheduler")
+        scheduler_actor = SchedulerActor(policy, kv, worker, config.step_timeout_s)
+        scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()
+        for ref in spawned:
+            await system.stop(ref)
         if owns:
             await system.shutdown()
         raise
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, owns)
+                  info.num_blocks, max_model_len, eos, kv_actor.kv, scheduler_actor, owns)
 
 
 def _make_runner(config: EngineConfig) -> ModelRunner:

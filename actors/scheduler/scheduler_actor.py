@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ class SchedulerActor(Actor):
         self.step_timeout_s = step_timeout_s
         self._inflight: asyncio.Task | None = None
         self.forward_s = self.compute_s = self.step_s = 0.0
+        self.step_listeners: list[Callable[[], None]] = []   # in-process hooks, see Engine.on_step
 
     async def on_stop(self) -> None:
         if self._inflight is not None:
@@ -80,6 +82,8 @@ class SchedulerActor(Actor):
         kv_step = self.policy.schedule()
         while kv_step is not None:
             kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
+        for listener in self.step_listeners:
+            listener()
         return self.policy.plan()
 
     async def _run(self, plan: StepPlan, started: float) -> None:

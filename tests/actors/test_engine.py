@@ -134,3 +134,15 @@ async def test_unknown_abort_and_duplicate_ids_are_harmless(engine):
     eng.scheduler.tell(SubmitRequest("empty", [], p, ref))
     await sink.wait(lambda: ("dup", 0) in sink.finish and ("empty", 0) in sink.finish)
     assert len(sink.tokens[("dup", 0)]) == 4 and sink.finish[("empty", 0)] == "abort"
+
+
+async def test_step_hook_and_kv_events_for_the_prefix_index(engine):
+    eng, sink, ref = engine
+    calls = []
+    eng.on_step(lambda: calls.append(len(eng.kv_manager.take_events())))
+    eng.kv_manager.take_events()
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.scheduler.tell(SubmitRequest("indexed", list(range(4, 54)), p, ref))  # 50 tokens: 3 full blocks
+    await sink.wait(lambda: ("indexed", 0) in sink.finish)
+    assert calls and sum(calls) >= 1
+    assert eng.kv_manager.num_cached_blocks == 3
