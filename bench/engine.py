@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
     vocab = load_tokenizer(model).vocab_size
     wl = make_workload(args.num_requests, vocab, args.seed, args.output_scale)
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    def log(*a):  # progress on stderr; stdout carries only the result
+        print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
+
     out = {"model": os.path.basename(model), "num_requests": len(wl.prompts), "output_tokens": wl.output_tokens,
            "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
            "output_scale": args.output_scale}
