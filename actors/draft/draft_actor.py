@@ -49,9 +49,10 @@ def _num_params(runner: ModelRunner) -> int:
 
 
 class DraftWorkerActor(Actor):
-    def __init__(self, make_proposer: Callable[[], Proposer]):
+    def __init__(self, make_proposer: Callable[[], tuple[Proposer, float]]):
         self._make_proposer = make_proposer
         self.proposer: Proposer | None = None
+        self.draft_cost = 0.0
         self._executor: ThreadPoolExecutor | None = None
         self.steps = 0
         self.draft_s = 0.0
@@ -60,7 +61,8 @@ class DraftWorkerActor(Actor):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="matinee-draft")
         if self.proposer is None:  # a draft model loads its weights off the loop
-            self.proposer = await asyncio.get_running_loop().run_in_executor(self._executor, self._make_proposer)
+            loop = asyncio.get_running_loop()
+            self.proposer, self.draft_cost = await loop.run_in_executor(self._executor, self._make_proposer)
 
     async def on_stop(self) -> None:
         if self._executor is not None:
@@ -72,7 +74,7 @@ class DraftWorkerActor(Actor):
             case Propose():
                 return await asyncio.get_running_loop().run_in_executor(self._executor, self._step, msg)
             case GetDraftStats():
-                return DraftStats(self.proposer.num_seqs, self.steps, self.draft_s)
+                return DraftStats(self.proposer.num_seqs, self.steps, self.draft_s, self.draft_cost)
         return await super().receive(msg)
 
     def _step(self, msg: Propose) -> Proposals:

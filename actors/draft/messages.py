@@ -47,6 +47,7 @@ class DraftStats(msgspec.Struct, tag=True):
     num_seqs: int                     # sequences the draft holds state for
     steps: int
     draft_s: float
+    draft_cost: float = 0.0           # one drafted token's cost relative to one target decode step
 
 
 DRAFT_MESSAGES = (Propose, Proposals, GetDraftStats, DraftStats)

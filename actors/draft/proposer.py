@@ -56,12 +56,17 @@ class _Table:
     def __init__(self, make_state):
         self.seqs: dict[int, _DraftSeq] = {}
         self._make_state = make_state
+        self._gone: set[int] = set()   # released before their creation arrived (an abort overtook it)
 
     def apply(self, msg: Propose) -> list[tuple[DraftInput, _DraftSeq | None]]:
         for sid in msg.finished_seq_ids:
-            self.seqs.pop(sid, None)
+            if self.seqs.pop(sid, None) is None:
+                self._gone.add(sid)
         for new in msg.new_seqs:
-            self.seqs[new.seq_id] = _DraftSeq(new, self._make_state(new))
+            if new.seq_id in self._gone:
+                self._gone.discard(new.seq_id)
+            else:
+                self.seqs[new.seq_id] = _DraftSeq(new, self._make_state(new))
         out = []
         for item in msg.seqs:
             seq = self.seqs.get(item.seq_id)
@@ -103,8 +108,9 @@ class ModelProposer:
     `shares_target_kv`: the caches are the target's own first L layers (layerskip). Those layers
     compute exactly the KV the target writes for the same tokens, so the draft never has to catch
     up: it only runs the step's last token and its own drafts. Otherwise (a separate draft model)
-    it first computes every position it has not seen (prefill chunks, accepted tokens), keeping
-    its KV in step with the target's, addressed by the same block tables.
+    it first computes every position it has not seen (prompt, accepted and corrected tokens) when
+    it next drafts for the sequence, so its KV stays in step with the target's, addressed by the
+    same block tables; a sequence that does not speculate costs it nothing.
     """
 
     def __init__(self, runner: ModelRunner, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -126,17 +132,14 @@ class ModelProposer:
         inputs: list[SequenceInput] = []
         drafting: list[tuple[DraftInput, _DraftSeq]] = []   # rows of the first forward's logits
         for item, seq in self.table.apply(msg):
-            wanted = item.num_spec > 0 and seq is not None
-            if seq is None or (self.shares_target_kv and not wanted):
-                continue
+            if seq is None or item.num_spec <= 0:
+                continue  # only the history moves on; an own-KV draft catches up when it next drafts
             end = item.start_pos + len(item.token_ids)
             if self.shares_target_kv:
                 seq.computed = item.start_pos
-            inputs.append(SequenceInput(seq.history[seq.computed:end], seq.computed, item.block_table,
-                                        1 if wanted else 0))
+            inputs.append(SequenceInput(seq.history[seq.computed:end], seq.computed, item.block_table, 1))
             seq.computed = end
-            if wanted:
-                drafting.append((item, seq))
+            drafting.append((item, seq))
         drafts: dict[int, list[int]] = {item.seq_id: [] for item, _ in drafting}
         probs: dict[int, list[torch.Tensor]] = {item.seq_id: [] for item, _ in drafting}
         while inputs:
