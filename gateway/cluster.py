@@ -18,8 +18,9 @@ from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool, PoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pool_metrics import PoolMetrics
-from gateway.state import EngineHandle, GatewayState
 from gateway.responses import TokenStrings
+from gateway.state import EngineHandle, GatewayState
+from gateway.tenant import tenant_middleware
 from runtime import ActorSystem
 
 
@@ -103,6 +104,7 @@ def cluster_launcher(node: GatewayNodeConfig):
 def create_cluster_app(config: GatewayConfig, node: GatewayNodeConfig) -> web.Application:
     system = ActorSystem(f"gateway-{socket.gethostname()}", secret=node.secret)
     app = create_app(config, cluster_launcher(node), system)
+    app.middlewares.append(tenant_middleware)
     app[STATE] = ClusterGatewayState(config=config, launcher=app[STATE].launcher, system=system,
                                      metrics=ClusterMetrics())
 

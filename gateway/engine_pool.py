@@ -18,6 +18,7 @@ from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams,
 from gateway.engine_client import EngineLost
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
+from gateway.tenant import current_api_key
 from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts
 from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 
@@ -52,7 +53,14 @@ class _Engine:
     info: EngineInfo
     stats: EngineStats | None = None
     sent: int = 0             # requests sent since the last stats
-    routable: bool = True     # False once it left the registry (draining)
+    missing: int = 0          # discovery rounds in a row that did not list it
+    draining: bool = False    # it refused a request: it will never admit again
+
+    @property
+    def routable(self) -> bool:
+        # Two rounds, so a Redis that restarted empty (the entries come back with the next
+        # beat) does not take every engine out of routing.
+        return not self.draining and self.missing < 2
 
     def load(self) -> EngineLoad:
         s = self.stats
@@ -136,6 +144,8 @@ class EnginePool:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
+        if cache_salt is None:   # the tenant of the HTTP request being handled
+            cache_salt = self.tenant_salt(current_api_key.get())
         req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))
@@ -247,7 +257,7 @@ class EnginePool:
             return
         e = self.engines.get(part.engine_id)
         if e is not None:
-            e.routable = False   # it is draining: send nothing more there
+            e.draining = True   # send nothing more there
         if part.index is None:
             self._spawn(self._send(req, None))
         else:
@@ -292,8 +302,10 @@ class EnginePool:
             if entries is not None:
                 listed = {f"{node}/{path}": (node, path) for node, path in entries.values()}
                 for key, e in self.engines.items():
-                    if e.routable and key not in listed:
-                        e.routable = False   # left the registry: draining, or its beats stopped
+                    was = e.routable
+                    # Not listed: draining (it unregistered) or its beats stopped.
+                    e.missing = 0 if key in listed else e.missing + 1
+                    if e.routable != was:
                         self._changed.set()
                 for key, (node, path) in listed.items():
                     if key not in self.engines and key not in self._dead and key not in self._joining:

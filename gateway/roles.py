@@ -10,26 +10,46 @@ import argparse
 import os
 import sys
 
+ENV_PREFIX = "MATINEE_"
 SECRET_ENV = "MATINEE_CLUSTER_SECRET"
 
 
 def add_cluster_args(s: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     c = s.add_argument_group("cluster (--role gateway|engine)")
-    c.add_argument("--redis-url", default=env("MATINEE_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    c.add_argument("--listen-host", default=env("MATINEE_LISTEN_HOST", "127.0.0.1"),
-                   help="the engine node's TCP address for gateways")
-    c.add_argument("--listen-port", type=int, default=int(env("MATINEE_LISTEN_PORT", "7100")))
-    c.add_argument("--advertise", default=env("MATINEE_ADVERTISE") or None,
+    c.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    c.add_argument("--listen-host", default="127.0.0.1", help="the engine node's TCP address for gateways")
+    c.add_argument("--listen-port", type=int, default=7100)
+    c.add_argument("--advertise", default=None,
                    help="host:port gateways dial (default: this host's name and --listen-port)")
-    c.add_argument("--engine-id", default=env("MATINEE_ENGINE_ID") or None,
+    c.add_argument("--engine-id", default=None,
                    help="the engine's id in the prefix index (default: host name and port)")
-    c.add_argument("--drain-grace", type=float, default=float(env("MATINEE_DRAIN_GRACE_S", "30")),
+    c.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds a stopping engine lets its running requests finish")
-    c.add_argument("--registry-ttl", type=float, default=float(env("MATINEE_REGISTRY_TTL_S", "3")))
-    c.add_argument("--routing", default=env("MATINEE_ROUTING", "kv"),
-                   choices=("kv", "least_loaded", "round_robin"))
-    c.add_argument("--max-migrations", type=int, default=int(env("MATINEE_MAX_MIGRATIONS", "3")))
+    c.add_argument("--registry-ttl", type=float, default=3.0,
+                   help="seconds a dead engine stays in the registry")
+    c.add_argument("--routing", default="kv", choices=("kv", "least_loaded", "round_robin"))
+    c.add_argument("--max-migrations", type=int, default=3,
+                   help="how often one request may move to another engine")
+
+
+def apply_env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    """`MATINEE_<DEST>` (e.g. MATINEE_KV_CACHE_MEMORY=2GiB) sets the default of each flag; an
+    empty value counts as unset, so compose files may pass `${VAR:-}` through."""
+    defaults = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        raw = environ.get(ENV_PREFIX + action.dest.upper(), "")
+        if raw == "":
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            value = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            value = action.type(raw) if callable(action.type) else raw
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(f"{ENV_PREFIX}{action.dest.upper()}={raw!r} is not one of {list(action.choices)}")
+        defaults[action.dest] = value
+    parser.set_defaults(**defaults)
 
 
 def _secret() -> bytes:
@@ -92,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]
     add_cluster_args(serve_parser)
+    try:
+        apply_env_defaults(serve_parser)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        print(f"matinee serve: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.role == "engine":
         return serve_engine(args, engine_kwargs(args))

@@ -1,0 +1,157 @@
+"""The engine role of a cluster: one engine in its own node, reachable over TCP, found via Redis.
+
+The node registers a front actor under `engines/<id>` (TTL heartbeat), publishes its KV events
+to the prefix index, and on SIGTERM drains: it leaves the registry, refuses new requests (their
+gateway routes them elsewhere) and finishes its running ones within a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from actors.cluster_messages import EngineInfo, GetEngineInfo, SubmitRefused
+from actors.config import EngineConfig
+from actors.messages import AbortRequest, GetStats, SubmitRequest
+from runtime import Actor, ActorRef, ActorSystem, get_logger
+
+log = get_logger(component="engine-node")
+
+REGISTRY_PREFIX = "engines/"
+
+
+@dataclass
+class EngineNodeConfig:
+    secret: bytes
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 7100
+    advertise: str | None = None          # "host:port" peers dial; default: this host's name
+    engine_id: str | None = None          # stable across restarts, so a restart clears its entries
+    drain_grace_s: float = 30.0
+    registry_ttl_s: float = 3.0
+    index_ttl_s: float = 10.0
+    index_namespace: str = "matinee:prefix"
+    registry_prefix: str = "matinee:registry:"
+
+    def __post_init__(self) -> None:
+        if not self.secret:
+            raise ValueError("an engine node needs the cluster secret (MATINEE_CLUSTER_SECRET)")
+        if not 0 <= self.listen_port < 65536:
+            raise ValueError(f"listen_port must be in [0, 65535], got {self.listen_port}")
+        for name in ("drain_grace_s", "registry_ttl_s", "index_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.advertise is None:
+            host = self.listen_host
+            if host in ("0.0.0.0", "::", ""):
+                host = socket.gethostname()   # in compose: the container's name on the network
+            self.advertise = f"{host}:{self.listen_port}" if self.listen_port else None
+        if self.engine_id is None:
+            self.engine_id = f"{socket.gethostname()}-{self.listen_port}"
+
+
+class BeginDrain:
+    """Local only: stop admitting."""
+
+
+class EngineFront(Actor):
+    """What gateways talk to: forwards the engine protocol to the scheduler, refuses new
+    requests once draining, and says what this engine serves."""
+
+    def __init__(self, info: EngineInfo, scheduler: ActorRef):
+        self.info = info
+        self.scheduler = scheduler
+
+    async def receive(self, msg: Any) -> Any:
+        match msg:
+            case SubmitRequest():
+                if self.info.draining:
+                    msg.reply_to.tell(SubmitRefused(msg.request_id, "engine draining"))
+                else:
+                    self.scheduler.tell(msg)
+            case AbortRequest():
+                self.scheduler.tell(msg)
+            case GetStats():
+                return await self.scheduler.ask(msg)
+            case GetEngineInfo():
+                return self.info
+            case BeginDrain():
+                self.info = EngineInfo(self.info.engine_id, self.info.max_model_len,
+                                       self.info.block_size, self.info.model, draining=True)
+            case _:
+                return await super().receive(msg)
+        return None
+
+
+async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
+                          stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
+    from actors.engine import start_engine   # deferred: torch and the model code
+    from prefix_store import IndexPublisher, RedisPrefixStore
+    from runtime.redis_registry import RedisRegistry
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix, ttl_s=node.registry_ttl_s)
+    system = ActorSystem(f"engine-{node.engine_id}", listen=(node.listen_host, node.listen_port),
+                         secret=node.secret, registry=registry, advertise=node.advertise)
+    await system.start()
+    engine = await start_engine(engine_config, system, name="engine")
+    store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace,
+                                      ttl_s=node.index_ttl_s)
+    # The publisher reads the KV manager in this process, between two steps, and wakes after each.
+    publisher = IndexPublisher(store, node.engine_id, engine.kv_manager)
+    await publisher.start()   # drops whatever a previous run left under this id
+    engine.on_step(publisher.notify)
+    tasks = [asyncio.create_task(publisher.run())]
+    info = EngineInfo(node.engine_id, engine.max_model_len, engine_config.block_size,
+                      engine_config.model or "")
+    # A fresh path per run: gateways tell a restarted engine from the one they saw die.
+    front = await system.spawn(EngineFront(info, engine.scheduler), name=f"front-{uuid.uuid4().hex[:8]}")
+    name = REGISTRY_PREFIX + node.engine_id
+    await system.publish(name, front)
+    log.info("engine node serving", engine_id=node.engine_id, address=system.address)
+    print(f"matinee engine {node.engine_id} serving at {system.address}", flush=True)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, system.terminated], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    try:
+        if not system.terminated.done():
+            await _drain(system, name, front, engine.scheduler, node.drain_grace_s)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await publisher.stop()
+        await store.close()
+        await system.shutdown()
+    return system.exit_code or 0
+
+
+async def _drain(system: ActorSystem, name: str, front: ActorRef, scheduler: ActorRef,
+                 grace_s: float) -> None:
+    """Leave the registry, refuse new work, let running requests finish (up to `grace_s`);
+    what is left when the node stops, its gateways migrate."""
+    log.info("draining", grace_s=grace_s)
+    with contextlib.suppress(Exception):
+        await system.unpublish(name)
+    front.tell(BeginDrain())
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            stats = await scheduler.ask(GetStats(), timeout=2.0)
+        except Exception:
+            return
+        if stats.requests_running + stats.requests_waiting == 0:
+            return
+        await asyncio.sleep(0.05)
+    log.warning("drain grace period over; stopping with requests still running")
