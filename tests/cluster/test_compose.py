@@ -1,0 +1,95 @@
+"""compose.yaml: valid under the compose specification, and runnable: each service's command
+started as a local process (service names mapped to loopback ports), a request driven through
+the load balancer, both gateways and an engine, and a graceful stop."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+
+import pytest
+
+from tests.cluster import compose_local as cl
+from tests.cluster import harness as h
+
+COMPOSE = os.path.join(h.ROOT, "compose.yaml")
+DOCKERFILE = os.path.join(h.ROOT, "Dockerfile")
+ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET}
+
+
+def test_interpolation_follows_compose_rules():
+    env = {"A": "1", "E": ""}
+    assert cl.interpolate("$A ${A} ${B:-x} ${E:-y} ${E-z} $$A", env) == "1 1 x y  $A"
+    with pytest.raises(ValueError, match="needed"):
+        cl.interpolate("${E:?needed}", env)
+
+
+def test_compose_file_is_valid_under_the_compose_specification():
+    compose_spec = pytest.importorskip("compose_spec")
+    spec = cl.load(COMPOSE, ENV)
+    parsed = compose_spec.PyCompose.from_json(json.dumps(spec))
+    parsed.to_spec()   # the typed model of the whole specification
+    assert set(parsed.service_names()) >= {"redis", "engine", "gateway", "lb"}
+    broken = json.loads(json.dumps(spec))
+    broken["services"]["gateway"]["healthcheck"]["intervall"] = "5s"
+    with pytest.raises(ValueError):
+        compose_spec.PyCompose.from_json(json.dumps(broken))
+
+
+def test_compose_file_describes_the_cluster():
+    with pytest.raises(ValueError, match="MATINEE_CLUSTER_SECRET"):
+        cl.load(COMPOSE, {})   # the secret is required, never defaulted
+    spec = cl.load(COMPOSE, ENV)
+    s = spec["services"]
+    assert s["gateway"]["deploy"]["replicas"] == 2
+    assert "replicas" not in s["engine"].get("deploy", {})   # scaled with --scale engine=N
+    for name in ("gateway", "lb"):
+        assert "/ready" in " ".join(s[name]["healthcheck"]["test"])
+    assert s["engine"]["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["engine"])
+    assert s["gateway"]["environment"]["MATINEE_PORT"] == str(cl.CONTAINER_PORTS["gateway"])
+    assert s["gateway"]["environment"]["MATINEE_REDIS_URL"] == "redis://redis:6379/0"
+    assert cl.dockerfile_entrypoint(DOCKERFILE) in (["matinee"], ["python", "-m", "gateway.roles"])
+
+
+@pytest.mark.slow
+def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, model_dir):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    spec = cl.load(COMPOSE, {**ENV, "MATINEE_MODEL": model_dir, "MATINEE_DTYPE": "float32"})
+    scale = {"engine": 1}
+    if shutil.which("nginx") is None:   # the balancer's image; the rest still runs
+        spec["services"].pop("lb")
+    env = {**os.environ, "PYTHONPATH": h.ROOT, "OMP_NUM_THREADS": "1"}
+    entrypoint = cl.dockerfile_entrypoint(DOCKERFILE)   # the image's own, on this machine's Python
+    entrypoint = [sys.executable, "-m", "gateway.cli"] if entrypoint == ["matinee"] else \
+        [sys.executable if a == "python" else a for a in entrypoint]
+    stack = cl.LocalCompose(spec, tmp_path, entrypoint, env,
+                            {"engine": {"MATINEE_NUM_BLOCKS": "256"}}, scale)
+    try:
+        for name in cl.start_order(spec):
+            stack.start_service(name)
+            if "healthcheck" in spec["services"][name]:
+                stack.wait_healthy(name, timeout=240)
+        front = "lb" if "lb" in spec["services"] else "gateway"
+        base = f"http://{stack.address(front)}"
+        for i in range(4):   # nginx alternates between the two gateways
+            status, body = h.http_json("POST", base + "/v1/completions",
+                                       {"prompt": [5, 6, 7, 8 + i], "max_tokens": 4, "temperature": 0,
+                                        "ignore_eos": True})
+            assert status == 200, body
+            assert body["usage"]["completion_tokens"] == 4
+        served = [h.metric(f"http://127.0.0.1:{r.port}", "matinee_requests_total")
+                  for r in stack.replicas["gateway"]]
+        assert sum(served) == 4 and (front == "gateway" or all(n >= 1 for n in served)), served
+    finally:
+        codes = stack.stop(signal.SIGTERM)
+    assert codes["engine"] == [0], "an engine drains and exits cleanly on SIGTERM"
+    assert codes["gateway"] == [0, 0], "gateways finish and exit cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.actors.conftest import build_tiny_model
+    return build_tiny_model("llama", str(tmp_path_factory.mktemp("compose-tiny")))
