@@ -1,6 +1,6 @@
 """`matinee serve` against `transformers serve` on the same weights, in one run of the load generator.
 
-Each server runs alone (started, swept over the rates, stopped), so they never share the CPU.
+Both servers stay up and each rate runs on one, then the other, so background load drifts alike.
 The figure of merit: at the highest rate where each holds p90 TPOT <= the SLO, Matinee's req/s
 over transformers'. Run: `python -m bench.serving_compare --rates 0.5,1,2 --json out.json`.
 """
@@ -76,31 +76,50 @@ def _server_cmds(model_dir: str, port: int, threads: int | None) -> dict[str, tu
             "transformers": (hf, f"http://127.0.0.1:{port}/health")}
 
 
-def run_server(label: str, model_dir: str, args: argparse.Namespace) -> dict:
-    port = _free_port()
-    cmd, ready_url = _server_cmds(model_dir, port, args.threads)[label]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    if args.threads:   # the same torch thread count for both servers
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    log = open(os.path.join(args.log_dir, f"{label}.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        _wait_ready(ready_url, proc)
-        argv = ["--url", f"http://127.0.0.1:{port}", "--label", label, "--dataset", args.dataset,
-                "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                "--output-len", str(args.output_len), "--rates", args.rates, "--no-ignore-eos",
-                "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot)]
-        print(f"--- {label} ({' '.join(cmd[:4])} ...)", file=sys.stderr, flush=True)
-        return asyncio.run(serving.amain(serving.build_parser().parse_args(argv)))
-    finally:
-        proc.send_signal(signal.SIGTERM)
+class Server:
+    """One server process on a free port, ready once its health URL answers 200."""
+
+    def __init__(self, label: str, model_dir: str, args: argparse.Namespace) -> None:
+        self.label, self.port = label, _free_port()
+        cmd, ready_url = _server_cmds(model_dir, self.port, args.threads)[label]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        if args.threads:   # the same torch thread count for both servers
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        self.log = open(os.path.join(args.log_dir, f"{label}.log"), "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.ready_url = ready_url
+
+    def wait_ready(self) -> None:
+        _wait_ready(self.ready_url, self.proc)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def sweep(servers: list[Server], args: argparse.Namespace) -> dict[str, dict]:
+    """Each rate runs on every server in turn, so a drifting background load hits both alike."""
+    results: dict[str, dict] = {}
+    for rate in args.rates.split(","):
+        for srv in servers:
+            argv = ["--url", f"http://127.0.0.1:{srv.port}", "--label", srv.label,
+                    "--dataset", args.dataset, "--num-prompts", str(args.num_prompts),
+                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                    "--rates", rate, "--no-ignore-eos", "--slo-ttft", str(args.slo_ttft),
+                    "--slo-tpot", str(args.slo_tpot)]
+            print(f"--- {srv.label}", file=sys.stderr, flush=True)
+            r = asyncio.run(serving.amain(serving.build_parser().parse_args(argv)))
+            if srv.label in results:
+                results[srv.label]["runs"].extend(r["runs"])
+            else:
+                results[srv.label] = r
+    return results
 
 
 def best_rate(result: dict, slo_tpot: float) -> dict | None:
@@ -130,16 +149,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         from actors.config import default_model_path
         args.model = hf_folder_from_gguf(default_model_path())
-    results = {label: run_server(label, args.model, args) for label in args.servers.split(",")}
+    servers = [Server(label, args.model, args) for label in args.servers.split(",")]
+    try:
+        for srv in servers:
+            srv.wait_ready()
+        results = sweep(servers, args)
+    finally:
+        for srv in servers:
+            srv.stop()
     summary = {label: best_rate(r, args.slo_tpot) for label, r in results.items()}
     m, h = summary.get("matinee"), summary.get("transformers")
     ratio = (m["req_s"] / h["req_s"]) if m and h and h["req_s"] > 0 else None
+    per_rate = []
+    if {"matinee", "transformers"} <= results.keys():
+        for a, b in zip(results.get("matinee", {}).get("runs", []),
+                        results.get("transformers", {}).get("runs", [])):
+            per_rate.append({"rate": a["rate"], "req_s_ratio": a["req_s"] / max(b["req_s"], 1e-9),
+                             "tok_s_ratio": a["output_tok_s"] / max(b["output_tok_s"], 1e-9),
+                             "tpot_p90_ratio": (b["tpot_s"]["p90"] or 0) / max(a["tpot_s"]["p90"] or 1e-9, 1e-9),
+                             "ttft_p90_ratio": (b["ttft_s"]["p90"] or 0) / max(a["ttft_s"]["p90"] or 1e-9, 1e-9)})
     out = {"model": args.model, "slo_tpot_s": args.slo_tpot, "results": results,
-           "best_under_slo": summary, "req_s_ratio_at_slo": ratio}
+           "best_under_slo": summary, "req_s_ratio_at_slo": ratio,
+           "matinee_over_transformers_per_rate": per_rate}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)
     serving.plot({label: r["runs"] for label, r in results.items()}, args.plot)
-    print(json.dumps({"req_s_ratio_at_slo": ratio,
+    print(json.dumps({"req_s_ratio_at_slo": ratio, "per_rate": per_rate,
                       "best": {k: (v and {"rate": v["rate"], "req_s": v["req_s"],
                                           "tpot_p90_s": v["tpot_s"]["p90"]})
                                for k, v in summary.items()}}, indent=2))
