@@ -52,6 +52,7 @@ class Generation:
     def __init__(self, client: EngineClient, tokenizer, request_id: str,
                  prompts: list[list[int]], params: SamplingParams, stop: list[str],
                  priority: int, metrics: GatewayMetrics, arrival: float) -> None:
+        self.request_id = request_id
         self._client = client
         self._params = params
         self._priority = priority

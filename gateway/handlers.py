@@ -22,7 +22,7 @@ from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
-from runtime import get_logger
+from runtime import bound, get_logger
 
 _encode = msgspec.json.Encoder().encode
 log = get_logger(component="gateway")
@@ -98,20 +98,22 @@ def _include_usage(req: protocol._Common) -> bool:
 async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
                    include_usage: bool) -> web.StreamResponse:
     state.generations.add(gen)
-    try:
-        gen.start()
-        if stream:
-            return await _stream(request, state, gen, fmt, include_usage)
-        while not gen.done:
-            for cd in await gen.next():
-                fmt.add(cd)
-        return web.Response(body=_encode(fmt.whole(gen.usage())), content_type="application/json")
-    except EngineLost as e:
-        raise unavailable(str(e)) from None
-    finally:
-        # Also on cancellation (the client went away): aborts the engine request, frees its KV.
-        gen.close()
-        state.generations.discard(gen)
+    with bound(request_id=gen.request_id):   # on every log line of this request
+        try:
+            gen.start()
+            if stream:
+                return await _stream(request, state, gen, fmt, include_usage)
+            while not gen.done:
+                for cd in await gen.next():
+                    fmt.add(cd)
+            return web.Response(body=_encode(fmt.whole(gen.usage())),
+                                content_type="application/json")
+        except EngineLost as e:
+            raise unavailable(str(e)) from None
+        finally:
+            # Also on cancellation (the client went away): aborts the engine request, frees its KV.
+            gen.close()
+            state.generations.discard(gen)
 
 
 async def _stream(request, state: GatewayState, gen: Generation, fmt,
