@@ -15,6 +15,7 @@ from gateway.errors import invalid
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_PROMPTS = 128   # prompts in one completions request
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -185,6 +186,8 @@ def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
     else:
         raise invalid("`prompt` must be a string, a list of strings, a list of token ids, "
                       "or a list of token-id lists, and not empty.", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}.", param="prompt")
     for p in prompts:
         if len(p) == 0:
             raise invalid("`prompt` must not be empty.", param="prompt")

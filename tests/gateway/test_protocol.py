@@ -76,7 +76,8 @@ def test_body_errors():
         assert e.value.status == 400
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], [1, "a"], {"a": 1}, 3, [-1], [10 ** 9], [[1], 2]])
+@pytest.mark.parametrize("prompt", ["", [], [[]], [1, "a"], {"a": 1}, 3, [-1], [10 ** 9], [[1], 2],
+                                    ["x"] * (protocol.MAX_PROMPTS + 1)])
 def test_completion_prompt_errors(prompt):
     with pytest.raises(APIError) as e:
         req = completion(prompt=prompt)
