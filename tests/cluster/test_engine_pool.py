@@ -1,0 +1,178 @@
+"""EnginePool in one process: discovery through a registry, and requests continued on another
+engine when theirs stops, against scripted engines whose next token depends on every token
+before it (so a continuation is right only if it carries exactly the tokens already sent)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.cluster_messages import EngineInfo, GetEngineInfo
+from actors.messages import (AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDelta,
+                             TokenDeltas)
+from gateway.engine_client import EngineLost
+from gateway.engine_pool import EnginePool, PoolConfig
+from prefix_store import PrefixRouter
+from runtime import Actor, ActorSystem, InMemoryRegistry
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) + len(tokens)) % 997
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class _Tick:
+    pass
+
+
+class ScriptedEngine(Actor):
+    """One token per request every tick, like a decode step."""
+
+    def __init__(self, engine_id: str):
+        self.info = EngineInfo(engine_id, 4096, 16, "scripted")
+        self.running: dict[str, list] = {}
+        self.served: list[str] = []
+
+    async def on_start(self) -> None:
+        self.context.schedule_repeating(0.005, _Tick())
+
+    async def receive(self, msg):
+        match msg:
+            case GetEngineInfo():
+                return self.info
+            case GetStats():
+                return EngineStats(len(self.running), 0, 100, 100, 0, 0, 0, 0, 0)
+            case SubmitRequest():
+                self.served.append(msg.request_id)
+                self.running[msg.request_id] = [list(msg.prompt_token_ids), msg.params.max_tokens, msg.reply_to,
+                                                len(msg.prompt_token_ids)]
+            case AbortRequest(request_id=rid):
+                self.running.pop(rid, None)
+            case _Tick():
+                for rid, (tokens, left, reply_to, n_prompt) in list(self.running.items()):
+                    tokens.append(next_token(tokens))
+                    left -= 1
+                    done = "length" if left == 0 else None
+                    reply_to.tell(TokenDeltas([TokenDelta(rid, 0, [tokens[-1]], None, done, n_prompt, 0)]))
+                    if done:
+                        del self.running[rid]
+                    else:
+                        self.running[rid][1] = left
+
+
+async def _cluster(max_migrations: int = 3):
+    registry = InMemoryRegistry()
+    system = ActorSystem("pool-test", registry=registry)
+    await system.start()
+    engines = {}
+    for name in ("a", "b"):
+        actor = ScriptedEngine(name)
+        ref = await system.spawn(actor, name=f"front-{name}")
+        await system.publish(f"engines/{name}", ref)
+        engines[name] = (actor, ref)
+    pool = EnginePool(system, registry, PrefixRouter(None),
+                      PoolConfig(routing="least_loaded", discovery_interval_s=0.05, stats_interval_s=0.05,
+                                 max_migrations=max_migrations, no_engine_wait_s=2.0))
+    await pool.start()
+    async with asyncio.timeout(5):
+        while len(pool.engines) < 2:
+            await asyncio.sleep(0.01)
+    return system, pool, engines
+
+
+async def _collect(queue: asyncio.Queue, until_tokens: int | None = None, on_count=None) -> list:
+    items = []
+    async with asyncio.timeout(10):
+        while True:
+            item = await queue.get()
+            items.append(item)
+            if isinstance(item, EngineLost) or item.finish_reason is not None:
+                return items
+            if on_count is not None:
+                await on_count(sum(len(i.token_ids) for i in items))
+
+
+async def test_a_request_continues_on_another_engine_with_the_same_tokens():
+    system, pool, engines = await _cluster()
+    try:
+        prompt = [11, 22, 33]
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.submit("r1", prompt, SamplingParams(max_tokens=30, temperature=0.0), queue)
+        stopped = []
+
+        async def kill_after(n: int) -> None:
+            if n >= 8 and not stopped:
+                holder = next(name for name, (actor, _) in engines.items() if "r1" in actor.running)
+                stopped.append(holder)
+                await system.stop(engines[holder][1])
+
+        items = await _collect(queue, on_count=kill_after)
+        tokens = [t for d in items for t in d.token_ids]
+        assert tokens == expected(prompt, 30)
+        assert items[-1].finish_reason == "length"
+        assert all(d.request_id == "r1" and d.num_prompt_tokens == 3 for d in items)
+        assert pool.metrics.migrations == 1
+        other = "b" if stopped[0] == "a" else "a"
+        assert any(rid.startswith("r1@") for rid in engines[other][0].served)
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_past_the_migration_cap_the_stream_ends_with_an_error():
+    system, pool, engines = await _cluster(max_migrations=0)
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.submit("r2", [5], SamplingParams(max_tokens=50), queue)
+
+        async def kill_after(n: int) -> None:
+            if n == 3:
+                for actor, ref in engines.values():
+                    if "r2" in actor.running:
+                        await system.stop(ref)
+
+        items = await _collect(queue, on_count=kill_after)
+        assert isinstance(items[-1], EngineLost)
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_an_aborted_request_stops_on_its_engine_and_is_forgotten():
+    system, pool, engines = await _cluster()
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.submit("r3", [7, 7], SamplingParams(max_tokens=1000), queue)
+        await queue.get()
+        pool.abort("r3")
+        pool.release("r3")
+        await asyncio.sleep(0.05)
+        assert all("r3" not in actor.running for actor, _ in engines.values())
+        assert pool.num_open == 0
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "least_loaded"])
+async def test_requests_spread_over_the_engines(routing):
+    system, pool, engines = await _cluster()
+    pool.config.routing = routing
+    try:
+        queues = []
+        for i in range(6):
+            q: asyncio.Queue = asyncio.Queue()
+            pool.submit(f"s{i}", [i + 1], SamplingParams(max_tokens=3), q)
+            queues.append(q)
+        for q in queues:
+            await _collect(q)
+        assert all(len(actor.served) >= 2 for actor, _ in engines.values())
+    finally:
+        await pool.close()
+        await system.shutdown()
