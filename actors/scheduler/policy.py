@@ -106,6 +106,10 @@ class SchedulingPolicy:
             if seq.status is not SeqStatus.FINISHED:
                 self._retire(seq)
                 self._emit(seq, [], None, "abort")
+        if targets is req.seqs:  # samples never started still get their (only) delta
+            for index in range(len(req.seqs), req.params.n):
+                self._outbox[req.reply_to].append(TokenDelta(req.request_id, index, [], None, "abort",
+                                                             len(req.prompt_token_ids), req.num_cached_tokens))
         return True
 
     def has_work(self) -> bool:
