@@ -4,7 +4,8 @@ A plain synchronous class. It estimates each sequence's per-token acceptance rat
 exponentially decayed count of accepted drafts over accepted drafts plus rejections) and picks
 the k that maximises tokens emitted per unit of step cost, (1 - alpha^(k+1)) / (1 - alpha) over
 1 + (draft_cost + verify_cost) * k. A sequence for which no k beats plain decoding stops
-speculating and tries k=1 again every `probe_interval` steps; above `disable_batch_size`
+speculating and tries k=1 again after `probe_interval` steps (then twice as long after each
+failed probe, up to 16 times); above `disable_batch_size`
 decoding sequences nobody speculates, so speculation never makes serving slower.
 """
 
@@ -18,6 +19,7 @@ class _SeqStats:
     successes: float
     trials: float
     off_steps: int = 0
+    interval: int = 0      # steps between probes while off; doubles after each probe that fails
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -89,10 +91,12 @@ class SpecController:
             if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
                 best_k, best_rate = k, rate
         if best_k == 0:
+            s.interval = s.interval or self.probe_interval
             s.off_steps += 1
-            if s.off_steps >= self.probe_interval:
+            if s.off_steps >= s.interval:
                 s.off_steps = 0
+                s.interval = min(2 * s.interval, 16 * self.probe_interval)  # back off if it fails again
                 return 1  # probe: acceptance may have changed (the text moved on to a quote, say)
             return 0
-        s.off_steps = 0
+        s.off_steps = s.interval = 0
         return best_k

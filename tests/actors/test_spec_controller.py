@@ -31,8 +31,8 @@ def test_switched_off_sequences_probe_again():
     c = SpecController(4, probe_interval=3)
     for _ in range(10):
         c.observe(5, 4, 0)
-    ks = [c.choose([5])[5] for _ in range(6)]
-    assert ks == [0, 0, 1, 0, 0, 1]
+    ks = [c.choose([5])[5] for _ in range(12)]
+    assert ks == [0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]  # probes after 3 steps, then after 6
     for _ in range(10):                              # the text turned into a quote: drafts hit again
         c.observe(5, 1, 1)
     assert c.choose([5])[5] > 0

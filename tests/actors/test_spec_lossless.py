@@ -2,7 +2,7 @@
 
 A layer-skip draft (1 of 3 layers of a random tiny model) disagrees with the target often. 256
 copies of one context each draft 3 tokens and are verified in one target forward, p and q coming
-from the sampler's own processed distributions; 24 rounds give 6,144 first emitted tokens. Their
+from the sampler's own processed distributions; 16 rounds give 4,096 first emitted tokens. Their
 counts must fit the target's distribution (chi-square, cells with at least 5 expected draws, the
 rest pooled; the critical value is the 0.9999 quantile, so a correct sampler fails 1 run in 10^4).
 The second token, drawn when the first draft was kept, must follow the target given the first.
@@ -21,7 +21,7 @@ from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState
 
-B, ROUNDS, K = 256, 24, 3
+B, ROUNDS, K = 256, 16, 3
 CONTEXT = [0, 17, 99, 230, 5, 61, 142, 8, 77, 300]
 
 
