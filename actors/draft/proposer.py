@@ -132,9 +132,9 @@ class ModelProposer:
         inputs: list[SequenceInput] = []
         drafting: list[tuple[DraftInput, _DraftSeq]] = []   # rows of the first forward's logits
         for item, seq in self.table.apply(msg):
-            if seq is None or item.num_spec <= 0:
-                continue  # only the history moves on; an own-KV draft catches up when it next drafts
             end = item.start_pos + len(item.token_ids)
+            if seq is None or item.num_spec <= 0 or end + item.num_spec > self.runner.max_model_len:
+                continue  # only the history moves on; an own-KV draft catches up when it next drafts
             if self.shares_target_kv:
                 seq.computed = item.start_pos
             inputs.append(SequenceInput(seq.history[seq.computed:end], seq.computed, item.block_table, 1))
