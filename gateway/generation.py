@@ -25,7 +25,8 @@ class ChoiceDelta:
 
 
 class _Choice:
-    __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t")
+    __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t", "started",
+                 "abort_pending")
 
     def __init__(self, sample: SampleText) -> None:
         self.sample = sample
@@ -33,6 +34,8 @@ class _Choice:
         self.engine_done = False
         self.num_tokens = 0
         self.last_t = 0.0
+        self.started = False        # the engine has sent this sample something
+        self.abort_pending = False  # stopped by a stop string; abort once every sample started
 
 
 class _Sub:
@@ -107,8 +110,10 @@ class Generation:
         if sub is None or d.index >= len(sub.choices):
             return None
         ch = sub.choices[d.index]
+        ch.started = True
         if ch.finish_reason is not None:
             ch.engine_done = ch.engine_done or d.finish_reason is not None
+            self._send_pending_aborts(sub)
             return None
         m = self._metrics
         if self._first_token_at is None:
@@ -134,8 +139,25 @@ class Generation:
             self._open -= 1
             m.requests_total.inc(1, ch.finish_reason)
             if not ch.engine_done:   # a stop string matched: this sample need not go on
-                self._client.abort(sub.request_id, d.index if len(sub.choices) > 1 else None)
+                ch.abort_pending = True
+        self._send_pending_aborts(sub)
         return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason)
+
+    def _send_pending_aborts(self, sub: _Sub) -> None:
+        # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0
+        # before they exist would end them all, so a single-sample abort waits until all started.
+        if len(sub.choices) == 1:
+            if sub.choices[0].abort_pending:
+                sub.choices[0].abort_pending = False
+                self._client.abort(sub.request_id)
+            return
+        if not all(c.started for c in sub.choices):
+            return
+        for i, c in enumerate(sub.choices):
+            if c.abort_pending:
+                c.abort_pending = False
+                if not c.engine_done:
+                    self._client.abort(sub.request_id, i)
 
     def close(self) -> None:
         """Always called: aborts what the engine still runs (client gone, error) and unroutes."""

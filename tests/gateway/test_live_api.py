@@ -308,3 +308,17 @@ def test_metrics_names_and_counts(tiny_servers, client):
     assert metric(tiny_servers.main, "matinee_kv_blocks_total") == 512
     assert metric(tiny_servers.main, "matinee_generation_tokens_total") >= 2
     assert metric(tiny_servers.main, "matinee_e2e_request_latency_seconds_count") >= 1
+
+
+def test_stop_string_ends_one_of_two_samples(client):
+    kw = dict(model="tiny", prompt="One two three four five six seven eight nine ten. " * 3,
+              max_tokens=24, n=2, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    full = [c.text for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)]
+    assert len(full[0]) > 10
+    stop = full[0][5:8]
+    r = client.completions.create(**kw, stop=stop)
+    for c in r.choices:
+        text = full[c.index]
+        cut = text.find(stop)
+        assert c.text == (text[:cut] if cut >= 0 else text)
+        assert c.finish_reason == ("stop" if cut >= 0 else "length")
