@@ -138,10 +138,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    return 2
+    # The cluster roles (gateway, engine) extend this parser in gateway.roles: their flags, and
+    # MATINEE_<FLAG> environment defaults; `--role all` comes back to serve() below.
+    from gateway.roles import main as main_with_roles
+
+    return main_with_roles(argv)
 
 
 if __name__ == "__main__":

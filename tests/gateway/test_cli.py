@@ -25,9 +25,12 @@ def test_defaults_and_flags():
     assert cli.parse_bytes("512MB") == 512 << 20 and cli.parse_bytes("1000") == 1000
 
 
-def test_roles_not_yet_available_exit_2(capsys):
+def test_roles_need_their_setup_or_are_not_yet_available(capsys, monkeypatch):
+    assert cli.main(["serve", "--role", "draft"]) == 2
+    assert "--role draft" in capsys.readouterr().err
+    monkeypatch.delenv("MATINEE_CLUSTER_SECRET", raising=False)
     assert cli.main(["serve", "--role", "engine"]) == 2
-    assert "--role engine" in capsys.readouterr().err
+    assert "MATINEE_CLUSTER_SECRET" in capsys.readouterr().err
 
 
 def test_bad_config_is_a_clear_error(capsys):
