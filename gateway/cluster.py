@@ -32,7 +32,7 @@ class GatewayNodeConfig:
     pool: PoolConfig | None = None
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"
-    index_timeout_s: float = 0.05            # a slower index lookup routes by load instead
+    index_timeout_s: float = 0.1             # a slower index lookup routes by load instead
 
     def __post_init__(self) -> None:
         if not self.secret:

@@ -30,6 +30,8 @@ def add_cluster_args(s: argparse.ArgumentParser) -> None:
     c.add_argument("--routing", default="kv", choices=("kv", "least_loaded", "round_robin"))
     c.add_argument("--max-migrations", type=int, default=3,
                    help="how often one request may move to another engine")
+    c.add_argument("--index-timeout", type=float, default=0.1,
+                   help="seconds a prefix-index lookup may take before routing falls back to load")
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser, environ=os.environ) -> None:
@@ -87,6 +89,7 @@ def serve_gateway(args: argparse.Namespace, config) -> int:
     configure_logging(args.log_level)
     try:
         node = GatewayNodeConfig(secret=_secret(), redis_url=args.redis_url, tokenizer=args.model,
+                                 index_timeout_s=args.index_timeout,
                                  pool=PoolConfig(routing=args.routing, max_migrations=args.max_migrations))
     except ValueError as e:
         print(f"matinee serve: {e}", file=sys.stderr)
