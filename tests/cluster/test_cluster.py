@@ -230,3 +230,25 @@ def test_a_restarted_engine_serves_correct_tokens(cluster):
     for _ in range(2):
         for i, p in enumerate(prefixes):
             assert cluster.complete(p + [7, 7], max_tokens=6)["choices"][0]["text"] == expected[i]
+
+
+def test_a_terminated_engine_drains_its_streams_then_exits(cluster):
+    rng = random.Random(9)
+    prompt = _prompt(rng, 40)
+    body = {"model": "tiny", "max_tokens": 80, "temperature": 0, "ignore_eos": True, "prompt": prompt}
+    expected = cluster.complete(prompt, max_tokens=80)["choices"][0]["text"]
+    stopped: list[int] = []
+
+    def terminate_busiest(n: int) -> None:
+        if stopped or n < 5:
+            return
+        loads = h.engine_loads(cluster.redis.url)
+        port = int(max(loads, key=loads.get).rsplit(":", 1)[1])
+        cluster.engines[port].proc.send_signal(h.signal.SIGTERM)
+        stopped.append(port)
+
+    text, errors = h.stream_text(cluster.base + "/v1/completions", body, on_event=terminate_busiest)
+    assert stopped and not errors and text == expected
+    assert cluster.engines[stopped[0]].proc.wait(30) == 0
+    cluster.wait_engines(1, timeout=30)
+    assert cluster.complete(prompt, max_tokens=80)["choices"][0]["text"] == expected
