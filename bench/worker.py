@@ -4,7 +4,6 @@ Run from the repository root: python -m bench.worker
 """
 import time
 
-import numpy as np
 import torch
 
 import gguf
