@@ -25,6 +25,7 @@ from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 log = get_logger(component="engine-pool")
 
 ROUTINGS = ("kv", "least_loaded", "round_robin")
+JOIN_RETRY_S = 5.0
 
 
 @dataclass
@@ -106,6 +107,7 @@ class EnginePool:
         self.engines: dict[str, _Engine] = {}
         self._dead: set[str] = set()
         self._joining: set[str] = set()
+        self._retry_at: dict[str, float] = {}   # registered but unreachable: try again later
         self._requests: dict[str, tuple[InflightRequest, asyncio.Queue]] = {}
         self._by_engine_rid: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -307,7 +309,10 @@ class EnginePool:
                     e.missing = 0 if key in listed else e.missing + 1
                     if e.routable != was:
                         self._changed.set()
+                now = asyncio.get_running_loop().time()
                 for key, (node, path) in listed.items():
+                    if key in self._retry_at and now < self._retry_at[key]:
+                        continue
                     if key not in self.engines and key not in self._dead and key not in self._joining:
                         self._joining.add(key)
                         self._spawn(self._join(key, node, path))
@@ -317,11 +322,13 @@ class EnginePool:
         try:
             ref = self.system.ref_for(node, path)
             info = await ref.ask(GetEngineInfo(), timeout=self.config.join_timeout_s)
-        except Exception as exc:
+        except Exception as exc:   # down, or it does not know the cluster secret
             log.warning("cannot reach a registered engine", address=node, error=repr(exc))
+            self._retry_at[key] = asyncio.get_running_loop().time() + JOIN_RETRY_S
             return
         finally:
             self._joining.discard(key)
+        self._retry_at.pop(key, None)
         if key in self._dead or info.draining:
             return
         if self.hasher is None:
