@@ -15,9 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from actors.cluster_messages import EngineInfo, GetEngineInfo, SubmitRefused
 from actors.config import EngineConfig
-from actors.messages import AbortRequest, GetStats, SubmitRequest
+from actors.messages import AbortRequest, EngineInfo, GetEngineInfo, GetStats, SubmitRefused, SubmitRequest
 from runtime import Actor, ActorRef, ActorSystem, get_logger
 
 log = get_logger(component="engine-node")

@@ -248,6 +248,28 @@ class KVEvents(msgspec.Struct, tag=True):
     next_seq: int = 0                 # sequence number the next event will carry
 
 
+# ---- cluster: a gateway and an engine node in different processes ------------------------------------
+
+
+class GetEngineInfo(msgspec.Struct, tag=True):
+    """A gateway asks an engine node it found in the registry what it serves."""
+
+
+class EngineInfo(msgspec.Struct, tag=True):
+    engine_id: str                    # the id its prefix-index entries carry
+    max_model_len: int
+    block_size: int
+    model: str                        # the model path as the engine was started with
+    draining: bool = False
+
+
+class SubmitRefused(msgspec.Struct, tag=True):
+    """A draining engine hands a request it will not admit back to its sender, which routes it elsewhere."""
+
+    request_id: str
+    reason: str
+
+
 ENGINE_MESSAGES = (
     SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
     StepPlan, StepResult, GetWorkerInfo, WorkerInfo,
@@ -255,4 +277,5 @@ ENGINE_MESSAGES = (
 )
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
-register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats)
+register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
+                  GetEngineInfo, EngineInfo, SubmitRefused)

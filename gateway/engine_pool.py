@@ -12,9 +12,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from actors.cluster_messages import EngineInfo, GetEngineInfo, SubmitRefused
 from actors.engine_node import REGISTRY_PREFIX
-from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
+                             SubmitRefused, SubmitRequest, TokenDeltas)
 from gateway.engine_client import EngineLost
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics

@@ -7,9 +7,8 @@ import asyncio
 
 import pytest
 
-from actors.cluster_messages import EngineInfo, GetEngineInfo
-from actors.messages import (AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDelta,
-                             TokenDeltas)
+from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
+                             SubmitRequest, TokenDelta, TokenDeltas)
 from gateway.engine_client import EngineLost
 from gateway.engine_pool import EnginePool, PoolConfig
 from prefix_store import PrefixRouter
