@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.draft.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNELS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -40,7 +42,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads for the forward; None: torch's default
     step_timeout_s: float = 600.0         # a forward that takes longer fails its requests
-    speculative: dict[str, Any] | None = None
+    speculative: SpeculativeConfig | dict[str, Any] | None = None   # see actors.draft.config
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        self.speculative = SpeculativeConfig.parse(self.speculative)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -12,6 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.config import EngineConfig
+from actors.draft.controller import SpecController
+from actors.draft.draft_actor import DraftWorkerActor, build_proposer
+from actors.draft.messages import DraftStats, GetDraftStats
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
@@ -40,6 +43,7 @@ class Engine:
     kv_manager: KVCacheManager        # in-process only: read it on this loop (events, snapshot)
     scheduler_actor: SchedulerActor
     owns_system: bool = False
+    draft: ActorRef | None = None     # the draft worker, with speculative decoding
 
     def on_step(self, callback: Callable[[], None]) -> None:
         """Call `callback()` on the event loop after each step's KV transaction (say, to publish the
@@ -47,9 +51,9 @@ class Engine:
         self.scheduler_actor.step_listeners.append(callback)
 
     async def stop(self) -> None:
-        """Scheduler first (no new steps), then the worker and the KV manager."""
-        for ref in (self.scheduler, self.worker, self.kv):
-            if ref.is_alive:
+        """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
+        for ref in (self.scheduler, self.draft, self.worker, self.kv):
+            if ref is not None and ref.is_alive:
                 await self.system.stop(ref)
         if self.owns_system:
             await self.system.shutdown()
@@ -59,7 +63,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                        name: str = "engine", **overrides: Any) -> Engine:
     """Loads the model and spawns the engine's actors in `system` (a new one when None).
 
-    Actor names are `{name}-worker`, `{name}-kv` and `{name}-scheduler`.
+    Actor names are `{name}-worker`, `{name}-kv` and `{name}-scheduler`, and `{name}-draft` with
+    speculative decoding.
     """
     config = config or EngineConfig(**overrides)
     owns = system is None
@@ -87,7 +92,11 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
                               max_model_len, eos)
-        scheduler_actor = SchedulerActor(policy, kv, worker, config.step_timeout_s)
+        draft, spec = None, None
+        if config.speculative is not None:
+            draft, spec = await _start_draft(config, system, name, worker_actor.runner)
+            spawned.append(draft)
+        scheduler_actor = SchedulerActor(policy, kv, worker, config.step_timeout_s, draft, spec)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()
@@ -97,7 +106,25 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             await system.shutdown()
         raise
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, kv_actor.kv, scheduler_actor, owns)
+                  info.num_blocks, max_model_len, eos, kv_actor.kv, scheduler_actor, owns, draft)
+
+
+async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,
+                       target: ModelRunner) -> tuple[ActorRef, SpecController]:
+    """The draft worker (its proposer built on its own thread) and the scheduler's controller."""
+    spec = config.speculative
+    spec.check_against_target(target.model_config.num_layers)
+
+    def make():
+        return build_proposer(spec, target, dtype=config.resolved_dtype(), kernels=config.kernels,
+                              device=config.resolved_device(), num_threads=config.num_threads, seed=config.seed)
+
+    draft = await system.spawn(DraftWorkerActor(make), name=f"{name}-draft")
+    stats: DraftStats = await draft.ask(GetDraftStats())
+    controller = SpecController(spec.num_speculative_tokens, disable_batch_size=spec.disable_batch_size,
+                                adaptive=spec.adaptive, draft_cost=stats.draft_cost,
+                                verify_cost=spec.verify_cost, probe_interval=spec.probe_interval)
+    return draft, controller
 
 
 def _make_runner(config: EngineConfig) -> ModelRunner:

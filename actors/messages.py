@@ -112,6 +112,10 @@ class EngineStats(msgspec.Struct, tag=True):
     step_s: float = 0.0               # cumulative wall time from planning a step to handling its result
     kv_slots_allocated: int = 0       # slots in blocks held by running sequences, summed over steps
     kv_slots_used: int = 0            # of those, slots holding a token, summed over steps
+    spec_decode_draft_tokens: int = 0     # drafted tokens the target verified
+    spec_decode_accepted_tokens: int = 0  # of those, the ones it kept
+    spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
+    spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -133,6 +137,8 @@ class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
     block_table: list[int]
     sample: bool                      # the chunk reaches the end of the known tokens: sample the next one
     spec_token_ids: list[int] = []    # drafted tokens to verify after token_ids (speculative decoding)
+    spec_probs: bytes = b""           # float32 [len(spec_token_ids), vocab]: the draft's distributions;
+                                      # empty: a point mass on each drafted token
 
 
 class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -146,6 +152,7 @@ class SeqOutput(msgspec.Struct, array_like=True, gc=False):
     seq_id: int
     token_ids: list[int]              # one token, or several when drafted tokens were accepted
     logprobs: list[TokenLogprobs] | None = None
+    num_drafted: int = 0              # drafted tokens verified (token_ids holds the accepted ones + 1)
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -177,6 +184,14 @@ class KVGrow(msgspec.Struct, array_like=True, gc=False):
     seq_id: int
     new_token_ids: list[int]
     num_new_tokens: int
+    num_lookahead_tokens: int = 0     # slots for drafted tokens, rolled back by a KVTrim after verification
+
+
+class KVTrim(msgspec.Struct, array_like=True, gc=False):
+    """After verification: keep the KV of the first `num_tokens` positions, return blocks past them."""
+
+    seq_id: int
+    num_tokens: int
 
 
 class KVAdmit(msgspec.Struct, array_like=True, gc=False):
@@ -197,7 +212,7 @@ class KVFork(msgspec.Struct, array_like=True, gc=False):
 
 
 class KVStep(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """One transaction per scheduler step, applied in order: forks, frees (after the forks, since a
+    """One transaction per scheduler step, applied in order: trims, forks, frees (after the forks, since a
     finished parent may still be forked), grows (stopping at the first that does not fit), then
     admits while the token budget and the pool allow."""
 
@@ -206,6 +221,7 @@ class KVStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     grows: list[KVGrow]
     admits: list[KVAdmit]
     token_budget: int                 # tokens left for admitted chunks after the grows
+    trims: list[KVTrim] = []          # applied first: rejected drafts' KV rolled back
 
 
 class KVAdmitted(msgspec.Struct, array_like=True, gc=False):

@@ -16,8 +16,11 @@ from runtime import Actor
 
 
 def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
-    """Forks, frees, grows in order (stopping at the first that does not fit), then admissions while
+    """Trims (speculative rollback), forks, frees, grows in order (stopping at the first that does not fit), then admissions while
     the token budget and the pool allow. A grow that did not fit changes nothing."""
+    for trim in msg.trims:  # a sequence freed since its verification holds nothing to trim
+        if kv.has_request(str(trim.seq_id)):
+            kv.trim(str(trim.seq_id), trim.num_tokens)
     fork_tables, unforked = [], set()
     for fork in msg.forks:
         parent, child = str(fork.parent_seq_id), str(fork.child_seq_id)
@@ -39,11 +42,12 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
             grown.append([])
             continue
         rid = str(grow.seq_id)
-        if not kv.can_allocate(rid, grow.num_new_tokens):
+        lookahead = grow.num_lookahead_tokens
+        if not kv.can_allocate(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead):
             grow_failed = True
             break
         before = len(kv.block_table(rid))
-        kv.allocate_slots(rid, grow.num_new_tokens)
+        kv.allocate_slots(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead)
         grown.append(kv.block_table(rid)[before:])
     admitted, budget = [], msg.token_budget
     stats_before = kv.stats

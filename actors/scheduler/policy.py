@@ -14,7 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, NewSequence,
+from actors.draft.controller import SpecController
+from actors.draft.messages import DraftInput, Propose
+from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, KVTrim, NewSequence,
                              ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 
@@ -38,6 +40,9 @@ class Counters:
     steps: int = 0
     kv_slots_allocated: int = 0     # slots in the running sequences' blocks, summed over steps
     kv_slots_used: int = 0          # of those, slots holding a token (KV waste = 1 - used / allocated)
+    spec_draft_tokens: int = 0      # drafted tokens verified
+    spec_accepted_tokens: int = 0   # of those, the ones kept
+    spec_num_drafts: int = 0        # verifications with at least one drafted token
 
 
 @dataclass
@@ -51,8 +56,9 @@ class _Step:
 
 
 class SchedulingPolicy:
-    def __init__(self, cfg: PolicyConfig):
+    def __init__(self, cfg: PolicyConfig, spec: SpecController | None = None):
         self.cfg = cfg
+        self.spec = spec                       # speculative decoding: k per decoding sequence
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []      # sorted by sort_key
@@ -67,6 +73,9 @@ class SchedulingPolicy:
         self._released: list[int] = []         # sequences whose sampler state the worker drops
         self._outbox: dict[Any, list[TokenDelta]] = defaultdict(list)
         self._step = _Step()
+        self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
+        self._propose: Propose | None = None   # the draft worker's share of the planned step
+        self._draft_released: list[int] = []   # sequences whose draft state goes at once
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -128,19 +137,22 @@ class SchedulingPolicy:
     def schedule(self) -> KVStep:
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
+        spec_k = self._choose_spec()
         for seq in self.running:
             n = min(seq.num_tokens - seq.num_computed, budget)
+            seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:
                 step.grows.append((seq, n))
-                budget -= n
+                budget -= n + seq.spec_k
         room = self.cfg.max_num_seqs - len(self.running)
         step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
         self._forks = []
         frees, self._deferred_frees = self._deferred_frees, []
+        trims, self._trims = self._trims, []
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
-                      [self._admit_msg(s) for s in step.admits], budget)
+                      [self._admit_msg(s) for s in step.admits], budget, trims)
 
     def on_kv(self, res: KVStepResult) -> KVStep | None:
         """Apply a transaction's result; returns a retry transaction after a preemption, else None."""
@@ -159,7 +171,15 @@ class SchedulingPolicy:
         self.counters.prefix_queried_tokens += res.queried_tokens
         self.counters.prefix_hit_tokens += res.hit_tokens
         if res.grow_failed:
-            return self._preempt_and_retry(step.grows[len(res.grown):])
+            left = step.grows[len(res.grown):]
+            if any(s.spec_k for s, _ in left):
+                # Drafting is optional: give up the lookahead slots before preempting anyone.
+                for s, _ in left:
+                    s.spec_k = 0
+                step.grows = left
+                step.admits = []
+                return KVStep([], [], [self._grow_msg(s, n) for s, n in left], [], 0)
+            return self._preempt_and_retry(left)
         for seq, adm in zip(step.admits, res.admitted):
             self.waiting.remove(seq)
             seq.block_table = list(adm.block_table)
@@ -172,14 +192,18 @@ class SchedulingPolicy:
         return None
 
     def plan(self) -> StepPlan:
-        seqs, new = [], []
+        seqs, new, drafts = [], [], []
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if not seq.known_to_worker:
                 seq.known_to_worker = True
                 new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed))
-            seqs.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table),
-                                     end == seq.num_tokens))
+            scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table),
+                                     end == seq.num_tokens)
+            seqs.append(scheduled)
+            if self.spec is not None:
+                drafts.append(DraftInput(seq.seq_id, scheduled.token_ids, start, scheduled.block_table,
+                                         seq.spec_k if scheduled.sample else 0))
             seq.num_computed = end
         self._step = _Step()
         if not seqs:  # nothing runs: keep the releases for the next real step
@@ -189,7 +213,19 @@ class SchedulingPolicy:
         self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
+        if self.spec is not None:
+            self._propose = Propose(self._step_id, drafts, new)
         return StepPlan(self._step_id, seqs, new, released)
+
+    def take_draft_released(self) -> list[int]:
+        """Finished sequences whose draft state to drop now (not with the next step: there may be none)."""
+        out, self._draft_released = self._draft_released, []
+        return out
+
+    def take_propose(self) -> Propose | None:
+        """The draft worker's message for the step just planned (with speculative decoding)."""
+        out, self._propose = self._propose, None
+        return out
 
     def update(self, result: StepResult) -> None:
         eos = self.cfg.eos_token_ids
@@ -204,6 +240,8 @@ class SchedulingPolicy:
                 if reason is not None:
                     break
             self.counters.generation_tokens += kept
+            if seq.spec_k:
+                self._verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
@@ -218,6 +256,33 @@ class SchedulingPolicy:
 
     # --- internals --------------------------------------------------------------------------------
 
+    def _choose_spec(self) -> dict[int, int]:
+        """k per decoding sequence, capped so that the drafts fit the output and the context."""
+        if self.spec is None:
+            return {}
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        chosen = self.spec.choose([s.seq_id for s in decoding])
+        out = {}
+        for seq in decoding:
+            room = min(seq.request.max_output - seq.num_output_tokens, self.cfg.max_model_len - seq.num_tokens + 1)
+            k = min(chosen[seq.seq_id], room - 1)
+            if k > 0:
+                out[seq.seq_id] = k
+        return out
+
+    def _verified(self, seq: Sequence, drafted: int, accepted: int, running: bool) -> None:
+        """After a step that reserved drafted slots: count, learn, and roll back rejected KV."""
+        self.counters.spec_draft_tokens += drafted
+        self.counters.spec_accepted_tokens += accepted
+        self.counters.spec_num_drafts += drafted > 0
+        self.spec.observe(seq.seq_id, drafted, accepted)
+        seq.spec_k = 0
+        if running:  # accepted drafts have their KV; the emitted correction or bonus token not yet
+            seq.num_computed += accepted
+            self._trims.append(KVTrim(seq.seq_id, seq.num_computed))
+            # The KV manager returns the blocks wholly past the kept positions; so does our table.
+            del seq.block_table[-(-seq.num_computed // self.cfg.block_size):]
+
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
         self._next_seq_id += 1
@@ -227,7 +292,7 @@ class SchedulingPolicy:
     def _grow_msg(self, seq: Sequence, n: int) -> KVGrow:
         new_tokens = seq.token_ids[seq.kv_known:]
         seq.kv_known = seq.num_tokens
-        return KVGrow(seq.seq_id, new_tokens, n)
+        return KVGrow(seq.seq_id, new_tokens, n, seq.spec_k)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
         seq.kv_known = seq.num_tokens
@@ -276,12 +341,16 @@ class SchedulingPolicy:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.seqs.pop(seq.seq_id, None)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
         if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
             self._deferred_frees.append(seq.seq_id)
         else:
             self._frees.append(seq.seq_id)
         if seq.known_to_worker:
             self._released.append(seq.seq_id)
+            if self.spec is not None:
+                self._draft_released.append(seq.seq_id)
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from actors.draft.controller import SpecController
+from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, KVFree, StepPlan, StepResult,
                              SubmitRequest, TokenDeltas)
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
@@ -29,13 +31,15 @@ class _StepDone:
 
 
 class SchedulerActor(Actor):
-    def __init__(self, cfg: PolicyConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0):
-        self.policy = SchedulingPolicy(cfg)
+    def __init__(self, cfg: PolicyConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
+                 draft: ActorRef | None = None, spec: SpecController | None = None):
+        self.policy = SchedulingPolicy(cfg, spec if draft is not None else None)
         self.kv = kv
         self.worker = worker
+        self.draft = draft
         self.step_timeout_s = step_timeout_s
         self._inflight: asyncio.Task | None = None
-        self.forward_s = self.compute_s = self.step_s = 0.0
+        self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
         self.step_listeners: list[Callable[[], None]] = []   # in-process hooks, see Engine.on_step
 
     async def on_stop(self) -> None:
@@ -75,7 +79,7 @@ class SchedulerActor(Actor):
             self.policy.fail_all()
             self._emit()
             return
-        self._inflight = asyncio.create_task(self._run(plan, started))
+        self._inflight = asyncio.create_task(self._run(plan, self.policy.take_propose(), started))
 
     async def _schedule(self) -> StepPlan:
         """One KV transaction per step; another only after a preemption."""
@@ -86,12 +90,32 @@ class SchedulerActor(Actor):
             listener()
         return self.policy.plan()
 
-    async def _run(self, plan: StepPlan, started: float) -> None:
+    async def _run(self, plan: StepPlan, propose: Propose | None, started: float) -> None:
         try:
+            if propose is not None:
+                await self._draft(plan, propose)
             result, error = await self.worker.ask(plan, timeout=self.step_timeout_s), None
         except Exception as e:  # the worker failed the step: its requests end, the engine goes on
             result, error = None, e
         self.context.self_ref.tell(_StepDone(result, error, started))
+
+    async def _draft(self, plan: StepPlan, propose: Propose) -> None:
+        """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
+        tokens (it keeps every sequence's history), without waiting."""
+        if not any(d.num_spec for d in propose.seqs):
+            self.draft.tell(propose)
+            return
+        try:
+            proposals: Proposals = await self.draft.ask(propose, timeout=self.step_timeout_s)
+        except Exception as e:  # drafts only save time: the step goes on without them
+            self.context.log.warning("draft worker failed; this step runs without drafts", error=repr(e))
+            return
+        by_id = {p.seq_id: p for p in proposals.proposals if p.token_ids}
+        for seq in plan.seqs:
+            p = by_id.get(seq.seq_id)
+            if p is not None:
+                seq.spec_token_ids, seq.spec_probs = p.token_ids, p.probs
+        self.draft_s += proposals.draft_s
 
     async def _on_step_done(self, done: _StepDone) -> None:
         self._inflight = None
@@ -111,6 +135,10 @@ class SchedulerActor(Actor):
         frees = self.policy.take_frees()
         if frees:
             self.kv.tell(KVFree(frees))
+        if self.draft is not None:
+            released = self.policy.take_draft_released()
+            if released:
+                self.draft.tell(Propose(0, [], [], released))
         for reply_to, deltas in self.policy.take_deltas().items():
             reply_to.tell(TokenDeltas(deltas))
 
@@ -124,4 +152,7 @@ class SchedulerActor(Actor):
             prefix_cache_queried_tokens=c.prefix_queried_tokens, prefix_cache_hit_tokens=c.prefix_hit_tokens,
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, preemptions=c.preemptions,
             steps=c.steps, forward_s=self.forward_s, step_s=self.step_s,
-            kv_slots_allocated=c.kv_slots_allocated, kv_slots_used=c.kv_slots_used)
+            kv_slots_allocated=c.kv_slots_allocated, kv_slots_used=c.kv_slots_used,
+            spec_decode_draft_tokens=c.spec_draft_tokens, spec_decode_accepted_tokens=c.spec_accepted_tokens,
+            spec_decode_num_drafts=c.spec_num_drafts,
+            spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1))

@@ -1,4 +1,5 @@
-"""The model worker actor: runs each StepPlan (forward + sampling) on its own compute thread.
+"""The model worker actor: runs each StepPlan (forward + sampling, or verification of drafted
+tokens) on its own compute thread.
 
 A thin shell around ModelRunner and the sampler. The model is built (see `build_runner`), and every
 forward runs, on one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
@@ -14,9 +15,11 @@ from typing import Any
 
 import torch
 
-from actors.messages import GetWorkerInfo, SeqOutput, StepPlan, StepResult, TokenLogprobs, WorkerInfo
+from actors.messages import (GetWorkerInfo, ScheduledSeq, SeqOutput, StepPlan, StepResult, TokenLogprobs,
+                             WorkerInfo)
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
+from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState
 from runtime import Actor
 
@@ -64,15 +67,54 @@ class WorkerActor(Actor):
             self.states.pop(sid, None)
         for new in plan.new_seqs:
             self.states[new.seq_id] = SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device)
-        batch = ForwardBatch([SequenceInput(s.token_ids, s.start_pos, s.block_table) for s in plan.seqs])
+        # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts.
+        batch = ForwardBatch([SequenceInput(s.token_ids + s.spec_token_ids, s.start_pos, s.block_table,
+                                            len(s.spec_token_ids) + 1 if s.sample else 0) for s in plan.seqs])
         logits = self.runner.execute(batch)
-        rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+        sampled = [s for s in plan.seqs if s.sample]
+        starts, row = [], 0          # each sampled sequence's first logits row
+        for s in sampled:
+            starts.append(row)
+            row += len(s.spec_token_ids) + 1
+        tokens: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
+        self._sample_plain(logits, [(s, r) for s, r in zip(sampled, starts) if not s.spec_token_ids], tokens)
+        self._verify(logits, [(s, r) for s, r in zip(sampled, starts) if s.spec_token_ids], tokens)
         outputs = []
-        if rows:
-            states = [self.states[plan.seqs[i].seq_id] for i in rows]
-            picked = logits if len(rows) == len(plan.seqs) else logits[rows]
-            sampled = self._sampler.sample(picked, states, self._generator)
-            for i, state, token, lp in zip(rows, states, sampled.token_ids, sampled.logprobs):
-                state.append([token])
-                outputs.append(SeqOutput(plan.seqs[i].seq_id, [token], None if lp is None else [TokenLogprobs(*lp)]))
+        for s in sampled:
+            out, logprobs = tokens[s.seq_id]
+            self.states[s.seq_id].append(out)
+            outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids)))
         return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]], into: dict) -> None:
+        """One token per sequence without drafts, from its logits row."""
+        if not seqs:
+            return
+        states = [self.states[s.seq_id] for s, _ in seqs]
+        rows = [r for _, r in seqs]
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        out = self._sampler.sample(picked, states, self._generator)
+        for (s, _), token, lp in zip(seqs, out.token_ids, out.logprobs):
+            into[s.seq_id] = ([token], None if lp is None else [TokenLogprobs(*lp)])
+
+    def _verify(self, logits: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]], into: dict) -> None:
+        """Accepted drafts plus one corrected or bonus token per sequence, from its k+1 rows."""
+        if not seqs:
+            return
+        rows = torch.cat([torch.arange(r, r + len(s.spec_token_ids) + 1) for s, r in seqs])
+        picked = logits[rows]
+        items = [SpecSeq(self.states[s.seq_id], s.spec_token_ids, s.spec_probs) for s, _ in seqs]
+        emitted = verify_logits(self._sampler, picked, items, self._generator)
+        offset = 0
+        for (s, _), item, out in zip(seqs, items, emitted):
+            n = item.state.num_logprobs
+            into[s.seq_id] = (out, None if n is None else _raw_logprobs(picked[offset:offset + len(out)], out, n))
+            offset += len(s.spec_token_ids) + 1
+
+
+def _raw_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """The sampler's raw logprobs (log_softmax of the unmodified logits) for verified positions."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top_vals, top_ids = logp.topk(min(n, logp.shape[1]), dim=-1) if n else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprobs(t, float(logp[j, t]), list(zip(top_ids[j].tolist(), top_vals[j].tolist())))
+            for j, t in enumerate(token_ids)]
