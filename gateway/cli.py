@@ -61,7 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--num-threads", type=int, default=None,
                      help="torch threads for the forward pass (default: torch's own choice)")
     eng.add_argument("--log-level", default="INFO")
+    spec = s.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", choices=("ngram", "draft", "layerskip"), default=None,
+                      help="draft tokens by prompt lookup, a small draft model, or the target's first layers")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="k: tokens drafted per step")
+    spec.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
+    spec.add_argument("--speculative-draft-layers", type=int, default=None,
+                      help="L: the target's first L layers draft (method layerskip)")
+    spec.add_argument("--speculative-disable-batch-size", type=int, default=8,
+                      help="no drafting while more sequences than this are decoding")
     return p
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict | None:
+    """The engine's `speculative=` dict from the flags (validated by the engine config)."""
+    if args.speculative_method is None:
+        return None
+    out = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+           "disable_batch_size": args.speculative_disable_batch_size}
+    if args.speculative_model is not None:
+        out["model"] = args.speculative_model
+    if args.speculative_draft_layers is not None:
+        out["draft_layers"] = args.speculative_draft_layers
+    return out
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -70,7 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                 num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                num_threads=args.num_threads)
+                num_threads=args.num_threads, speculative=speculative_kwargs(args))
 
 
 def curl_line(config: GatewayConfig, model: str) -> str:

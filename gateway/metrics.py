@@ -121,6 +121,10 @@ class GatewayMetrics:
         self.prompt_tokens = r.counter("matinee_prompt_tokens_total", "Prompt tokens processed.")
         self.generation_tokens = r.counter("matinee_generation_tokens_total", "Tokens generated.")
         self.preemptions = r.counter("matinee_preemptions_total", "Requests preempted.")
+        self.spec_draft = r.counter("matinee_spec_decode_draft_tokens_total",
+                                    "Drafted tokens the target verified (speculative decoding).")
+        self.spec_accepted = r.counter("matinee_spec_decode_accepted_tokens_total",
+                                       "Drafted tokens the target accepted.")
         self.requests_total = r.counter("matinee_requests_total", "Finished requests.",
                                         labels=("finish_reason",))
         self.ttft = r.histogram("matinee_time_to_first_token_seconds", "Time to first token.")
@@ -140,6 +144,8 @@ class GatewayMetrics:
         self.prompt_tokens.set(stats.prompt_tokens)
         self.generation_tokens.set(stats.generation_tokens)
         self.preemptions.set(stats.preemptions)
+        self.spec_draft.set(stats.spec_decode_draft_tokens)
+        self.spec_accepted.set(stats.spec_decode_accepted_tokens)
 
     def render(self) -> str:
         return self.registry.render()

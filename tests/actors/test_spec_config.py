@@ -40,3 +40,28 @@ def test_layerskip_must_skip_something():
     cfg.check_against_target(4)
     with pytest.raises(ValueError, match="below the target's 3 layers"):
         cfg.check_against_target(3)
+
+
+def test_serve_flags_build_the_engine_config():
+    from gateway.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--speculative-method", "layerskip", "--num-speculative-tokens", "3",
+                                      "--speculative-draft-layers", "10"])
+    cfg = SpeculativeConfig.parse(engine_kwargs(args)["speculative"])
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.draft_layers) == ("layerskip", 3, 10)
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["speculative"] is None
+    with pytest.raises(ValueError, match="draft_layers"):
+        SpeculativeConfig.parse(engine_kwargs(build_parser().parse_args(
+            ["serve", "--speculative-method", "layerskip"]))["speculative"])
+
+
+def test_gateway_exposes_the_spec_counters():
+    from actors.messages import EngineStats
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.update_engine(EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0, spec_decode_draft_tokens=40,
+                                spec_decode_accepted_tokens=25))
+    text = m.render()
+    assert "matinee_spec_decode_draft_tokens_total 40" in text
+    assert "matinee_spec_decode_accepted_tokens_total 25" in text
