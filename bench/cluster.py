@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     redis_port = _free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     env = {"MATINEE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-    serve = [sys.executable, "-m", "gateway.roles", "serve"]
+    serve = [sys.executable, "-m", "gateway.cli", "serve"]   # `matinee serve`
     model = ["--model", args.model] if args.model else []
     try:
         procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",

@@ -68,7 +68,7 @@ class Node:
 
     def start(self) -> Node:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.roles", "serve", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", *self.args],
                                      cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         return self
