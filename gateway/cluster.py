@@ -18,8 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool, PoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pool_metrics import PoolMetrics
-from gateway.responses import TokenStrings
-from gateway.state import EngineHandle, GatewayState
+from gateway.state import EngineHandle
 from gateway.tenant import tenant_middleware
 from runtime import ActorSystem
 
@@ -54,25 +53,8 @@ class ClusterMetrics(GatewayMetrics):
         return text + self.pool.render() if self.pool is not None else text
 
 
-class ClusterGatewayState(GatewayState):
-    """Connects through the pool instead of one scheduler ref."""
-
-    async def connect(self) -> None:
-        self.engine = engine = await self.launcher(self.system)
-        self.client = engine.client
-        self.metrics.pool = engine.client.metrics
-        self.token_strings = TokenStrings(engine.tokenizer)
-        self.model_name = self.config.served_model_name or _model_name(engine.model_path)
-        self.ready_event.set()
-
-
-def _model_name(path: str) -> str:
-    from gateway.state import model_name_from_path
-    return model_name_from_path(path) or "matinee"
-
-
-def cluster_launcher(node: GatewayNodeConfig):
-    async def launch(system: ActorSystem):
+def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = None):
+    async def launch(system: ActorSystem) -> EngineHandle:
         from actors.config import default_model_path
         from actors.tokenizer import load_tokenizer
         from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
@@ -92,21 +74,20 @@ def cluster_launcher(node: GatewayNodeConfig):
             await pool.close()
             await registry.close()
 
-        handle = EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer,
-                              max_model_len=info.max_model_len, model_path=info.model or tokenizer_path,
-                              close=close)
-        handle.client = pool
-        return handle
+        if metrics is not None:   # shown once the gateway can serve
+            metrics.pool = pool.metrics
+        return EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer, max_model_len=info.max_model_len,
+                            model_path=info.model or tokenizer_path, close=close, client=pool)
 
     return launch
 
 
 def create_cluster_app(config: GatewayConfig, node: GatewayNodeConfig) -> web.Application:
     system = ActorSystem(f"gateway-{socket.gethostname()}", secret=node.secret)
-    app = create_app(config, cluster_launcher(node), system)
+    metrics = ClusterMetrics()
+    app = create_app(config, cluster_launcher(node, metrics), system)
     app.middlewares.append(tenant_middleware)
-    app[STATE] = ClusterGatewayState(config=config, launcher=app[STATE].launcher, system=system,
-                                     metrics=ClusterMetrics())
+    app[STATE].metrics = metrics
 
     async def own_system(app: web.Application):
         await system.start()

@@ -28,6 +28,7 @@ class EngineHandle:
     max_model_len: int
     model_path: str = ""
     close: Callable[[], Awaitable[None]] | None = None
+    client: Any = None                   # a ready client (a cluster's EnginePool); None: one for `scheduler`
 
 
 EngineLauncher = Callable[[ActorSystem], Awaitable[EngineHandle]]
@@ -56,7 +57,7 @@ class GatewayState:
     async def connect(self) -> None:
         """Start the engine (or reach it) and the receiver; then the gateway is ready."""
         self.engine = engine = await self.launcher(self.system)
-        self.client = await EngineClient.start(self.system, engine.scheduler)
+        self.client = engine.client or await EngineClient.start(self.system, engine.scheduler)
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
             or "matinee"
