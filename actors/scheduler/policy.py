@@ -326,11 +326,15 @@ class SchedulingPolicy:
         for index in range(1, req.params.n):
             child = self._new_seq(req, index)
             self.seqs[child.seq_id] = child
+            if not shared:
+                # A prompt within one block has no full block to share: the sample is admitted
+                # like a new request (its KV sequence is created there, from the prefix cache if any).
+                bisect.insort(self.waiting, child, key=_key)
+                continue
             child.status = SeqStatus.RUNNING
             child.num_computed = shared
             child.kv_known = shared
-            if shared:
-                self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
+            self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
             bisect.insort(self.running, child, key=_key)
 
     def _retire(self, seq: Sequence) -> None:

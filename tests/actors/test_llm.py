@@ -34,8 +34,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
     assert len(draws) > 1 or tuple(alone) not in draws  # without a seed, draws differ
 
 
-def test_n_samples_are_distinct_and_reproducible(llm):
-    p = prompts(13, (45,))[0]
+@pytest.mark.parametrize("prompt_len", [45, 5, 16, 17])
+def test_n_samples_are_distinct_and_reproducible(llm, prompt_len):
+    # 5 and 16 tokens: no full block below the last prompt token to share, so no fork.
+    p = prompts(13, (prompt_len,))[0]
     sp = SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=15, ignore_eos=True)
     first = llm.generate([p], sp)[0]
     again = llm.generate([p], sp)[0]
