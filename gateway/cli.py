@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--served-model-name", default=None, help="the `model` name clients use")
     s.add_argument("--role", choices=ROLES, default="all",
-                   help="which part of the system this process runs (only `all` for now)")
+                   help="which part of the system this process runs: all (embedded), gateway or engine")
     http = s.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
