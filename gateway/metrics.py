@@ -5,8 +5,9 @@ from EngineStats on each scrape. No locks: everything runs on the event loop.
 """
 from __future__ import annotations
 
-import bisect
 import math
+
+from prefix_store.metrics import Histogram as Buckets
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -59,28 +60,24 @@ class Gauge(Counter):
 
 
 class Histogram(_Metric):
+    """A named, rendered histogram; the bucket counting is prefix_store's `Histogram`, so the
+    router's lookup latency renders through here too (pass its counts as `values`)."""
+
     kind = "histogram"
 
-    def __init__(self, name, help, buckets=LATENCY_BUCKETS):
+    def __init__(self, name, help, buckets=LATENCY_BUCKETS, values: Buckets | None = None):
         super().__init__(name, help)
-        self.bounds = tuple(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
+        self.values = values if values is not None else Buckets(buckets)
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+        self.values.observe(value)
 
     def render(self) -> list[str]:
         lines = self.header()
-        cumulative = 0
-        for bound, n in zip(self.bounds + (math.inf,), self.counts):
-            cumulative += n
+        for bound, cumulative in self.values.cumulative():
             lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-        lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
+        lines.append(f"{self.name}_sum {_fmt(self.values.sum)}")
+        lines.append(f"{self.name}_count {self.values.count}")
         return lines
 
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.metrics import Histogram
 from prefix_store import RoutingMetrics
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
 class PoolMetrics:
@@ -30,16 +27,10 @@ class PoolMetrics:
                   "engine was expected to hold.",
                   "# TYPE matinee_routed_prefix_blocks_total counter",
                   f'matinee_routed_prefix_blocks_total{{kind="requested"}} {r.blocks_requested}',
-                  f'matinee_routed_prefix_blocks_total{{kind="matched"}} {r.blocks_matched}',
-                  "# HELP matinee_prefix_index_lookup_seconds Prefix index lookup latency.",
-                  "# TYPE matinee_prefix_index_lookup_seconds histogram"]
-        h = r.lookup_seconds
-        for bound, n in h.cumulative():
-            le = "+Inf" if bound == float("inf") else _num(bound)
-            lines.append(f'matinee_prefix_index_lookup_seconds_bucket{{le="{le}"}} {n}')
-        lines += [f"matinee_prefix_index_lookup_seconds_sum {_num(h.sum)}",
-                  f"matinee_prefix_index_lookup_seconds_count {h.count}",
-                  "# HELP matinee_request_migrations_total Requests continued on another engine "
+                  f'matinee_routed_prefix_blocks_total{{kind="matched"}} {r.blocks_matched}']
+        lines += Histogram("matinee_prefix_index_lookup_seconds", "Prefix index lookup latency.",
+                           values=r.lookup_seconds).render()
+        lines += ["# HELP matinee_request_migrations_total Requests continued on another engine "
                   "after theirs died.",
                   "# TYPE matinee_request_migrations_total counter",
                   f"matinee_request_migrations_total {self.migrations}",
