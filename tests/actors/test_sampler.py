@@ -1,11 +1,11 @@
 """The sampler: greedy, seeds across batch mixes, truncation, penalties, logprobs, distributions."""
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from actors.messages import SamplingParams as Params
 from actors.worker.sampler import Sampler, SamplingState, apply_penalties_
 
 _sampler = Sampler()
@@ -15,21 +15,6 @@ processed_probs = _sampler.processed_probs
 
 def apply_penalties(logits, states, extra_output_ids=None):
     return apply_penalties_(logits.clone(), states, extra_output_ids)
-
-
-@dataclass(frozen=True)
-class Params:
-    """The fields of the SamplingParams contract the sampler reads."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
 
 
 def state(prompt=(), **kw) -> SamplingState:
