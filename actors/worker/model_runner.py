@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
@@ -52,6 +53,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Every core for the matmuls; the event loop thread mostly waits on this one.
             torch.set_num_threads(num_threads or _usable_cores())
+            keep_freed_memory()
         self.source = resolve_model_source(model)
         self.ops = get_ops(kernels, self.device)
         self.block_size = block_size
