@@ -116,6 +116,7 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_accepted_tokens: int = 0  # of those, the ones it kept
     spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
+    spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------

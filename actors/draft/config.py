@@ -25,8 +25,11 @@ class SpeculativeConfig:
     # decoding (decode is then no longer memory-bound); None: never.
     disable_batch_size: int | None = 8
     adaptive: bool = True                      # per-sequence k from its measured acceptance
-    verify_cost: float = 0.05                  # target cost of one more verified position / one decode step
-    draft_cost: float | None = None            # cost of one drafted token / one decode step; None: by method
+    # Cost of one drafted token over one decode step: learned from the measured step times
+    # (measure_cost), starting from draft_cost + verify_cost until enough steps are seen.
+    verify_cost: float = 0.05                  # prior: one more verified position / one decode step
+    draft_cost: float | None = None            # prior: one drafted token / one decode step; None: by method
+    measure_cost: bool = True
     probe_interval: int = 16                   # steps a sequence stays off before it tries k=1 again
 
     def __post_init__(self) -> None:

@@ -3,7 +3,8 @@
 A plain synchronous class. It estimates each sequence's per-token acceptance rate alpha (an
 exponentially decayed count of accepted drafts over accepted drafts plus rejections) and picks
 the k that maximises tokens emitted per unit of step cost, (1 - alpha^(k+1)) / (1 - alpha) over
-1 + (draft_cost + verify_cost) * k. A sequence for which no k beats plain decoding stops
+1 + cost * k, where cost, one drafted token's share of a plain decode step, is learned from the
+measured step times (StepCostModel; draft_cost + verify_cost is its prior). A sequence for which no k beats plain decoding stops
 speculating and tries k=1 again after `probe_interval` steps (then twice as long after each
 failed probe, up to 16 times); above `disable_batch_size`
 decoding sequences nobody speculates, so speculation never makes serving slower.
@@ -12,6 +13,8 @@ decoding sequences nobody speculates, so speculation never makes serving slower.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from actors.draft.step_cost import StepCostModel
 
 
 @dataclass
@@ -32,7 +35,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 class SpecController:
     def __init__(self, max_k: int, *, disable_batch_size: int | None = None, adaptive: bool = True,
                  draft_cost: float = 0.0, verify_cost: float = 0.05, probe_interval: int = 16,
-                 prior_alpha: float = 0.7, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+                 prior_alpha: float = 0.7, prior_weight: float = 2.0, decay: float = 0.9,
+                 measure_cost: bool = True) -> None:
         if max_k < 1:
             raise ValueError(f"max_k must be at least 1, got {max_k}")
         if not 0.0 < decay <= 1.0 or not 0.0 <= prior_alpha <= 1.0 or prior_weight <= 0:
@@ -40,7 +44,8 @@ class SpecController:
         self.max_k = max_k
         self.disable_batch_size = disable_batch_size
         self.adaptive = adaptive
-        self.step_cost = draft_cost + verify_cost
+        self.cost = StepCostModel(draft_cost + verify_cost)
+        self.measure_cost = measure_cost
         self.probe_interval = probe_interval
         self.prior = (prior_alpha * prior_weight, prior_weight)
         self.decay = decay
@@ -56,7 +61,17 @@ class SpecController:
             return {sid: 0 for sid in seq_ids}
         if not self.adaptive:
             return {sid: self.max_k for sid in seq_ids}
-        return {sid: self._choose_one(sid) for sid in seq_ids}
+        n = len(seq_ids)
+        costs = [0.0] + [k * self.token_cost(n, k) for k in range(1, self.max_k + 1)]
+        return {sid: self._choose_one(sid, costs) for sid in seq_ids}
+
+    def token_cost(self, num_seqs: int, k: int = 1) -> float:
+        """Per drafted token, drafting k for one of `num_seqs` sequences, over a plain decode step."""
+        return self.cost.relative(num_seqs, k) if self.measure_cost else self.cost.prior
+
+    def observe_step(self, num_seqs: int, num_drafted: int, seconds: float) -> None:
+        """A pure-decode step's wall time, `num_drafted` drafted tokens verified over `num_seqs` sequences."""
+        self.cost.observe(num_seqs, num_drafted, seconds)
 
     def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         """One verification of `num_drafted` tokens, of which the first `num_accepted` were kept."""
@@ -82,12 +97,13 @@ class SpecController:
             s = self._seqs[seq_id] = _SeqStats(*self.prior)
         return s
 
-    def _choose_one(self, seq_id: int) -> int:
+    def _choose_one(self, seq_id: int, costs: list[float]) -> int:
+        """costs[k]: drafting k tokens, in plain decode steps (costs[0] = 0)."""
         s = self._stats(seq_id)
         alpha = s.successes / s.trials
         best_k, best_rate = 0, 1.0   # plain decoding: one token per unit cost
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + self.step_cost * k)
+            rate = expected_tokens(alpha, k) / (1.0 + costs[k])
             if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
                 best_k, best_rate = k, rate
         if best_k == 0:

@@ -28,12 +28,14 @@ class _StepDone:
     result: StepResult | None
     error: BaseException | None
     started: float
+    decode_shape: tuple[int, int] | None = None   # (sequences, drafted tokens) of a pure-decode step
 
 
 class SchedulerActor(Actor):
     def __init__(self, cfg: PolicyConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
                  draft: ActorRef | None = None, spec: SpecController | None = None):
         self.policy = SchedulingPolicy(cfg, spec if draft is not None else None)
+        self.spec = self.policy.spec
         self.kv = kv
         self.worker = worker
         self.draft = draft
@@ -97,7 +99,7 @@ class SchedulerActor(Actor):
             result, error = await self.worker.ask(plan, timeout=self.step_timeout_s), None
         except Exception as e:  # the worker failed the step: its requests end, the engine goes on
             result, error = None, e
-        self.context.self_ref.tell(_StepDone(result, error, started))
+        self.context.self_ref.tell(_StepDone(result, error, started, _decode_shape(plan)))
 
     async def _draft(self, plan: StepPlan, propose: Propose) -> None:
         """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
@@ -126,7 +128,10 @@ class SchedulerActor(Actor):
             self.policy.update(done.result)
             self.forward_s += done.result.forward_s
             self.compute_s += done.result.compute_s
-        self.step_s += time.perf_counter() - done.started
+        wall = time.perf_counter() - done.started
+        self.step_s += wall
+        if self.spec is not None and done.decode_shape is not None and done.error is None:
+            self.spec.observe_step(*done.decode_shape, wall)   # what drafting costs on this machine
         self._emit()
         await self._maybe_step()
 
@@ -155,4 +160,13 @@ class SchedulerActor(Actor):
             kv_slots_allocated=c.kv_slots_allocated, kv_slots_used=c.kv_slots_used,
             spec_decode_draft_tokens=c.spec_draft_tokens, spec_decode_accepted_tokens=c.spec_accepted_tokens,
             spec_decode_num_drafts=c.spec_num_drafts,
-            spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1))
+            spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
+            spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0)
+
+
+def _decode_shape(plan: StepPlan) -> tuple[int, int] | None:
+    """(sequences, drafted tokens) when every sequence decodes one token plus its drafts, else None:
+    a prefill chunk's cost would blur what the drafts cost."""
+    if not plan.seqs or not all(s.sample and len(s.token_ids) == 1 for s in plan.seqs):
+        return None
+    return len(plan.seqs), sum(len(s.spec_token_ids) for s in plan.seqs)

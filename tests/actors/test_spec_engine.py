@@ -159,3 +159,25 @@ def test_logprobs_penalties_and_n_with_drafts(tiny_model_dir, close_draft_dir):
         assert lp_a.keys() == lp_b.keys() and len(lp_a) >= 2
         assert all(abs(lp_a[t] - lp_b[t]) < 1e-4 for t in lp_a)
     assert [len(o.token_ids) for o in spec[2].outputs] == [10, 10]
+
+
+def test_engine_learns_what_drafting_costs(tiny_model_dir):
+    """The scheduler feeds each pure-decode step's wall time to the controller's cost model."""
+    from actors.messages import ScheduledSeq, StepPlan
+    from actors.scheduler.scheduler_actor import _decode_shape
+
+    decode = ScheduledSeq(1, [5], 40, [0, 1, 2], True, [6, 7])
+    assert _decode_shape(StepPlan(1, [decode, ScheduledSeq(2, [9], 12, [3], True)])) == (2, 2)
+    assert _decode_shape(StepPlan(2, [decode, ScheduledSeq(3, [1, 2, 3], 0, [4], True)])) is None  # prefill
+
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "disable_batch_size": None, "verify_cost": 0.05}
+    with LLM(tiny_model_dir("llama"), dtype="float32", num_threads=1, num_blocks=64,
+             speculative=cfg) as llm:
+        assert llm.stats().spec_decode_token_cost == 0.05          # the prior, before any step
+        llm.generate([repetitive(40, 7, 3), repetitive(30, 5, 4)],
+                     SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        model = llm.engine.scheduler_actor.spec.cost
+        assert len(model._steps) >= 8
+        assert {x for _, x, _ in model._steps} != {0}
+        assert model.measured
+        assert llm.stats().spec_decode_token_cost == model.relative(1)

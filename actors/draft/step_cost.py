@@ -1,0 +1,89 @@
+"""What one drafted token costs, learned from the steps' measured wall times.
+
+The controller weighs each drafted position against a plain decode step. That ratio depends on the
+hardware, the model and the batch: near 0 on a GPU, where a decode step is memory-bound and a few
+more positions ride along for free; about 0.15 for a 135M model in float32 on a CPU core, where they
+do not. So it is measured: over a window of recent pure-decode steps, the step time is fitted as
+t = a + c * drafted + f * [any drafts] + b * sequences (least squares over the median time of
+each step shape, so a step stalled by the machine moves nothing). f is what a step pays once for drafting at all (the draft worker's round trip, the
+multi-token attention path, the rejection sampler), shared by the sequences that draft. The fit
+covers everything a draft adds to a step. Until the window holds enough steps with different draft
+counts, the configured prior is used; a column the window cannot tell apart is left out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import numpy as np
+
+MAX_RELATIVE_COST = 4.0
+
+
+class StepCostModel:
+    def __init__(self, prior: float, window: int = 64, min_steps: int = 8) -> None:
+        if prior < 0:
+            raise ValueError(f"prior cost must be non-negative, got {prior}")
+        self.prior = prior
+        self.min_steps = min_steps
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float, float, float] | None = None   # (a, c, f, b); None: the prior
+        self._stale = False
+
+    def observe(self, num_seqs: int, num_drafted: int, seconds: float) -> None:
+        """One pure-decode step: `num_seqs` sequences, `num_drafted` drafted tokens verified in all."""
+        if num_seqs < 1 or num_drafted < 0 or not seconds > 0:
+            return
+        self._steps.append((num_seqs, num_drafted, seconds))
+        self._stale = True
+
+    def relative(self, num_seqs: int, k: int = 1) -> float:
+        """The cost of drafting k tokens for one of `num_seqs` sequences, per drafted token, over a
+        plain decode step (the once-per-step part split over the sequences)."""
+        fit = self._refit()
+        if fit is None:
+            return self.prior
+        a, c, f, b = fit
+        plain = a + b * num_seqs
+        if plain <= 0:
+            return self.prior
+        per_token = (max(c, 0.0) + max(f, 0.0) / (num_seqs * k)) / plain
+        return min(per_token, MAX_RELATIVE_COST)
+
+    @property
+    def measured(self) -> bool:
+        return self._refit() is not None
+
+    def _refit(self) -> tuple[float, float, float, float] | None:
+        if not self._stale:
+            return self._fit
+        self._stale = False
+        self._fit = None
+        if len(self._steps) < self.min_steps:
+            return None
+        # The median time of each (sequences, drafted) shape, weighted by how often it ran: a step
+        # stalled by something else on the machine moves no median.
+        times: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for n, x, t in self._steps:
+            times[n, x].append(t)
+        shapes = np.asarray(list(times), dtype=np.float64)
+        seqs, drafted = shapes[:, 0], shapes[:, 1]
+        t = np.asarray([np.median(v) for v in times.values()])
+        w = np.sqrt([len(v) for v in times.values()])
+        if np.unique(drafted).size < 2:
+            return None  # nothing to tell a draft's cost from the step's own
+        # Intercept and per-token slope always; the once-per-step and per-sequence terms only when
+        # the shapes tell them apart (no drafting-free steps, or a single batch size: a absorbs them).
+        columns, names = [np.ones_like(t), drafted], ["a", "c"]
+        for name, col in (("f", (drafted > 0).astype(np.float64)), ("b", seqs)):
+            trial = np.stack(columns + [col], axis=1)
+            if np.linalg.matrix_rank(trial) == trial.shape[1] and len(t) > trial.shape[1]:
+                columns.append(col)
+                names.append(name)
+        x = np.stack(columns, axis=1)
+        coef, *_ = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)
+        if not np.all(np.isfinite(coef)):
+            return None
+        got = dict(zip(names, map(float, coef)))
+        self._fit = (got["a"], got["c"], got.get("f", 0.0), got.get("b", 0.0))
+        return self._fit

@@ -1,0 +1,95 @@
+"""The controller learns what a drafted token costs on this machine from the measured step times."""
+import random
+
+from actors.draft.controller import SpecController
+from actors.draft.step_cost import StepCostModel
+
+
+def feed(model, steps, a=0.100, c=0.015, f=0.0, b=0.0, noise=0.0, seed=0, seqs=(1,), ks=(0, 1, 2, 3, 4)):
+    rng = random.Random(seed)
+    for _ in range(steps):
+        n, x = rng.choice(seqs), rng.choice(ks)
+        t = a + b * n + c * x + (f if x else 0.0)
+        model.observe(n, x, t * (1 + rng.uniform(-noise, noise)))
+
+
+def test_prior_until_enough_varied_steps():
+    m = StepCostModel(prior=0.05, min_steps=8)
+    assert m.relative(1) == 0.05 and not m.measured
+    feed(m, 7)
+    assert m.relative(1) == 0.05                      # too few steps
+    m2 = StepCostModel(prior=0.05)
+    feed(m2, 30, ks=(4,))
+    assert m2.relative(1) == 0.05                     # one draft count: cost not identifiable
+
+
+def test_learns_the_per_token_cost_of_a_cpu():
+    m = StepCostModel(prior=0.05)
+    feed(m, 64, a=0.100, c=0.015, noise=0.05)        # a drafted token costs 15% of a step
+    assert m.measured
+    assert abs(m.relative(1) - 0.15) < 0.03
+
+
+def test_once_per_step_cost_is_shared_over_tokens_and_sequences():
+    m = StepCostModel(prior=0.0)
+    feed(m, 64, a=0.100, c=0.010, f=0.020, b=0.010, seqs=(1, 2, 4))
+    plain1 = 0.100 + 0.010
+    assert abs(m.relative(1, k=1) - (0.010 + 0.020) / plain1) < 1e-6
+    assert abs(m.relative(1, k=4) - (0.010 + 0.020 / 4) / plain1) < 1e-6
+    plain4 = 0.100 + 0.040
+    assert abs(m.relative(4, k=1) - (0.010 + 0.020 / 4) / plain4) < 1e-6
+
+
+def test_a_stalled_step_does_not_move_the_fit():
+    m = StepCostModel(prior=0.05)
+    feed(m, 60, a=0.100, c=0.015)
+    m.observe(1, 0, 5.0)                              # the machine stalled for 5 s once
+    assert abs(m.relative(1) - 0.15) < 0.01
+
+
+def test_old_steps_leave_the_window():
+    m = StepCostModel(prior=0.05, window=32)
+    feed(m, 32, a=0.100, c=0.015)
+    feed(m, 32, a=0.100, c=0.001, seed=1)             # the machine got faster at verification
+    assert m.relative(1) < 0.02
+
+
+def test_bad_observations_are_ignored():
+    m = StepCostModel(prior=0.05)
+    for bad in ((0, 1, 0.1), (1, -1, 0.1), (1, 1, 0.0), (1, 1, float("nan"))):
+        m.observe(*bad)
+    assert m.relative(1) == 0.05 and not m.measured
+
+
+def measured_controller(c, f=0.0):
+    ctl = SpecController(4, verify_cost=0.05)
+    feed(ctl.cost, 64, a=0.100, c=c, f=f)
+    return ctl
+
+
+def test_measured_cost_turns_off_speculation_that_would_slow_decoding():
+    # alpha ~0.3: worth drafting at the optimistic prior, not at a CPU's 20% per token + 10% per step.
+    prior, cpu = SpecController(4, verify_cost=0.05), measured_controller(0.020, f=0.010)
+    for ctl in (prior, cpu):
+        for _ in range(30):
+            ctl.observe(1, 3, 1)  # one accepted, then a rejection: alpha = 0.5 per trial
+            ctl.observe(1, 3, 0)
+    assert prior.choose([1])[1] > 0
+    assert cpu.choose([1])[1] == 0
+    assert abs(cpu.token_cost(1) - 0.30) < 0.01
+
+
+def test_measured_cost_picks_a_shorter_k():
+    cheap, dear = measured_controller(0.001), measured_controller(0.030)
+    for ctl in (cheap, dear):
+        for _ in range(30):
+            ctl.observe(1, 2, 2)
+            ctl.observe(1, 2, 1)   # alpha = 3/4
+    assert cheap.choose([1])[1] == 4
+    assert 1 <= dear.choose([1])[1] < 4
+
+
+def test_fixed_cost_when_measuring_is_off():
+    ctl = SpecController(4, verify_cost=0.05, measure_cost=False)
+    feed(ctl.cost, 64, a=0.100, c=0.030)
+    assert ctl.token_cost(1) == 0.05
