@@ -122,7 +122,7 @@ class DecoderModel:
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = F.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+            qkv = linear(hidden, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, head_dim)
@@ -135,15 +135,25 @@ class DecoderModel:
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            hidden = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = F.linear(ops.silu_and_mul(F.linear(hidden, layer.gate_up_weight)), layer.down_weight)
+            hidden = linear(ops.silu_and_mul(linear(hidden, layer.gate_up_weight)), layer.down_weight)
         # Only the rows that need logits go through the final norm and the (large) LM head.
         if logits_indices.shape[0] != num_tokens:
             hidden = hidden.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
-        return F.linear(hidden, self.lm_head)
+        return linear(hidden, self.lm_head)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M, in] @ weight[out, in].T (+ bias). On the CPU, MKL runs this product for a few rows
+    (2-16: small decode batches, a speculative verification's k + 1 positions) up to 1.7x faster as
+    (weight @ x.T).T than as F.linear; one row (a matrix-vector product) and many rows stay as they are."""
+    if x.device.type == "cpu" and 1 < x.shape[0] <= 16:
+        y = torch.mm(weight, x.t()).t().contiguous()
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 def _cos_sin_cache(config: ModelConfig) -> torch.Tensor:

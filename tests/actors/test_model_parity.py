@@ -211,3 +211,16 @@ def test_rows_without_logits(tiny_model_dir):
         runner.execute(ForwardBatch([SequenceInput([TINY_VOCAB], 0, [0])]))
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute(ForwardBatch([SequenceInput(b, 0, [0, 1])]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_torch_linear(rows, with_bias):
+    from actors.worker.model import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 64, generator=g), torch.randn(1000, 64, generator=g)
+    bias = torch.randn(1000, generator=g) if with_bias else None
+    out = linear(x, weight, bias)
+    assert out.shape == (rows, 1000) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
