@@ -28,10 +28,13 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
     values = _gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
     key_pos = torch.arange(max_seq_len, device=q.device)
     mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
-    )
-    return out[:, :, 0, :]
+    # The query heads sharing a KV head go in as that head's query rows ([B, Hk, group, D]): one
+    # attention of `group` rows per KV head runs faster than `group` attentions of one row each.
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_lens, seq_of_token, max_query_len, max_seq_len, scale):
