@@ -13,8 +13,10 @@ from typing import Any
 
 from actors.config import EngineConfig
 from actors.draft.controller import SpecController
-from actors.draft.draft_actor import DraftWorkerActor, build_proposer
-from actors.draft.messages import DraftStats, GetDraftStats
+from actors.draft.draft_actor import DraftWorkerActor, build_proposer, count_params
+from actors.draft.draft_link import AttachNow, DraftLink
+from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
+from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
@@ -25,7 +27,9 @@ from actors.tokenizer import Tokenizer, load_tokenizer
 from actors.worker.model_config import ModelConfig
 from actors.worker.model_runner import ModelRunner
 from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
-from runtime import ActorRef, ActorSystem
+from runtime import ActorRef, ActorSystem, get_logger
+
+log = get_logger(component="engine")
 
 
 @dataclass
@@ -119,13 +123,32 @@ async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,
         return build_proposer(spec, target, dtype=config.resolved_dtype(), kernels=config.kernels,
                               device=config.resolved_device(), num_threads=config.num_threads, seed=config.seed)
 
-    draft = await system.spawn(DraftWorkerActor(make), name=f"{name}-draft")
+    if spec.draft_node is not None:
+        draft = await _attach_draft_node(spec.draft_node, system, name, target)
+    else:
+        draft = await system.spawn(DraftWorkerActor(make), name=f"{name}-draft")
     stats: DraftStats = await draft.ask(GetDraftStats())
     controller = SpecController(spec.num_speculative_tokens, disable_batch_size=spec.disable_batch_size,
                                 adaptive=spec.adaptive, draft_cost=stats.draft_cost,
                                 verify_cost=spec.verify_cost, probe_interval=spec.probe_interval,
                                 measure_cost=spec.measure_cost)
     return draft, controller
+
+
+async def _attach_draft_node(node_id: str, system: ActorSystem, name: str, target: ModelRunner) -> ActorRef:
+    """A link to this engine's draft worker on a draft node. A node that refuses (another
+    vocabulary) stops the start with its reason; one not up yet is attached to when it comes."""
+    cfg = target.model_config
+    attach = AttachDraft(f"{system.name}/{name}", target.block_size, target.num_blocks, cfg.vocab_size,
+                         vocab_digest(target), cfg.num_layers, count_params(target))
+    link = await system.spawn(DraftLink(node_id, attach), name=f"{name}-draft")
+    outcome = await link.ask(AttachNow(), timeout=600)
+    if outcome == "unreachable":
+        log.warning("draft node not reachable yet; decoding without drafts until it is", node=node_id)
+    elif outcome:
+        await system.stop(link)
+        raise ValueError(f"speculative draft node {node_id!r}: {outcome}")
+    return link
 
 
 def _make_runner(config: EngineConfig) -> ModelRunner:

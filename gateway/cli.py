@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     s.add_argument("--served-model-name", default=None, help="the `model` name clients use")
     s.add_argument("--role", choices=ROLES, default="all",
-                   help="which part of the system this process runs: all (embedded), gateway or engine")
+                   help="which part of the system this process runs: all (embedded), gateway, engine or draft")
     http = s.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="L: the target's first L layers draft (method layerskip)")
     spec.add_argument("--speculative-disable-batch-size", type=int, default=8,
                       help="no drafting while more sequences than this are decoding")
+    spec.add_argument("--speculative-draft-node", default=None,
+                      help="draft on this draft node (`--role draft --engine-id ID`) instead of in the engine")
     return p
 
 
@@ -83,6 +85,8 @@ def speculative_kwargs(args: argparse.Namespace) -> dict | None:
         out["model"] = args.speculative_model
     if args.speculative_draft_layers is not None:
         out["draft_layers"] = args.speculative_draft_layers
+    if getattr(args, "speculative_draft_node", None) is not None:
+        out["draft_node"] = args.speculative_draft_node
     return out
 
 

@@ -1,4 +1,4 @@
-"""`matinee serve --role gateway|engine`: the cluster roles' flags and their entry points.
+"""`matinee serve --role gateway|engine|draft`: the cluster roles' flags and their entry points.
 
 Configuration comes from flags, with environment variables as their defaults (what compose
 sets); the cluster secret comes only from the environment, never from a flag or a file.
@@ -15,14 +15,14 @@ SECRET_ENV = "MATINEE_CLUSTER_SECRET"
 
 
 def add_cluster_args(s: argparse.ArgumentParser) -> None:
-    c = s.add_argument_group("cluster (--role gateway|engine)")
+    c = s.add_argument_group("cluster (--role gateway|engine|draft)")
     c.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     c.add_argument("--listen-host", default="127.0.0.1", help="the engine node's TCP address for gateways")
     c.add_argument("--listen-port", type=int, default=7100)
     c.add_argument("--advertise", default=None,
                    help="host:port gateways dial (default: this host's name and --listen-port)")
     c.add_argument("--engine-id", default=None,
-                   help="the engine's id in the prefix index (default: host name and port)")
+                   help="the engine's id in the prefix index, or a draft node's id (default: host name and port)")
     c.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds a stopping engine lets its running requests finish")
     c.add_argument("--registry-ttl", type=float, default=3.0,
@@ -79,6 +79,37 @@ def serve_engine(args: argparse.Namespace, engine_kwargs: dict) -> int:
     return run(run_engine_node(node, engine_config))
 
 
+def serve_draft(args: argparse.Namespace) -> int:
+    """A draft node: the draft worker of every engine started with --speculative-draft-node <its id>."""
+    from actors.config import EngineConfig
+    from actors.draft.config import SpeculativeConfig
+    from actors.draft.draft_service import check_remote_method
+    from actors.draft_node import run_draft_node
+    from actors.engine_node import EngineNodeConfig
+    from gateway.cli import speculative_kwargs
+    from runtime import configure_logging, run
+
+    configure_logging(args.log_level)
+    try:
+        kwargs = speculative_kwargs(args)
+        if kwargs is None:
+            raise ValueError("--role draft needs --speculative-method (ngram or draft) and, for draft, "
+                             "--speculative-model")
+        kwargs.pop("draft_node", None)
+        spec = SpeculativeConfig.parse(kwargs)
+        check_remote_method(spec)
+        node = EngineNodeConfig(secret=_secret(), redis_url=args.redis_url, listen_host=args.listen_host,
+                                listen_port=args.listen_port, advertise=args.advertise,
+                                engine_id=args.engine_id, registry_ttl_s=args.registry_ttl)
+        engine = EngineConfig(model=None, dtype=args.dtype, device=args.device, kernels=args.kernels,
+                              num_threads=args.num_threads)
+    except ValueError as e:
+        print(f"matinee serve: {e}", file=sys.stderr)
+        return 2
+    return run(run_draft_node(node, spec, dtype=engine.resolved_dtype(), kernels=engine.kernels,
+                              device=engine.resolved_device(), num_threads=engine.num_threads))
+
+
 def serve_gateway(args: argparse.Namespace, config) -> int:
     from aiohttp import web
 
@@ -123,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role == "engine":
         return serve_engine(args, engine_kwargs(args))
+    if args.role == "draft":
+        return serve_draft(args)
     if args.role == "gateway":
         try:
             config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,

@@ -31,6 +31,9 @@ class SpeculativeConfig:
     draft_cost: float | None = None            # prior: one drafted token / one decode step; None: by method
     measure_cost: bool = True
     probe_interval: int = 16                   # steps a sequence stays off before it tries k=1 again
+    # The id of a draft node (`matinee serve --role draft`) to draft on, instead of in this process
+    # ("ngram" or "draft"; the node holds the draft model).
+    draft_node: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -38,10 +41,14 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
-        if self.method == "draft":
+        if self.draft_node is not None:
+            if self.method == "layerskip" or not self.draft_node:
+                raise ValueError('"draft_node" needs a node id and method "ngram" or "draft" (layerskip shares '
+                                 "the target's weights, so it runs in the engine)")
+        elif self.method == "draft":
             if not self.model:
                 raise ValueError('speculative method "draft" needs "model": the draft model\'s path')
-        elif self.model is not None:
+        if self.model is not None and self.method != "draft":
             raise ValueError(f'"model" is only for speculative method "draft", not {self.method!r}')
         if self.method == "layerskip":
             L = self.draft_layers

@@ -38,11 +38,11 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner | None, *, dtype
     draft = ModelRunner(spec.model, dtype=dtype, kernels=kernels, block_size=target.block_size,
                         num_blocks=target.num_blocks, device=device, num_threads=num_threads)
     check_same_vocab(target, draft)
-    cost = spec.resolved_draft_cost(layers, _num_params(draft), _num_params(target))
+    cost = spec.resolved_draft_cost(layers, count_params(draft), count_params(target))
     return ModelProposer(draft, draft.kv_caches, shares_target_kv=False, seed=seed), cost
 
 
-def _num_params(runner: ModelRunner) -> int:
+def count_params(runner: ModelRunner) -> int:
     model = runner.model
     tensors = [model.lm_head] + [t for layer in model.layers for t in vars(layer).values() if t is not None]
     return sum(t.numel() for t in tensors)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.messages import NewSequence
+from runtime import ActorRef, register_messages
 
 
 class DraftInput(msgspec.Struct, array_like=True, gc=False):
@@ -50,4 +51,24 @@ class DraftStats(msgspec.Struct, tag=True):
     draft_cost: float = 0.0           # one drafted token's cost relative to one target decode step
 
 
-DRAFT_MESSAGES = (Propose, Proposals, GetDraftStats, DraftStats)
+class AttachDraft(msgspec.Struct, tag=True):
+    """An engine asks a draft node (`matinee serve --role draft`) for a draft worker of its own."""
+    engine_id: str
+    block_size: int
+    num_blocks: int                   # the target's pool: the draft's KV is addressed by its block tables
+    vocab_size: int
+    vocab_digest: str                 # sha256 of the target tokenizer's vocabulary (token -> id)
+    num_layers: int = 0               # the target's size, for the draft's cost prior
+    num_params: int = 0
+
+
+class DraftAttached(msgspec.Struct, tag=True):
+    worker: ActorRef | None           # the engine's own draft worker on that node; None: refused
+    draft_cost: float = 0.0
+    error: str = ""                   # why it was refused
+
+
+DRAFT_MESSAGES = (Propose, Proposals, GetDraftStats, DraftStats, AttachDraft, DraftAttached)
+
+# An engine and a separate draft node exchange these over the runtime's TCP transport.
+register_messages(*DRAFT_MESSAGES)

@@ -188,6 +188,17 @@ class ModelProposer:
             probs[item.seq_id].append(None if state.greedy else q[row].cpu())
 
 
+def vocab_digest(runner: ModelRunner) -> str:
+    """sha256 over a model's vocabulary (token -> id): what a draft on another node is checked against."""
+    import hashlib
+
+    items = sorted(runner.tokenizer.hf.get_vocab().items(), key=lambda kv: kv[1])
+    h = hashlib.sha256()
+    for token, index in items:
+        h.update(f"{index}\t{token}\n".encode())
+    return h.hexdigest()
+
+
 def check_same_vocab(target: ModelRunner, draft: ModelRunner) -> None:
     """A draft must speak the target's vocabulary, or its tokens mean something else."""
     tv, dv = target.model_config.vocab_size, draft.model_config.vocab_size
