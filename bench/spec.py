@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft-layers", type=int, default=10, help="layerskip: first L layers of the target")
-    ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--batch1-prompts", type=int, default=len(COPY_TASKS), help="prompts run one at a time (default: every copy task)")
     ap.add_argument("--batch16-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
