@@ -16,7 +16,7 @@ import yaml
 from tests.cluster import harness as h
 
 # The port each service's containers listen on (the test checks compose.yaml agrees).
-CONTAINER_PORTS = {"redis": 6379, "engine": 7100, "gateway": 8000, "lb": 80}
+CONTAINER_PORTS = {"redis": 6379, "draft": 7200, "engine": 7100, "gateway": 8000, "lb": 80}
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 
@@ -38,9 +38,13 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def load(path: str, env: dict[str, str]) -> dict:
+def load(path: str, env: dict[str, str], profiles: tuple[str, ...] = ()) -> dict:
+    """The file as compose runs it: services of a profile not asked for are left out."""
     with open(path) as f:
-        return yaml.safe_load(interpolate(f.read(), env))
+        spec = yaml.safe_load(interpolate(f.read(), env))
+    spec["services"] = {name: svc for name, svc in spec["services"].items()
+                        if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    return spec
 
 
 class Replica:

@@ -51,13 +51,20 @@ def test_compose_file_describes_the_cluster():
     assert s["gateway"]["environment"]["MATINEE_PORT"] == str(cl.CONTAINER_PORTS["gateway"])
     assert s["gateway"]["environment"]["MATINEE_REDIS_URL"] == "redis://redis:6379/0"
     assert cl.dockerfile_entrypoint(DOCKERFILE) in (["matinee"], ["python", "-m", "gateway.roles"])
+    assert "draft" not in s                                   # optional: only with --profile draft
+    draft = cl.load(COMPOSE, ENV, profiles=("draft",))["services"]["draft"]
+    assert draft["command"][-2:] == ["--role", "draft"]
+    assert draft["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["draft"])
 
 
 @pytest.mark.slow
 def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, model_dir):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    spec = cl.load(COMPOSE, {**ENV, "MATINEE_MODEL": model_dir, "MATINEE_DTYPE": "float32"})
+    # With the draft profile: the engine drafts (ngram) on the separate draft service.
+    spec = cl.load(COMPOSE, {**ENV, "MATINEE_MODEL": model_dir, "MATINEE_DTYPE": "float32",
+                             "MATINEE_SPECULATIVE_METHOD": "ngram", "MATINEE_SPECULATIVE_DRAFT_NODE": "draft"},
+                   profiles=("draft",))
     scale = {"engine": 1}
     if shutil.which("nginx") is None:   # the balancer's image; the rest still runs
         spec["services"].pop("lb")
@@ -83,9 +90,12 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
         served = [h.metric(f"http://127.0.0.1:{r.port}", "matinee_requests_total")
                   for r in stack.replicas["gateway"]]
         assert sum(served) == 4 and (front == "gateway" or all(n >= 1 for n in served)), served
+        draft_log = stack.replicas["draft"][0].log()
+        assert '"draft attached"' in draft_log, draft_log     # the engine drafts on the draft service
     finally:
         codes = stack.stop(signal.SIGTERM)
     assert codes["engine"] == [0], "an engine drains and exits cleanly on SIGTERM"
+    assert codes["draft"] == [0], "the draft node exits cleanly on SIGTERM"
     assert codes["gateway"] == [0, 0], "gateways finish and exit cleanly on SIGTERM"
 
 

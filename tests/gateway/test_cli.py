@@ -23,12 +23,20 @@ def test_defaults_and_flags():
     kw = cli.engine_kwargs(a)
     assert kw["kv_cache_memory"] == 2 << 30 and kw["enable_prefix_caching"] is False
     assert cli.parse_bytes("512MB") == 512 << 20 and cli.parse_bytes("1000") == 1000
+    a = cli.build_parser().parse_args(["serve", "--speculative-method", "ngram", "--speculative-draft-node", "d1"])
+    assert cli.engine_kwargs(a)["speculative"]["draft_node"] == "d1"
 
 
-def test_roles_need_their_setup_or_are_not_yet_available(capsys, monkeypatch):
+def test_roles_need_their_setup(capsys, monkeypatch):
+    monkeypatch.setenv("MATINEE_CLUSTER_SECRET", "s")
     assert cli.main(["serve", "--role", "draft"]) == 2
-    assert "--role draft" in capsys.readouterr().err
+    assert "--role draft needs --speculative-method" in capsys.readouterr().err
+    assert cli.main(["serve", "--role", "draft", "--speculative-method", "layerskip",
+                     "--speculative-draft-layers", "2"]) == 2
+    assert "runs inside the engine" in capsys.readouterr().err
     monkeypatch.delenv("MATINEE_CLUSTER_SECRET", raising=False)
+    assert cli.main(["serve", "--role", "draft", "--speculative-method", "ngram"]) == 2
+    assert "MATINEE_CLUSTER_SECRET" in capsys.readouterr().err
     assert cli.main(["serve", "--role", "engine"]) == 2
     assert "MATINEE_CLUSTER_SECRET" in capsys.readouterr().err
 
