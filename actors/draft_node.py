@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 
 from actors.draft.config import SpeculativeConfig
 from actors.draft.draft_link import DRAFT_NODE_PREFIX
 from actors.draft.draft_service import DraftService
-from actors.engine_node import EngineNodeConfig
-from runtime import ActorSystem, get_logger
+from actors.engine_node import EngineNodeConfig, start_node_system
+from runtime import get_logger
 
 log = get_logger(component="draft-node")
 
@@ -26,19 +25,10 @@ async def run_draft_node(node: EngineNodeConfig, spec: SpeculativeConfig, *, dty
                          kernels: str = "auto", device: str = "cpu", num_threads: int | None = None,
                          seed: int = 0, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop`). `node.engine_id` is the draft node's id."""
-    from runtime.redis_registry import RedisRegistry
-
     service = DraftService(spec, dtype=dtype, kernels=kernels, device=device, num_threads=num_threads,
                            seed=seed)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix, ttl_s=node.registry_ttl_s)
-    system = ActorSystem(f"draft-{node.engine_id}", listen=(node.listen_host, node.listen_port),
-                         secret=node.secret, registry=registry, advertise=node.advertise)
-    await system.start()
+    system = await start_node_system(node, f"draft-{node.engine_id}", stop)
     try:
         ref = await system.spawn(service, name="draft-service")
         name = DRAFT_NODE_PREFIX + node.engine_id

@@ -88,22 +88,30 @@ class EngineFront(Actor):
         return None
 
 
-async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
-                          stop: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
-    from actors.engine import start_engine   # deferred: torch and the model code
-    from prefix_store import IndexPublisher, RedisPrefixStore
+async def start_node_system(node: EngineNodeConfig, name: str, stop: asyncio.Event) -> ActorSystem:
+    """A cluster node's actor system, listening on the node's address and registered through Redis;
+    SIGTERM and SIGINT set `stop`."""
     from runtime.redis_registry import RedisRegistry
 
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix, ttl_s=node.registry_ttl_s)
-    system = ActorSystem(f"engine-{node.engine_id}", listen=(node.listen_host, node.listen_port),
-                         secret=node.secret, registry=registry, advertise=node.advertise)
+    system = ActorSystem(name, listen=(node.listen_host, node.listen_port), secret=node.secret,
+                         registry=registry, advertise=node.advertise)
     await system.start()
+    return system
+
+
+async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
+                          stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
+    from actors.engine import start_engine   # deferred: torch and the model code
+    from prefix_store import IndexPublisher, RedisPrefixStore
+
+    stop = stop or asyncio.Event()
+    system = await start_node_system(node, f"engine-{node.engine_id}", stop)
     engine = await start_engine(engine_config, system, name="engine")
     store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace,
                                       ttl_s=node.index_ttl_s)
