@@ -85,6 +85,7 @@ def timed(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> di
             "alpha": accepted / drafted if drafted else None,
             "mean_accepted_len": (accepted + drafts) / drafts if drafts else None,
             "drafted": drafted, "accepted": accepted, "drafts": drafts,
+            "token_cost": after.spec_decode_token_cost,   # a drafted token over a decode step, as learned
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -95,7 +96,8 @@ def merge(a: dict, b: dict) -> dict:
     drafts = a["drafts"] + b["drafts"]
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "drafted": drafted, "accepted": accepted,
             "drafts": drafts, "alpha": accepted / drafted if drafted else None,
-            "mean_accepted_len": (accepted + drafts) / drafts if drafts else None, "outputs": a["outputs"]}
+            "mean_accepted_len": (accepted + drafts) / drafts if drafts else None, "outputs": a["outputs"],
+            "token_cost": b["token_cost"]}
 
 
 def expected_speedup(alpha: float | None, k: int) -> float | None:
@@ -162,12 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"{'run':24} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'mean len':>8} {'expected':>8}")
+        print(f"{'run':24} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'mean len':>8} {'expected':>8} {'cost':>6}")
         for key, e in report["runs"].items():
             a = "-" if e["alpha"] is None else f"{e['alpha']:.2f}"
             m = "-" if e["mean_accepted_len"] is None else f"{e['mean_accepted_len']:.2f}"
             x = "-" if e["expected_speedup"] is None else f"{e['expected_speedup']:.2f}"
-            print(f"{key:24} {e['tok_s']:8.1f} {e['speedup']:8.2f} {a:>6} {m:>8} {x:>8}")
+            print(f"{key:24} {e['tok_s']:8.1f} {e['speedup']:8.2f} {a:>6} {m:>8} {x:>8} {e['token_cost']:6.3f}")
     return report
 
 
