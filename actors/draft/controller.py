@@ -57,6 +57,8 @@ class SpecController:
 
     def choose(self, seq_ids: list[int]) -> dict[int, int]:
         """k for each of the step's decoding sequences (0: decode plainly)."""
+        if not seq_ids:
+            return {}
         if self.disable_batch_size is not None and len(seq_ids) > self.disable_batch_size:
             return {sid: 0 for sid in seq_ids}
         if not self.adaptive:

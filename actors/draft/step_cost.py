@@ -41,7 +41,7 @@ class StepCostModel:
         """The cost of drafting k tokens for one of `num_seqs` sequences, per drafted token, over a
         plain decode step (the once-per-step part split over the sequences)."""
         fit = self._refit()
-        if fit is None:
+        if fit is None or num_seqs < 1 or k < 1:
             return self.prior
         a, c, f, b = fit
         plain = a + b * num_seqs

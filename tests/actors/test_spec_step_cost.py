@@ -93,3 +93,9 @@ def test_fixed_cost_when_measuring_is_off():
     ctl = SpecController(4, verify_cost=0.05, measure_cost=False)
     feed(ctl.cost, 64, a=0.100, c=0.030)
     assert ctl.token_cost(1) == 0.05
+
+
+def test_a_step_with_no_decoding_sequence_chooses_nothing():
+    ctl = measured_controller(0.015, f=0.01)
+    assert ctl.choose([]) == {}
+    assert ctl.cost.relative(0) == ctl.cost.prior
