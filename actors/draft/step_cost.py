@@ -1,14 +1,17 @@
-"""What one drafted token costs, learned from the steps' measured wall times.
+"""What drafting costs, learned from the steps' measured wall times.
 
 The controller weighs each drafted position against a plain decode step. That ratio depends on the
 hardware, the model and the batch: near 0 on a GPU, where a decode step is memory-bound and a few
-more positions ride along for free; about 0.15 for a 135M model in float32 on a CPU core, where they
-do not. So it is measured: over a window of recent pure-decode steps, the step time is fitted as
-t = a + c * drafted + f * [any drafts] + b * sequences (least squares over the median time of
-each step shape, so a step stalled by the machine moves nothing). f is what a step pays once for drafting at all (the draft worker's round trip, the
-multi-token attention path, the rejection sampler), shared by the sequences that draft. The fit
-covers everything a draft adds to a step. Until the window holds enough steps with different draft
-counts, the configured prior is used; a column the window cannot tell apart is left out.
+more positions ride along for free; on a CPU core with a 135M model in float32 the first few rows
+ride along with the weight reads and more turn the matmuls compute-bound (9 rows cost twice one),
+so the cost is not even linear in the drafted tokens. It is measured over a window of recent
+pure-decode steps: a step shape (sequences, drafted tokens) seen a few times costs its median time;
+any other is read off a fit, t = a + c * drafted + f * [any drafts] + b * sequences (least squares
+over the shapes' medians, so a step stalled by the machine moves nothing; f is what a step pays
+once for drafting at all: the draft worker's round trip, the multi-row attention path, the
+rejection sampler). The times cover everything a draft adds to a step. Until the window holds
+enough steps with different draft counts, the configured prior is used; a column of the fit the
+window cannot tell apart is left out.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import defaultdict, deque
 import numpy as np
 
 MAX_RELATIVE_COST = 4.0
+MIN_SHAPE_STEPS = 3   # steps of one shape before its own median replaces the fitted line
 
 
 class StepCostModel:
@@ -28,6 +32,7 @@ class StepCostModel:
         self.min_steps = min_steps
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float, float, float] | None = None   # (a, c, f, b); None: the prior
+        self._medians: dict[tuple[int, int], tuple[float, int]] = {}   # shape -> (median seconds, steps)
         self._stale = False
 
     def observe(self, num_seqs: int, num_drafted: int, seconds: float) -> None:
@@ -38,17 +43,25 @@ class StepCostModel:
         self._stale = True
 
     def relative(self, num_seqs: int, k: int = 1) -> float:
-        """The cost of drafting k tokens for one of `num_seqs` sequences, per drafted token, over a
-        plain decode step (the once-per-step part split over the sequences)."""
-        fit = self._refit()
-        if fit is None or num_seqs < 1 or k < 1:
+        """Drafting k tokens at a batch of `num_seqs`, per drafted token, over a plain decode step."""
+        if self._refit() is None or num_seqs < 1 or k < 1:
             return self.prior
-        a, c, f, b = fit
-        plain = a + b * num_seqs
+        plain = self.step_time(num_seqs, 0)
         if plain <= 0:
             return self.prior
-        per_token = (max(c, 0.0) + max(f, 0.0) / (num_seqs * k)) / plain
-        return min(per_token, MAX_RELATIVE_COST)
+        per_token = (self.step_time(num_seqs, k) - plain) / (k * plain)
+        return min(max(per_token, 0.0), MAX_RELATIVE_COST)
+
+    def step_time(self, num_seqs: int, num_drafted: int) -> float:
+        """Seconds a pure-decode step of that shape takes: the median of the window's steps of that
+        shape where it holds a few, else the fitted line. (On a CPU the cost is far from linear in
+        the rows: a few more rows ride along with the weight reads, then the matmuls turn
+        compute-bound; the medians see that, the line does not.)"""
+        a, c, f, b = self._refit() or (0.0, 0.0, 0.0, 0.0)
+        seen = self._medians.get((num_seqs, num_drafted))
+        if seen is not None and seen[1] >= MIN_SHAPE_STEPS:
+            return seen[0]
+        return a + b * num_seqs + (c * num_drafted + f if num_drafted else 0.0)
 
     @property
     def measured(self) -> bool:
@@ -69,6 +82,7 @@ class StepCostModel:
         shapes = np.asarray(list(times), dtype=np.float64)
         seqs, drafted = shapes[:, 0], shapes[:, 1]
         t = np.asarray([np.median(v) for v in times.values()])
+        self._medians = {shape: (float(m), len(v)) for (shape, v), m in zip(times.items(), t)}
         w = np.sqrt([len(v) for v in times.values()])
         if np.unique(drafted).size < 2:
             return None  # nothing to tell a draft's cost from the step's own

@@ -30,14 +30,32 @@ def test_learns_the_per_token_cost_of_a_cpu():
     assert abs(m.relative(1) - 0.15) < 0.03
 
 
-def test_once_per_step_cost_is_shared_over_tokens_and_sequences():
+def test_once_per_step_cost_is_spread_over_the_drafted_tokens():
     m = StepCostModel(prior=0.0)
     feed(m, 64, a=0.100, c=0.010, f=0.020, b=0.010, seqs=(1, 2, 4))
     plain1 = 0.100 + 0.010
     assert abs(m.relative(1, k=1) - (0.010 + 0.020) / plain1) < 1e-6
     assert abs(m.relative(1, k=4) - (0.010 + 0.020 / 4) / plain1) < 1e-6
     plain4 = 0.100 + 0.040
-    assert abs(m.relative(4, k=1) - (0.010 + 0.020 / 4) / plain4) < 1e-6
+    assert abs(m.relative(4, k=1) - (0.010 + 0.020) / plain4) < 1e-6
+    assert abs(m.relative(3, k=2) - (0.010 + 0.020 / 2) / (0.100 + 0.030)) < 1e-6   # shape never seen: the fit
+
+
+def test_a_cpu_cost_curve_that_is_not_linear():
+    """A few rows ride along with the weight reads; more turn the matmuls compute-bound."""
+    curve = {0: 0.110, 1: 0.112, 2: 0.113, 3: 0.115, 4: 0.135, 8: 0.254}
+    m = StepCostModel(prior=0.05)
+    for _ in range(5):
+        for x, t in curve.items():
+            m.observe(1, x, t)
+    assert abs(m.relative(1, 3) - (0.115 - 0.110) / (3 * 0.110)) < 1e-9   # its own median
+    assert abs(m.relative(1, 8) - (0.254 - 0.110) / (8 * 0.110)) < 1e-9
+    ctl = SpecController(8, verify_cost=0.05)
+    ctl.cost = m
+    for _ in range(30):
+        ctl.observe(1, 4, 4)
+        ctl.observe(1, 4, 2)       # alpha = 6/7
+    assert ctl.choose([1])[1] in (3, 4)   # the cheap rows, not the most tokens
 
 
 def test_a_stalled_step_does_not_move_the_fit():
