@@ -60,7 +60,7 @@ class DecoderModel:
         progress = LoadProgress(cfg.num_layers + 1, label)
 
         def get(name: str) -> torch.Tensor:
-            return weights.get(name, self.dtype).to(self.device)
+            return _aligned(weights.get(name, self.dtype).to(self.device))
 
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
@@ -144,6 +144,15 @@ class DecoderModel:
             residual = residual.index_select(0, logits_indices)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         return linear(hidden, self.lm_head)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The tensor in torch's own 64-byte aligned memory. A weight read straight from a checkpoint may
+    sit at any offset of the file's buffer, and MKL's results (to the last bit) depend on that offset:
+    the same model loaded from two files would then give different logits."""
+    if t.device.type == "cpu" and t.data_ptr() % 64:
+        return t.clone()
+    return t
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -224,3 +224,14 @@ def test_linear_equals_torch_linear(rows, with_bias):
     out = linear(x, weight, bias)
     assert out.shape == (rows, 1000) and out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_at_any_file_offset_gives_the_same_logits():
+    from actors.worker.model import _aligned, linear
+
+    w = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
+    buf = torch.empty(w.numel() + 1)
+    shifted = buf[1:].view(1000, 64).copy_(w)          # 4 bytes off torch's 64-byte alignment
+    x = torch.randn(3, 64)
+    assert _aligned(shifted).data_ptr() % 64 == 0 and _aligned(w) is w
+    assert torch.equal(linear(x, _aligned(shifted)), linear(x, w))
