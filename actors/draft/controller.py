@@ -1,7 +1,8 @@
 """Adaptive speculation: how many tokens to draft for each decoding sequence in the next step.
 
 A plain synchronous class. It estimates each sequence's per-token acceptance rate alpha (an
-exponentially decayed count of accepted drafts over accepted drafts plus rejections) and picks
+exponentially decayed count of accepted drafts over accepted drafts plus rejections, starting from
+the engine's recent acceptance over all sequences, or the configured prior before any) and picks
 the k that maximises tokens emitted per unit of step cost, (1 - alpha^(k+1)) / (1 - alpha) over
 1 + cost * k, where cost, one drafted token's share of a plain decode step, is learned from the
 measured step times (StepCostModel; draft_cost + verify_cost is its prior). A sequence for which no k beats plain decoding stops
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors.draft.step_cost import StepCostModel
+
+ENGINE_DECAY = 0.98   # per verification, for the engine-wide acceptance that new sequences start from
 
 
 @dataclass
@@ -47,9 +50,13 @@ class SpecController:
         self.cost = StepCostModel(draft_cost + verify_cost)
         self.measure_cost = measure_cost
         self.probe_interval = probe_interval
-        self.prior = (prior_alpha * prior_weight, prior_weight)
+        self.prior_weight = prior_weight
         self.decay = decay
         self._seqs: dict[int, _SeqStats] = {}
+        # The engine's recent acceptance over all sequences: where a new sequence starts. It begins
+        # at the configured prior and forgets more slowly than a sequence's own estimate.
+        self._engine = _SeqStats(prior_alpha * prior_weight, prior_weight)
+        self.engine_decay = ENGINE_DECAY
 
     def alpha(self, seq_id: int) -> float:
         s = self._stats(seq_id)
@@ -81,10 +88,11 @@ class SpecController:
             return
         s = self._stats(seq_id)
         rejected = 1.0 if num_accepted < num_drafted else 0.0
-        s.successes = self.decay * s.successes + num_accepted
-        s.trials = self.decay * s.trials + num_accepted + rejected
+        for stats, decay in ((s, self.decay), (self._engine, self.engine_decay)):
+            stats.successes = decay * stats.successes + num_accepted
+            stats.trials = decay * stats.trials + num_accepted + rejected
         if s.trials <= 0:
-            s.successes, s.trials = self.prior
+            s.successes, s.trials = self._new_seq_prior()
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -96,8 +104,15 @@ class SpecController:
     def _stats(self, seq_id: int) -> _SeqStats:
         s = self._seqs.get(seq_id)
         if s is None:
-            s = self._seqs[seq_id] = _SeqStats(*self.prior)
+            s = self._seqs[seq_id] = _SeqStats(*self._new_seq_prior())
         return s
+
+    def _new_seq_prior(self) -> tuple[float, float]:
+        """A new sequence starts from the engine's recent acceptance, weighted like the prior: with a
+        draft that rarely agrees it starts switched off instead of wasting its first verifications."""
+        e = self._engine
+        alpha = e.successes / e.trials if e.trials > 0 else 0.0
+        return alpha * self.prior_weight, self.prior_weight
 
     def _choose_one(self, seq_id: int, costs: list[float]) -> int:
         """costs[k]: drafting k tokens, in plain decode steps (costs[0] = 0)."""

@@ -51,3 +51,19 @@ def test_fixed_k_without_adaptation_and_forget():
     assert c.num_tracked == 1
     c.forget(1)
     assert c.num_tracked == 0
+
+
+def test_new_sequences_start_from_the_engines_recent_acceptance():
+    fresh = SpecController(4, verify_cost=0.05)
+    assert fresh.choose([9])[9] > 0                  # the configured prior: optimistic
+    poor = SpecController(4, verify_cost=0.05)
+    for sid in range(1, 6):                          # a draft that never agrees, request after request
+        for _ in range(6):
+            poor.observe(sid, 4, 0)
+        poor.forget(sid)
+    assert poor.alpha(9) < 0.1
+    assert poor.choose([9])[9] == 0                  # starts switched off, probes later
+    good = SpecController(4, verify_cost=0.05, prior_alpha=0.3)
+    for _ in range(20):
+        good.observe(1, 4, 4)
+    assert good.alpha(2) > 0.9                       # a copying workload: new sequences draft at once
