@@ -119,13 +119,14 @@ async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,
     spec = config.speculative
     spec.check_against_target(target.model_config.num_layers)
 
-    def make():
-        return build_proposer(spec, target, dtype=config.resolved_dtype(), kernels=config.kernels,
-                              device=config.resolved_device(), num_threads=config.num_threads, seed=config.seed)
-
     if spec.draft_node is not None:
         draft = await _attach_draft_node(spec.draft_node, system, name, target)
     else:
+        def make():
+            return build_proposer(spec, target, dtype=config.resolved_dtype(), kernels=config.kernels,
+                                  device=config.resolved_device(), num_threads=config.num_threads,
+                                  seed=config.seed)
+
         draft = await system.spawn(DraftWorkerActor(make), name=f"{name}-draft")
     stats: DraftStats = await draft.ask(GetDraftStats())
     controller = SpecController(spec.num_speculative_tokens, disable_batch_size=spec.disable_batch_size,

@@ -26,8 +26,7 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner | None, *, dtype
                    seed: int = 0) -> tuple[Proposer, float]:
     """The proposer for `spec`, and one drafted token's cost relative to a target decode step."""
     if spec.method == "ngram":
-        cfg = NgramConfig(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
-        return NgramProposer(cfg), spec.resolved_draft_cost(1)
+        return ngram_proposer(spec)
     if target is None:
         raise ValueError(f"speculative method {spec.method!r} needs the target model")
     layers = target.model_config.num_layers
@@ -35,10 +34,26 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner | None, *, dtype
     if spec.method == "layerskip":
         proposer = ModelProposer(target, target.kv_caches[:spec.draft_layers], shares_target_kv=True, seed=seed)
         return proposer, spec.resolved_draft_cost(layers)
-    draft = ModelRunner(spec.model, dtype=dtype, kernels=kernels, block_size=target.block_size,
-                        num_blocks=target.num_blocks, device=device, num_threads=num_threads)
-    check_same_vocab(target, draft)
-    cost = spec.resolved_draft_cost(layers, count_params(draft), count_params(target))
+    return draft_model_proposer(spec, target.block_size, target.num_blocks, layers, count_params(target),
+                                lambda draft: check_same_vocab(target, draft), dtype=dtype, kernels=kernels,
+                                device=device, num_threads=num_threads, seed=seed)
+
+
+def ngram_proposer(spec: SpeculativeConfig) -> tuple[Proposer, float]:
+    cfg = NgramConfig(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
+    return NgramProposer(cfg), spec.resolved_draft_cost(1)
+
+
+def draft_model_proposer(spec: SpeculativeConfig, block_size: int, num_blocks: int, target_layers: int,
+                         target_params: int, check_vocab: Callable[[ModelRunner], None], *,
+                         dtype: str = "float32", kernels: str = "auto", device: str = "cpu",
+                         num_threads: int | None = None, seed: int = 0) -> tuple[Proposer, float]:
+    """A separate draft model with its own KV pool in the target's geometry (its cache is addressed
+    by the target's block tables); `check_vocab(draft)` raises when it speaks another vocabulary."""
+    draft = ModelRunner(spec.model, dtype=dtype, kernels=kernels, block_size=block_size,
+                        num_blocks=num_blocks, device=device, num_threads=num_threads)
+    check_vocab(draft)
+    cost = spec.resolved_draft_cost(target_layers, count_params(draft), target_params)
     return ModelProposer(draft, draft.kv_caches, shares_target_kv=False, seed=seed), cost
 
 

@@ -34,7 +34,6 @@ class DraftLink(Actor):
         self.worker: ActorRef | None = None
         self.draft_cost = 0.0
         self.refused = ""
-        self.failures = 0
         self._retry_at = 0.0
         self._attaching: asyncio.Task | None = None
 
@@ -99,7 +98,6 @@ class DraftLink(Actor):
         try:
             return await worker.ask(msg, timeout=self.timeout_s)
         except Exception as e:
-            self.failures += 1
             self.context.log.warning("draft node failed a step; drafting paused", error=repr(e), retry_s=self.retry_s)
             if self.worker is worker:
                 self.worker, self._retry_at = None, time.monotonic() + self.retry_s

@@ -14,10 +14,9 @@ import asyncio
 from typing import Any
 
 from actors.draft.config import SpeculativeConfig
-from actors.draft.draft_actor import DraftWorkerActor
+from actors.draft.draft_actor import DraftWorkerActor, draft_model_proposer, ngram_proposer
 from actors.draft.messages import AttachDraft, DraftAttached
-from actors.draft.ngram import NgramConfig
-from actors.draft.proposer import ModelProposer, NgramProposer, Proposer, vocab_digest
+from actors.draft.proposer import Proposer, vocab_digest
 from runtime import Actor, ActorRef
 
 REMOTE_METHODS = ("ngram", "draft")
@@ -35,19 +34,17 @@ def build_node_proposer(spec: SpeculativeConfig, attach: AttachDraft, *, dtype: 
     """The proposer for one attached engine, and a drafted token's cost prior (over a target step)."""
     check_remote_method(spec)
     if spec.method == "ngram":
-        cfg = NgramConfig(spec.ngram_min, spec.ngram_max, spec.num_speculative_tokens)
-        return NgramProposer(cfg), spec.resolved_draft_cost(1)
-    from actors.draft.draft_actor import count_params
-    from actors.worker.model_runner import ModelRunner
+        return ngram_proposer(spec)
 
-    draft = ModelRunner(spec.model, dtype=dtype, kernels=kernels, block_size=attach.block_size,
-                        num_blocks=attach.num_blocks, device=device, num_threads=num_threads)
-    if draft.model_config.vocab_size != attach.vocab_size or vocab_digest(draft) != attach.vocab_digest:
-        raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) differs from "
-                         f"engine {attach.engine_id}'s ({attach.vocab_size}); a draft model must use the "
-                         "target's tokenizer")
-    cost = spec.resolved_draft_cost(max(attach.num_layers, 1), count_params(draft), max(attach.num_params, 1))
-    return ModelProposer(draft, draft.kv_caches, shares_target_kv=False, seed=seed), cost
+    def check_vocab(draft) -> None:
+        if draft.model_config.vocab_size != attach.vocab_size or vocab_digest(draft) != attach.vocab_digest:
+            raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) differs "
+                             f"from engine {attach.engine_id}'s ({attach.vocab_size}); a draft model must use "
+                             "the target's tokenizer")
+
+    return draft_model_proposer(spec, attach.block_size, attach.num_blocks, max(attach.num_layers, 1),
+                                max(attach.num_params, 1), check_vocab, dtype=dtype, kernels=kernels,
+                                device=device, num_threads=num_threads, seed=seed)
 
 
 class DraftService(Actor):
