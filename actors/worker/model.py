@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import LoadProgress
-from kernels import Ops, build_cos_sin_cache
+from kernels import Ops, build_cos_sin_cache, cpu_gemm
 
 
 @dataclass
@@ -156,13 +156,18 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, in] @ weight[out, in].T (+ bias). On the CPU, MKL runs this product for a few rows
-    (2-11: small decode batches, a speculative verification's k + 1 positions) up to 1.8x faster as
-    (weight @ x.T).T than as F.linear (over SmolLM2's 30 layers and LM head, weights out of cache:
-    4 rows cost what 1 does, against 2.1x through F.linear); one row (a matrix-vector product) and
-    12 or more rows are faster as F.linear."""
-    if x.device.type == "cpu" and 1 < x.shape[0] <= 11:
-        y = torch.mm(weight, x.t()).t().contiguous()
+    """x[M, in] @ weight[out, in].T (+ bias). On the CPU a few float32 rows (decode steps, a
+    speculative verification's k + 1 positions) go to the C kernel of kernels/cpu_gemm.py, which
+    streams the weights once at near memory speed where MKL's sgemm does not. Other dtypes with
+    2-11 rows run as (weight @ x.T).T, which MKL computes up to 1.8x faster than F.linear."""
+    rows = x.shape[0]
+    if x.device.type == "cpu" and 0 < rows <= cpu_gemm.MAX_ROWS:
+        if x.dtype == torch.float32 and weight.dtype == torch.float32 and cpu_gemm.available():
+            y = cpu_gemm.matmul_nt(x, weight)
+        elif 1 < rows <= 11:
+            y = torch.mm(weight, x.t()).t().contiguous()
+        else:
+            return F.linear(x, weight, bias)
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
