@@ -12,7 +12,7 @@ from typing import Any
 from actors.draft.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng = s.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     eng.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    eng.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"))
+    eng.add_argument("--kernels", default="auto", choices=("auto", "torch", "cpu", "triton"))
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--max-num-seqs", type=int, default=256)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -4,7 +4,7 @@
  * reading the weights. Each 4-row tile of w is streamed from memory once and kept in L1 while
  * every pair of x rows is multiplied by it. Every output element is summed in the same order
  * whatever M is and whichever tile computes it, so a row's result never depends on the other
- * rows of the batch. Built by cpu_gemm.py; its reference is torch's x @ w.T.
+ * rows of the batch. Built by cpu_native.py; its reference is torch's x @ w.T.
  */
 #include <immintrin.h>
 

@@ -1,22 +1,25 @@
 """The set of ops the model code calls, and the one place that picks their backend.
 
-"torch" is the pure-torch reference (the CPU serving path); "triton" the Triton kernels,
-which on a CPU run only under Triton's interpreter; "auto" picks by device.
+"torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
+matmuls, short-query paged attention; the reference for everything else); "triton" the Triton
+kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from kernels import activation, kv_write, paged_attention, rms_norm, rope
+from kernels import activation, cpu_gemm, cpu_native, kv_write, linear, paged_attention, paged_attention_cpu, \
+    rms_norm, rope
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
 class Ops:
     backend: str
+    linear: Callable
     rms_norm: Callable
     fused_add_rms_norm: Callable
     rotary_embedding: Callable
@@ -27,6 +30,7 @@ class Ops:
 
 TORCH_OPS = Ops(
     backend="torch",
+    linear=linear.linear,
     rms_norm=rms_norm.rms_norm,
     fused_add_rms_norm=rms_norm.fused_add_rms_norm,
     rotary_embedding=rope.rotary_embedding,
@@ -34,6 +38,9 @@ TORCH_OPS = Ops(
     write_kv=kv_write.write_kv,
     paged_attention=paged_attention.paged_attention,
 )
+
+CPU_OPS = replace(TORCH_OPS, backend="cpu", linear=cpu_gemm.linear,
+                  paged_attention=paged_attention_cpu.paged_attention)
 
 
 def _triton_interpreter_on() -> bool:
@@ -51,6 +58,7 @@ def _triton_ops() -> Ops:
 
     return Ops(
         backend="triton",
+        linear=linear.linear,
         rms_norm=rms_norm_triton.rms_norm,
         fused_add_rms_norm=rms_norm_triton.fused_add_rms_norm,
         rotary_embedding=rope_triton.rotary_embedding,
@@ -61,14 +69,21 @@ def _triton_ops() -> Ops:
 
 
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
-    """Return the ops for `backend` ("auto" | "torch" | "triton") on `device`."""
+    """Return the ops for `backend` ("auto" | "torch" | "cpu" | "triton") on `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernels backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
+        backend = "triton" if device.type == "cuda" else "cpu" if cpu_native.available() else "torch"
     if backend == "torch":
         return TORCH_OPS
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"kernels='cpu' runs on the CPU, not on {device.type}")
+        if not cpu_native.available():
+            raise ValueError("kernels='cpu' needs a C compiler (cc) and a CPU with AVX2 and FMA; "
+                             "use kernels='torch' (or 'auto')")
+        return CPU_OPS
     if device.type != "cuda" and not _triton_interpreter_on():
         raise ValueError(
             f"kernels='triton' on a {device.type} device needs Triton's interpreter: "

@@ -1,7 +1,7 @@
 """The decoder-only transformer (Llama, Qwen2, Qwen3) over a paged KV cache.
 
 One class, parameterised by ModelConfig: Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorm.
-Every non-matmul op comes from `kernels.get_ops`; q/k/v and gate/up are fused into one matmul
+Every op comes from `kernels.get_ops`; q/k/v and gate/up are fused into one matmul
 each, because fewer, bigger matmuls run faster. It never imports transformers.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import LoadProgress
-from kernels import Ops, build_cos_sin_cache, cpu_gemm
+from kernels import Ops, build_cos_sin_cache
 
 
 @dataclass
@@ -122,7 +122,7 @@ class DecoderModel:
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = linear(hidden, layer.qkv_weight, layer.qkv_bias)
+            qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, head_dim)
@@ -135,15 +135,15 @@ class DecoderModel:
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
-            hidden = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            hidden = ops.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = linear(ops.silu_and_mul(linear(hidden, layer.gate_up_weight)), layer.down_weight)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, layer.gate_up_weight)), layer.down_weight)
         # Only the rows that need logits go through the final norm and the (large) LM head.
         if logits_indices.shape[0] != num_tokens:
             hidden = hidden.index_select(0, logits_indices)
             residual = residual.index_select(0, logits_indices)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
-        return linear(hidden, self.lm_head)
+        return ops.linear(hidden, self.lm_head)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -153,23 +153,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and t.data_ptr() % 64:
         return t.clone()
     return t
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, in] @ weight[out, in].T (+ bias). On the CPU a few float32 rows (decode steps, a
-    speculative verification's k + 1 positions) go to the C kernel of kernels/cpu_gemm.py, which
-    streams the weights once at near memory speed where MKL's sgemm does not. Other dtypes with
-    2-11 rows run as (weight @ x.T).T, which MKL computes up to 1.8x faster than F.linear."""
-    rows = x.shape[0]
-    if x.device.type == "cpu" and 0 < rows <= cpu_gemm.MAX_ROWS:
-        if x.dtype == torch.float32 and weight.dtype == torch.float32 and cpu_gemm.available():
-            y = cpu_gemm.matmul_nt(x, weight)
-        elif 1 < rows <= 11:
-            y = torch.mm(weight, x.t()).t().contiguous()
-        else:
-            return F.linear(x, weight, bias)
-        return y if bias is None else y.add_(bias)
-    return F.linear(x, weight, bias)
 
 
 def _cos_sin_cache(config: ModelConfig) -> torch.Tensor:

@@ -216,7 +216,7 @@ def test_rows_without_logits(tiny_model_dir):
 @pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_torch_linear(rows, with_bias):
-    from actors.worker.model import linear
+    from kernels.linear import linear
 
     g = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 64, generator=g), torch.randn(1000, 64, generator=g)
@@ -227,7 +227,8 @@ def test_linear_equals_torch_linear(rows, with_bias):
 
 
 def test_a_weight_at_any_file_offset_gives_the_same_logits():
-    from actors.worker.model import _aligned, linear
+    from actors.worker.model import _aligned
+    from kernels.linear import linear
 
     w = torch.randn(1000, 64, generator=torch.Generator().manual_seed(0))
     buf = torch.empty(w.numel() + 1)

@@ -1,19 +1,19 @@
-"""The few-row CPU matmul kernel against torch's x @ w.T, on odd shapes."""
+"""The few-row CPU matmul kernel (cpu_gemm.c) against torch's x @ w.T, on odd shapes, and its build."""
 
 import shutil
 
 import pytest
 import torch
 
-from actors.worker.model import linear
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_native, get_ops
 
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
 
 
-def test_kernel_builds_where_the_machine_can_build_it():
-    # On a machine with AVX2 and a C compiler the serving path must not silently fall back to MKL.
-    assert cpu_gemm.available() == HAS_TOOLCHAIN
+def test_kernels_build_where_the_machine_can_build_them():
+    # On a machine with AVX2 and a C compiler the serving path must not silently fall back to torch.
+    assert cpu_native.available() == HAS_TOOLCHAIN
+    assert get_ops("auto", "cpu").backend == ("cpu" if HAS_TOOLCHAIN else "torch")
 
 
 needs_kernel = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
@@ -66,10 +66,13 @@ def test_noncontiguous_input_and_model_linear_route():
     w = torch.randn(96, 576, generator=gen)
     bias = torch.randn(96, generator=gen)
     assert torch.equal(cpu_gemm.matmul_nt(x, w), cpu_gemm.matmul_nt(x.contiguous(), w))
-    # The model's linear takes the kernel for a few float32 rows, torch beyond MAX_ROWS.
+    # The CPU backend's linear takes the kernel for a few float32 rows, torch beyond MAX_ROWS.
+    linear = get_ops("cpu", "cpu").linear
     assert torch.equal(linear(x, w, bias), cpu_gemm.matmul_nt(x, w) + bias)
     big = torch.randn(cpu_gemm.MAX_ROWS + 1, 576, generator=gen)
     torch.testing.assert_close(linear(big, w), big @ w.T)
+    half = linear(x.half(), w.half())
+    assert half.dtype == torch.float16
 
 
 @needs_kernel
@@ -82,9 +85,9 @@ def test_bad_input_is_refused():
 
 def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
     if HAS_TOOLCHAIN:
-        first = cpu_gemm.build(tmp_path)
+        first = cpu_native.build(tmp_path)
         mtime = first.stat().st_mtime_ns
-        assert cpu_gemm.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+        assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="C compiler"):
-        cpu_gemm.build(tmp_path / "other")
+        cpu_native.build(tmp_path / "other")

@@ -148,7 +148,8 @@ def test_rotary_matches_transformers_apply_rotary():
 
 
 def test_get_ops_dispatch():
-    assert get_ops("auto", "cpu").backend == "torch"
     assert get_ops("torch", torch.device("cpu")).backend == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_ops("cpu", "cuda")
     with pytest.raises(ValueError, match="unknown kernels backend"):
         get_ops("cuda", "cpu")

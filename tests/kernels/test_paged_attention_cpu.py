@@ -1,0 +1,106 @@
+"""The CPU paged-attention kernel (paged_attention_cpu.c) against a float64 oracle and the torch reference."""
+
+import pytest
+import torch
+
+from kernels import cpu_native, get_ops
+from kernels.paged_attention_cpu import MAX_QUERY_LEN, paged_attention
+from tests.kernels.batches import make_batch, naive_attention
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no AVX2 CPU or no C compiler")
+
+TORCH = get_ops("torch", "cpu")
+CASES = {
+    "decode": [(1, 1), (1, 17), (1, 70), (1, 33), (1, 300)],
+    "verify": [(9, 9), (5, 37), (1, 29), (16, 80), (3, 19)],   # k + 1 positions, short chunks, a decode
+}
+
+
+def _assert_matches_oracle(batch):
+    out = paged_attention(*batch.args())
+    assert out.shape == batch.q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, naive_attention(batch).float(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, TORCH.paged_attention(*batch.args()), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (7, 1)], ids=["mha", "gqa3", "gqa7"])
+@pytest.mark.parametrize("head_dim", [64, 20, 128])
+def test_matches_oracle(poisoned_empty, case, heads, head_dim):
+    _assert_matches_oracle(make_batch(CASES[case], *heads, head_dim=head_dim, block_size=16))
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_block_sizes(poisoned_empty, block_size):
+    _assert_matches_oracle(make_batch(CASES["verify"], 8, 2, head_dim=64, block_size=block_size))
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    shapes = CASES["decode"] + CASES["verify"]
+    whole = make_batch(shapes, 9, 3, head_dim=64, block_size=16, seed=3)
+    out = paged_attention(*whole.args())
+    starts = whole.query_start_loc.tolist()
+    for b in range(len(shapes)):
+        alone_args = list(whole.args())
+        alone_args[3] = whole.block_tables[b:b + 1]
+        alone_args[4] = whole.seq_lens[b:b + 1]
+        q_len = starts[b + 1] - starts[b]
+        alone_args[0] = whole.q[starts[b]:starts[b + 1]]
+        alone_args[5] = torch.tensor([0, q_len], dtype=torch.int32)
+        alone_args[6] = q_len
+        assert torch.equal(paged_attention(*alone_args), out[starts[b]:starts[b + 1]])
+
+
+def test_threads_give_the_same_bits():
+    batch = make_batch(CASES["decode"] + CASES["verify"], 9, 3, head_dim=64, block_size=16, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*batch.args())
+        torch.set_num_threads(2)
+        two = paged_attention(*batch.args())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_long_chunks_and_other_dtypes_use_the_reference():
+    long = make_batch([(MAX_QUERY_LEN + 4, 40), (1, 12)], 8, 2, head_dim=64, block_size=16)
+    assert torch.equal(paged_attention(*long.args()), TORCH.paged_attention(*long.args()))
+    half = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16, dtype=torch.float16)
+    assert torch.equal(paged_attention(*half.args()), TORCH.paged_attention(*half.args()))
+
+
+def test_block_ids_past_int32_offsets():
+    """block_id * block stride exceeds 2**31 elements: the kernel's offsets are 64-bit. Only the
+    used blocks of the big caches are written, so the OS commits just the pages touched."""
+    block_size, heads, head_dim = 16, 1, 16
+    per_block = block_size * heads * head_dim
+    num_blocks = 2**31 // per_block + 64
+    batch = make_batch([(1, 40), (3, 20)], 4, heads, head_dim=head_dim, block_size=block_size)
+    expected = TORCH.paged_attention(*batch.args())
+    used = batch.block_tables.unique().long()
+    far = num_blocks - 1 - torch.arange(used.numel())
+    remap = torch.zeros(batch.k_cache.shape[0], dtype=torch.int64)
+    remap[used] = far
+    big_k = torch.empty((num_blocks, block_size, heads, head_dim))
+    big_v = torch.empty_like(big_k)
+    big_k[far] = batch.k_cache[used]
+    big_v[far] = batch.v_cache[used]
+    batch.block_tables = remap[batch.block_tables.long()].to(torch.int32)
+    assert int(batch.block_tables.max()) * per_block > 2**31
+    batch.k_cache, batch.v_cache = big_k, big_v
+    torch.testing.assert_close(paged_attention(*batch.args()), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_inconsistent_metadata_is_refused():
+    batch = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16)
+    args = list(batch.args())
+    args[4] = batch.seq_lens + 100                     # past the block tables
+    with pytest.raises(ValueError, match="disagree"):
+        paged_attention(*args)
+    args = list(batch.args())
+    args[3] = batch.block_tables.clone()
+    args[3][0, 0] = batch.k_cache.shape[0]             # a block id past the pool
+    with pytest.raises(ValueError, match="out of range"):
+        paged_attention(*args)
