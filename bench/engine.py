@@ -45,15 +45,20 @@ def make_workload(n: int, vocab: int, seed: int, scale: float) -> Workload:
     return Workload(prompts, lens)
 
 
-def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
+def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, windows: int = 3) -> float:
+    """The best of `windows` timings of 1024x1024 matmuls, each `seconds` long: on a shared VM a
+    single window can catch a slow spell, and a low rate would flatter `roofline_frac`."""
     a = torch.randn(1024, 1024, dtype=dtype)
     b = torch.randn(1024, 1024, dtype=dtype)
     a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    return 2 * 1024 ** 3 * n / (time.perf_counter() - t0) / 1e9
+    best = 0.0
+    for _ in range(windows):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            n += 1
+        best = max(best, 2 * 1024 ** 3 * n / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def matmul_params(cfg) -> int:
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
            "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
            "output_scale": args.output_scale, "allocator_tuned": allocator_tuned}
     out["fp32_matmul_gflops"] = matmul_gflops(torch.float32)
-    out["bf16_matmul_gflops"] = matmul_gflops(torch.bfloat16)  # recorded even when the bf16 run is skipped
+    out["bf16_matmul_gflops"] = matmul_gflops(torch.bfloat16, windows=1)  # recorded even when the bf16 run is skipped
     log("matmul GFLOP/s fp32", out["fp32_matmul_gflops"], "bf16", out["bf16_matmul_gflops"])
 
     m = run_matinee(model, wl, "float32", threads, args.budget)

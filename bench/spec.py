@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     runs = {"copy": ["plain", "ngram"], "chat": ["plain", "ngram", "layerskip"]}
     # Every engine stays up and the runs of one workload alternate between them, repeated: on a
-    # shared machine the load drifts, and alternation spreads the drift evenly over the methods.
+    # shared machine the load drifts, and alternation (reversed every other round) spreads the drift
+    # evenly over the methods.
     llms = {m: LLM(args.model, dtype="float32", num_threads=args.threads, kv_cache_memory=args.kv_cache_memory,
                    speculative=spec) for m, spec in engines.items()}
     results: dict[str, dict] = {}
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
         for workload, methods in runs.items():
             for batch, n in ((1, args.batch1_prompts), (16, args.batch16_prompts)):
                 for rep in range(args.repeats):
-                    for method in methods:
+                    # Odd rounds run the methods in reverse: a drift within a round then weighs on
+                    # every method alike, not always on the one that runs last.
+                    for method in (methods if rep % 2 == 0 else methods[::-1]):
                         key = f"{workload}/{method}/b{batch}"
                         r = timed(llms[method], prompts[workload][:n], batch, args.max_tokens)
                         results[key] = r if key not in results else merge(results[key], r)

@@ -95,3 +95,7 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+if __name__ == "__main__":   # `python -m kernels.cpu_native`: build ahead of time (the Docker image does)
+    print(build())

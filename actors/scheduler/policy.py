@@ -18,6 +18,7 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
 from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, KVTrim, NewSequence,
                              ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
+from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 
 
@@ -75,6 +76,7 @@ class SchedulingPolicy:
         self._step = _Step()
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
         self._propose: Propose | None = None   # the draft worker's share of the planned step
+        self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
         self._draft_released: list[int] = []   # sequences whose draft state goes at once
 
     # --- requests in and out ---------------------------------------------------------------------
@@ -214,7 +216,7 @@ class SchedulingPolicy:
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
         if self.spec is not None:
-            self._propose = Propose(self._step_id, drafts, new)
+            self._propose = self._draft_feed.step(self._step_id, drafts, new)
         return StepPlan(self._step_id, seqs, new, released)
 
     def take_draft_released(self) -> list[int]:
@@ -223,7 +225,8 @@ class SchedulingPolicy:
         return out
 
     def take_propose(self) -> Propose | None:
-        """The draft worker's message for the step just planned (with speculative decoding)."""
+        """The draft worker's message for the step just planned (with speculative decoding): None
+        while no sequence drafts (its tokens go with the next message, see DraftFeed)."""
         out, self._propose = self._propose, None
         return out
 
@@ -353,8 +356,8 @@ class SchedulingPolicy:
             self._frees.append(seq.seq_id)
         if seq.known_to_worker:
             self._released.append(seq.seq_id)
-            if self.spec is not None:
-                self._draft_released.append(seq.seq_id)
+        if self.spec is not None and self._draft_feed.release(seq.seq_id):
+            self._draft_released.append(seq.seq_id)
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)

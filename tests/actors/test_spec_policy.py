@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 
 from actors.draft.controller import SpecController
+from actors.draft.messages import Propose
+from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages import SeqOutput, StepPlan, StepResult
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
@@ -42,16 +44,22 @@ class SpecFake(PagedFake):
 
 
 class SpecHarness(Harness):
-    def __init__(self, *, wrong: float = 0.3, **kw):
+    def __init__(self, *, wrong: float = 0.3, adaptive: bool = False, **kw):
         super().__init__(**kw)
         cfg = self.policy.cfg
-        self.controller = SpecController(4, adaptive=False)
+        self.controller = SpecController(4, adaptive=adaptive, probe_interval=4)
         self.policy = SchedulingPolicy(PolicyConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size,
                                                     cfg.max_model_len, cfg.eos_token_ids), self.controller)
         self.model = SpecFake(len(self.kv._pool.blocks), cfg.block_size)
         self.rng = random.Random(0)
         self.wrong = wrong
         self.drafted = 0
+        self.listener = _Table(lambda new: None)              # hears what a draft worker would
+        self.held_back = 0                                     # decode steps that sent it nothing
+
+    def assert_all_free(self):
+        super().assert_all_free()
+        assert not self.listener.seqs and not self.listener._gone
 
     def step(self) -> StepPlan:
         req = self.policy.schedule()
@@ -62,7 +70,15 @@ class SpecHarness(Harness):
                 assert seq.block_table == self.kv.block_table(str(seq.seq_id)), seq
         plan = self.policy.plan()
         propose = self.policy.take_propose()
-        wanted = {d.seq_id: d.num_spec for d in propose.seqs if d.num_spec}
+        wanted = {d.seq_id: d.num_spec for d in propose.seqs if d.num_spec} if propose is not None else {}
+        assert (propose is None) == (not wanted) or len(propose.seqs) >= self.policy._draft_feed.max_queued
+        if propose is not None:
+            # A draft worker that hears only these messages still holds each drafting sequence's
+            # whole history when it drafts: the held-back steps came with this one, in order.
+            for d, held in self.listener.apply(propose):
+                if d.num_spec:
+                    end = d.start_pos + len(d.token_ids)
+                    assert held.history == self.policy.seqs[d.seq_id].token_ids[:end]
         for s in plan.seqs:
             if s.seq_id in wanted:
                 seq = self.policy.seqs[s.seq_id]
@@ -75,8 +91,11 @@ class SpecHarness(Harness):
                     ctx.append(tok)
                 s.spec_token_ids = drafts
                 self.drafted += len(drafts)
+                self.listener.seqs[s.seq_id].history.extend(drafts)   # as a proposer keeps its own
         self.plans.append(plan)
+        self.held_back += propose is None and any(s.sample for s in plan.seqs)
         self.policy.update(self.model.run(plan))
+        self.listener.apply(Propose(0, [], [], self.policy.take_draft_released()))   # as the actor's emit does
         self._collect()
         self.kv.check_invariants()
         return plan
@@ -94,6 +113,51 @@ def test_speculative_outputs_equal_plain_decoding_and_blocks_come_back():
     assert h.drafted == c.spec_draft_tokens > 0
     assert 0 < c.spec_accepted_tokens < c.spec_draft_tokens
     h.assert_all_free()
+
+
+def test_steps_without_drafts_send_the_draft_worker_nothing_and_lose_no_history():
+    # Drafts that are always wrong: the adaptive controller switches speculation off and probes now
+    # and then, so most decode steps draft nothing; their tokens reach the draft with the next probe.
+    h = SpecHarness(num_blocks=256, block_size=4, budget=48, wrong=1.0, adaptive=True)
+    batch = prompts(6, lo=1, hi=40, seed=7)
+    for i, p in enumerate(batch):
+        h.submit(f"r{i}", p, max_tokens=40, ignore_eos=True)
+    h.run()
+    for i, p in enumerate(batch):
+        assert h.outputs[(f"r{i}", 0)] == reference(p, 40)
+    assert h.held_back > 20 and h.policy.counters.spec_num_drafts > 0
+    h.assert_all_free()
+
+
+def test_a_sequence_that_ends_before_the_draft_heard_of_it_is_never_mentioned():
+    h = SpecHarness(num_blocks=256, block_size=4, budget=48, wrong=1.0, adaptive=True)
+    h.controller._engine.successes = 0.0     # new sequences start switched off
+    p = prompts(1, lo=30, hi=30, seed=2)[0]
+    h.submit("short", p, max_tokens=3, ignore_eos=True)
+    h.run()
+    assert h.outputs[("short", 0)] == reference(p, 3)
+    assert h.policy.counters.spec_num_drafts == 0
+    h.assert_all_free()
+
+
+def test_draft_feed_holds_back_in_order_and_bounds_its_queue():
+    from actors.draft.messages import DraftInput
+    from actors.messages import NewSequence, SamplingParams
+    from actors.scheduler.draft_feed import DraftFeed
+
+    feed = DraftFeed(max_queued=5)
+    new = NewSequence(1, [1, 2, 3], SamplingParams(), None)
+    assert feed.step(1, [DraftInput(1, [1, 2, 3], 0, [0], 0)], [new]) is None
+    assert feed.step(2, [DraftInput(1, [4], 3, [0], 0)], []) is None
+    sent = feed.step(3, [DraftInput(1, [5], 4, [0], 2)], [])
+    assert [d.start_pos for d in sent.seqs] == [0, 3, 4] and sent.new_seqs == [new] and feed.num_queued == 0
+    for step in range(4, 9):
+        out = feed.step(step, [DraftInput(1, [step], step, [0], 0)], [])
+    assert out is not None and len(out.seqs) == 5          # the bound sends the queue without a draft
+    assert feed.release(1) is True and feed.release(1) is False
+    feed.step(9, [DraftInput(2, [1], 0, [0], 0)], [NewSequence(2, [1], SamplingParams(), None)])
+    assert feed.release(2) is False and feed.num_queued == 0   # never sent: dropped, not announced
+    assert feed.step(10, [DraftInput(3, [1], 0, [0], 1)], []).new_seqs == []
 
 
 def test_preemption_and_aborts_with_drafts_in_flight():
