@@ -22,6 +22,7 @@ import numpy as np
 
 MAX_RELATIVE_COST = 4.0
 MIN_SHAPE_STEPS = 3   # steps of one shape before its own median replaces the fitted line
+REFIT_EVERY = 8       # new steps between fits once there is one (a fit costs ~0.3 ms, a step ~0.1 s)
 
 
 class StepCostModel:
@@ -33,14 +34,14 @@ class StepCostModel:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._fit: tuple[float, float, float, float] | None = None   # (a, c, f, b); None: the prior
         self._medians: dict[tuple[int, int], tuple[float, int]] = {}   # shape -> (median seconds, steps)
-        self._stale = False
+        self._new_steps = 0   # observed since the last fit
 
     def observe(self, num_seqs: int, num_drafted: int, seconds: float) -> None:
         """One pure-decode step: `num_seqs` sequences, `num_drafted` drafted tokens verified in all."""
         if num_seqs < 1 or num_drafted < 0 or not seconds > 0:
             return
         self._steps.append((num_seqs, num_drafted, seconds))
-        self._stale = True
+        self._new_steps += 1
 
     def relative(self, num_seqs: int, k: int = 1) -> float:
         """Drafting k tokens at a batch of `num_seqs`, per drafted token, over a plain decode step."""
@@ -68,9 +69,9 @@ class StepCostModel:
         return self._refit() is not None
 
     def _refit(self) -> tuple[float, float, float, float] | None:
-        if not self._stale:
+        if self._new_steps == 0 or (self._fit is not None and self._new_steps < REFIT_EVERY):
             return self._fit
-        self._stale = False
+        self._new_steps = 0
         self._fit = None
         if len(self._steps) < self.min_steps:
             return None
