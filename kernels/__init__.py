@@ -1,4 +1,4 @@
-"""Kernels for the model code: each Triton kernel beside its pure-torch reference.
+"""Kernels for the model code: each Triton (GPU) or C (CPU) kernel beside its pure-torch reference.
 
 `get_ops(backend, device)` is the single dispatch point; `build_cos_sin_cache` builds the
 rotary table (with rope scaling) that `rotary_embedding` reads.

@@ -75,7 +75,8 @@ class SpecController:
         return {sid: self._choose_one(sid, costs) for sid in seq_ids}
 
     def token_cost(self, num_seqs: int, k: int = 1) -> float:
-        """Per drafted token, drafting k for one of `num_seqs` sequences, over a plain decode step."""
+        """Per drafted token, over a plain decode step, when each of `num_seqs` sequences drafts k
+        (a conservative price for one sequence: the others may draft less)."""
         return self.cost.relative(num_seqs, k) if self.measure_cost else self.cost.prior
 
     def observe_step(self, num_seqs: int, num_drafted: int, seconds: float) -> None:

@@ -44,13 +44,18 @@ class StepCostModel:
         self._new_steps += 1
 
     def relative(self, num_seqs: int, k: int = 1) -> float:
-        """Drafting k tokens at a batch of `num_seqs`, per drafted token, over a plain decode step."""
+        """Per drafted token, over a plain decode step, when each of `num_seqs` sequences drafts k.
+
+        Priced at the batch's total (num_seqs * k drafted rows), not at one sequence's k: on a CPU
+        a step's time is far from linear in its rows (past ~24 rows the matmuls leave the few-row
+        kernel), so k tokens for every sequence cost more per token than k for one."""
         if self._refit() is None or num_seqs < 1 or k < 1:
             return self.prior
         plain = self.step_time(num_seqs, 0)
         if plain <= 0:
             return self.prior
-        per_token = (self.step_time(num_seqs, k) - plain) / (k * plain)
+        drafted = num_seqs * k
+        per_token = (self.step_time(num_seqs, drafted) - plain) / (drafted * plain)
         return min(max(per_token, 0.0), MAX_RELATIVE_COST)
 
     def step_time(self, num_seqs: int, num_drafted: int) -> float:

@@ -37,8 +37,21 @@ def test_once_per_step_cost_is_spread_over_the_drafted_tokens():
     assert abs(m.relative(1, k=1) - (0.010 + 0.020) / plain1) < 1e-6
     assert abs(m.relative(1, k=4) - (0.010 + 0.020 / 4) / plain1) < 1e-6
     plain4 = 0.100 + 0.040
-    assert abs(m.relative(4, k=1) - (0.010 + 0.020) / plain4) < 1e-6
-    assert abs(m.relative(3, k=2) - (0.010 + 0.020 / 2) / (0.100 + 0.030)) < 1e-6   # shape never seen: the fit
+    # Every sequence of the batch drafts k: the once-per-step cost is shared by all their tokens.
+    assert abs(m.relative(4, k=1) - (0.010 + 0.020 / 4) / plain4) < 1e-6
+    assert abs(m.relative(3, k=2) - (0.010 + 0.020 / 6) / (0.100 + 0.030)) < 1e-6   # shape never seen: the fit
+
+
+def test_a_batch_is_priced_at_its_total_drafted_rows():
+    """Drafting 4 for each of 4 sequences puts 16 drafted rows in one step: on a CPU that step costs
+    more per token than one sequence drafting 4, and the price must say so."""
+    m = StepCostModel(prior=0.05)
+    times = {(1, 0): 0.100, (1, 4): 0.110, (4, 0): 0.120, (4, 4): 0.130, (4, 16): 0.300}
+    for _ in range(4):
+        for (n, x), t in times.items():
+            m.observe(n, x, t)
+    assert abs(m.relative(1, 4) - (0.110 - 0.100) / (4 * 0.100)) < 1e-9
+    assert abs(m.relative(4, 4) - (0.300 - 0.120) / (16 * 0.120)) < 1e-9   # not (0.130 - 0.120) / (4 * 0.120)
 
 
 def test_a_cpu_cost_curve_that_is_not_linear():
