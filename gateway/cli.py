@@ -68,11 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
     spec.add_argument("--speculative-draft-layers", type=int, default=None,
                       help="L: the target's first L layers draft (method layerskip)")
-    spec.add_argument("--speculative-disable-batch-size", type=int, default=8,
-                      help="no drafting while more sequences than this are decoding")
+    spec.add_argument("--speculative-disable-batch-size", type=_batch_size_or_auto, default="auto",
+                      help='no drafting while more sequences than this are decoding ("auto": 4 on a CPU, '
+                           '8 on a GPU; "none": never)')
     spec.add_argument("--speculative-draft-node", default=None,
                       help="draft on this draft node (`--role draft --engine-id ID`) instead of in the engine")
     return p
+
+
+def _batch_size_or_auto(value: str) -> int | None | str:
+    if value in ("auto", "none"):
+        return None if value == "none" else value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer, "auto" or "none", got {value!r}') from None
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict | None:
