@@ -69,7 +69,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_sgemm_nt.restype = None
     lib.matinee_sgemm_nt.argtypes = [ptr] * 3 + [long_] * 3 + [int_]
     lib.matinee_paged_attention.restype = int_
-    lib.matinee_paged_attention.argtypes = [ptr] * 7 + [long_] * 6 + [ctypes.c_float, int_]
+    lib.matinee_paged_attention.argtypes = [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
     return lib
 
 

@@ -43,16 +43,36 @@ static inline void dot4(const float *const *qs, int n, const float *key, long D,
     }
 }
 
+/* The metadata the kernel follows blindly, checked once per call (a few hundred integers, against
+ * ~30 small torch ops per layer when the launcher checked them): 0 when consistent, -2 when the
+ * query ranges and lengths disagree (or a length passes its table row), -3 for a block id outside
+ * the pool. */
+static int check_metadata(const int *block_tables, const int *query_start_loc, const int *seq_lens, long B, long T,
+                          long block_size, long table_width, long num_blocks) {
+    if (query_start_loc[0] != 0 || query_start_loc[B] != T) return -2;
+    for (long b = 0; b < B; b++) {
+        long q_len = (long)query_start_loc[b + 1] - query_start_loc[b];
+        if (q_len < 0 || q_len > seq_lens[b] || seq_lens[b] > table_width * block_size) return -2;
+    }
+    for (long i = 0; i < B * table_width; i++)
+        if (block_tables[i] < 0 || block_tables[i] >= num_blocks) return -3;
+    return 0;
+}
+
 /* q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, table_width];
- * query_start_loc: [B + 1]; seq_lens: [B]. Returns 0, or -1 when a scratch buffer cannot be had.
+ * query_start_loc: [B + 1]; seq_lens: [B]. Returns 0; -1 when a scratch buffer cannot be had; -2 or
+ * -3 for inconsistent metadata (see check_metadata), before anything is read through it.
  *
  * One sequence at a time. Its rows are (new token, query head), token-major. A slot's keys for
  * every KV head lie side by side, so the sequence's keys, then its values, are read as one
  * stream; each key serves every row that sees it. (Walking one KV head's keys at a time instead
  * measured twice slower: 256 of every 768 bytes, a stride the prefetcher serves badly.) */
 int matinee_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
-                            const int *query_start_loc, const int *seq_lens, float *out, long B, long Hq,
-                            long Hk, long D, long block_size, long table_width, float scale, int threads) {
+                            const int *query_start_loc, const int *seq_lens, float *out, long B, long T,
+                            long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
+                            float scale, int threads) {
+    int bad = check_metadata(block_tables, query_start_loc, seq_lens, B, T, block_size, table_width, num_blocks);
+    if (bad) return bad;
     long group = Hq / Hk;
     long slot_stride = Hk * D;                /* floats between consecutive slots of one block */
     int failed = 0;

@@ -43,18 +43,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    # Every block a sequence's length reaches must be in its table row: the kernel follows them blindly.
-    q_lens = starts[1:] - starts[:-1]
-    if tables.shape[0] != batch or starts.shape[0] != batch + 1 or int(starts[0]) != 0 \
-            or int(starts[-1]) != num_tokens or int(lens.max()) > tables.shape[1] * block_size:
+    if tables.shape[0] != batch or starts.shape[0] != batch + 1:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
-    if bool(((q_lens < 0) | (q_lens > lens)).any()) or int(tables.max()) >= k_cache.shape[0] \
-            or int(tables.min()) < 0:
-        raise ValueError("paged_attention: a block id out of range, or more new tokens than tokens")
+    # The kernel checks the rest of the metadata it follows (ranges, lengths, block ids) itself:
+    # here that took ~30 small torch ops per layer, 4 ms of a 90 ms decode step.
     status = lib.matinee_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), batch, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
-        torch.get_num_threads())
+        out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
+        k_cache.shape[0], scale, torch.get_num_threads())
+    if status == -2:
+        raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
+    if status == -3:
+        raise ValueError("paged_attention: a block id out of range")
     if status != 0:
         raise MemoryError("paged_attention: no memory for the scores of a sequence")
     return out

@@ -104,3 +104,12 @@ def test_inconsistent_metadata_is_refused():
     args[3][0, 0] = batch.k_cache.shape[0]             # a block id past the pool
     with pytest.raises(ValueError, match="out of range"):
         paged_attention(*args)
+    args[3] = batch.block_tables.clone()
+    args[3][0, -1] = -1                                # even in a table row's unused tail
+    with pytest.raises(ValueError, match="out of range"):
+        paged_attention(*args)
+    verify = make_batch([(3, 19), (1, 5)], 8, 2, head_dim=64, block_size=16)
+    args = list(verify.args())
+    args[4] = torch.tensor([2, 5], dtype=torch.int32)  # 3 new tokens in a sequence of 2
+    with pytest.raises(ValueError, match="disagree"):
+        paged_attention(*args)
