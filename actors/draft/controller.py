@@ -3,12 +3,15 @@
 A plain synchronous class. It estimates each sequence's per-token acceptance rate alpha (an
 exponentially decayed count of accepted drafts over accepted drafts plus rejections, starting from
 the engine's recent acceptance over all sequences, or the configured prior before any) and picks
-the k that maximises tokens emitted per unit of step cost, (1 - alpha^(k+1)) / (1 - alpha) over
-1 + cost * k, where cost, one drafted token's share of a plain decode step, is learned from the
-measured step times (StepCostModel; draft_cost + verify_cost is its prior). A sequence for which no k beats plain decoding stops
-speculating and tries k=1 again after `probe_interval` steps (then twice as long after each
-failed probe, up to 16 times); above `disable_batch_size`
-decoding sequences nobody speculates, so speculation never makes serving slower.
+the k that maximises the step's tokens per unit of its time. A step of n decoding sequences emits n
+tokens in time T; when one of them drafts k, it emits n - 1 + E(k) with E(k) = (1 - alpha^(k+1)) /
+(1 - alpha), in T * (1 + cost * k), where cost, one drafted token's share of that plain step, is
+learned from the measured step times (StepCostModel; draft_cost + verify_cost is its prior). The
+drafts slow every sequence in the step, so the larger the batch, the higher the acceptance a
+sequence needs to draft at all. A sequence for which no k beats plain decoding stops speculating
+and tries k=1 again after `probe_interval` steps (then twice as long after each failed probe, up
+to 16 times), in a step where a draft all of whose tokens were accepted would pay; above `disable_batch_size` decoding sequences nobody speculates, so speculation
+never makes serving slower.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ class SpecController:
             return {sid: self.max_k for sid in seq_ids}
         n = len(seq_ids)
         costs = [0.0] + [k * self.token_cost(n, k) for k in range(1, self.max_k + 1)]
-        return {sid: self._choose_one(sid, costs) for sid in seq_ids}
+        # A switched-off sequence probes only where a draft could pay at all: with every drafted
+        # token accepted. (At batch 16 on a CPU, a layer-skip probe costs a sixth of the step.)
+        may_probe = any(n + k > n * (1.0 + costs[k]) * 1.02 for k in range(1, self.max_k + 1))
+        return {sid: self._choose_one(sid, n, costs, may_probe) for sid in seq_ids}
 
     def token_cost(self, num_seqs: int, k: int = 1) -> float:
         """Per drafted token, over a plain decode step, when each of `num_seqs` sequences drafts k
@@ -115,19 +121,20 @@ class SpecController:
         alpha = e.successes / e.trials if e.trials > 0 else 0.0
         return alpha * self.prior_weight, self.prior_weight
 
-    def _choose_one(self, seq_id: int, costs: list[float]) -> int:
-        """costs[k]: drafting k tokens, in plain decode steps (costs[0] = 0)."""
+    def _choose_one(self, seq_id: int, num_seqs: int, costs: list[float], may_probe: bool) -> int:
+        """costs[k]: this sequence drafting k tokens, in plain decode steps of the batch (costs[0] = 0)."""
         s = self._stats(seq_id)
         alpha = s.successes / s.trials
-        best_k, best_rate = 0, 1.0   # plain decoding: one token per unit cost
+        others = num_seqs - 1
+        best_k, best_rate = 0, 1.0   # plain decoding: the step's tokens per its time, as a unit
         for k in range(1, self.max_k + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + costs[k])
+            rate = (others + expected_tokens(alpha, k)) / (num_seqs * (1.0 + costs[k]))
             if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
                 best_k, best_rate = k, rate
         if best_k == 0:
             s.interval = s.interval or self.probe_interval
             s.off_steps += 1
-            if s.off_steps >= s.interval:
+            if s.off_steps >= s.interval and may_probe:
                 s.off_steps = 0
                 s.interval = min(2 * s.interval, 16 * self.probe_interval)  # back off if it fails again
                 return 1  # probe: acceptance may have changed (the text moved on to a quote, say)
