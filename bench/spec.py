@@ -5,12 +5,13 @@ plain decoding, `ngram` on a copy-heavy workload (repeat or lightly edit a given
 and `layerskip` on ordinary chat prompts. Greedy decoding, so every run emits the same tokens and
 the ratios compare like with like. For each run: tokens/s, the acceptance rate alpha, the mean
 tokens per verification, the measured speedup over plain decoding of the same prompts in the same
-process, and the expected one, (1 - alpha^(k+1)) / (1 - alpha), that a free draft would give.
+run (each engine in a process of its own), and the expected one, (1 - alpha^(k+1)) / (1 - alpha), that a free draft would give.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
 
@@ -89,6 +90,53 @@ def timed(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> di
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
+class EngineProcess:
+    """One engine in a process of its own, running the workloads it is sent.
+
+    Engines sharing a process do not run alike: with several in one process, the first one built
+    decoded batch 16 5-9% faster than a second, identical, plain engine (forward and scheduling
+    both slower; not page faults), which made every speculative engine, built after the plain one,
+    look slower than speculation makes it."""
+
+    def __init__(self, engine_kwargs: dict, batch16_prompts: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, args=(child, engine_kwargs, batch16_prompts), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise RuntimeError("engine process failed to start")
+
+    def run(self, workload: str, n: int, batch: int, max_tokens: int) -> dict:
+        self.conn.send((workload, n, batch, max_tokens))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _engine_main(conn, engine_kwargs: dict, batch16_prompts: int) -> None:
+    llm = LLM(**engine_kwargs)
+    try:
+        prompts = {"copy": chat_prompts(llm, COPY_TASKS, batch16_prompts),
+                   "chat": chat_prompts(llm, CHAT_TASKS, batch16_prompts)}
+        llm.generate([prompts["chat"][0]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        conn.send("ready")
+        while (msg := conn.recv()) is not None:
+            workload, n, batch, max_tokens = msg
+            conn.send(timed(llm, prompts[workload][:n], batch, max_tokens))
+    finally:
+        llm.shutdown()
+
+
 def merge(a: dict, b: dict) -> dict:
     """Two runs of the same prompts: totals, then the rates again."""
     tokens, wall = a["tokens"] + b["tokens"], a["wall_s"] + b["wall_s"]
@@ -116,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch16-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2, help="alternating rounds per workload and batch size")
+    ap.add_argument("--repeats", type=int, default=4, help="rounds, each on fresh engines, the methods alternating")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="bytes of KV per engine")
     args = ap.parse_args(argv)
 
@@ -129,31 +177,31 @@ def main(argv: list[str] | None = None) -> dict:
         "layerskip": {"method": "layerskip", "num_speculative_tokens": args.k, "draft_layers": args.draft_layers},
     }
     runs = {"copy": ["plain", "ngram"], "chat": ["plain", "ngram", "layerskip"]}
-    # Every engine stays up and the runs of one workload alternate between them, repeated: on a
-    # shared machine the load drifts, and alternation (reversed every other round) spreads the drift
-    # evenly over the methods.
-    llms = {m: LLM(args.model, dtype="float32", num_threads=args.threads, kv_cache_memory=args.kv_cache_memory,
-                   speculative=spec) for m, spec in engines.items()}
+    # Each round builds its engines afresh, each in a process of its own, and runs every workload
+    # on each, the methods alternating (in reverse every other round, so that a drift in the
+    # machine's speed within a round weighs on every method alike). A fresh engine per round:
+    # identical engines differ by up to 5% for their whole life (one plain engine decoded batch 16
+    # at 84.5 tok/s, a second 88.5, round after round), so a single instance per method would bias
+    # its ratio; over the rounds that averages out.
     results: dict[str, dict] = {}
-    try:
-        first = llms["plain"]
-        prompts = {"copy": chat_prompts(first, COPY_TASKS, args.batch16_prompts),
-                   "chat": chat_prompts(first, CHAT_TASKS, args.batch16_prompts)}
-        for llm in llms.values():
-            llm.generate([prompts["chat"][0]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        for workload, methods in runs.items():
-            for batch, n in ((1, args.batch1_prompts), (16, args.batch16_prompts)):
-                for rep in range(args.repeats):
-                    # Odd rounds run the methods in reverse: a drift within a round then weighs on
-                    # every method alike, not always on the one that runs last.
+    for rep in range(args.repeats):
+        procs = {m: EngineProcess(dict(model=args.model, dtype="float32", num_threads=args.threads,
+                                       kv_cache_memory=args.kv_cache_memory, speculative=spec),
+                                  args.batch16_prompts)
+                 for m, spec in engines.items()}
+        try:
+            for proc in procs.values():
+                proc.ready()
+            for workload, methods in runs.items():
+                for batch, n in ((1, args.batch1_prompts), (16, args.batch16_prompts)):
                     for method in (methods if rep % 2 == 0 else methods[::-1]):
                         key = f"{workload}/{method}/b{batch}"
-                        r = timed(llms[method], prompts[workload][:n], batch, args.max_tokens)
+                        r = procs[method].run(workload, n, batch, args.max_tokens)
                         results[key] = r if key not in results else merge(results[key], r)
                         log(key, rep, f"{r['tok_s']:.1f} tok/s", f"alpha={r['alpha']}")
-    finally:
-        for llm in llms.values():
-            llm.shutdown()
+        finally:
+            for proc in procs.values():
+                proc.close()
     report: dict = {"k": args.k, "draft_layers": args.draft_layers, "max_tokens": args.max_tokens, "runs": {}}
     for key, r in results.items():
         workload, method, b = key.split("/")

@@ -68,21 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
     spec.add_argument("--speculative-draft-layers", type=int, default=None,
                       help="L: the target's first L layers draft (method layerskip)")
-    spec.add_argument("--speculative-disable-batch-size", type=_batch_size_or_auto, default="auto",
-                      help='no drafting while more sequences than this are decoding ("auto": 4 on a CPU, '
-                           '8 on a GPU; "none": never)')
+    spec.add_argument("--speculative-disable-batch-size", type=_batch_size_or_none, default=None,
+                      help='no drafting while more sequences than this are decoding (default "none": the '
+                           "controller drafts in a large batch only where a sequence's acceptance pays for it)")
     spec.add_argument("--speculative-draft-node", default=None,
                       help="draft on this draft node (`--role draft --engine-id ID`) instead of in the engine")
     return p
 
 
-def _batch_size_or_auto(value: str) -> int | None | str:
-    if value in ("auto", "none"):
-        return None if value == "none" else value
+def _batch_size_or_none(value: str) -> int | None:
+    if value == "none":
+        return None
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer, "auto" or "none", got {value!r}') from None
+        raise argparse.ArgumentTypeError(f'expected an integer or "none", got {value!r}') from None
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict | None:

@@ -21,10 +21,10 @@ class SpeculativeConfig:
     draft_layers: int | None = None            # L ("layerskip" only): the first L layers of the target
     ngram_min: int = 1                         # n-gram lengths tried, longest first ("ngram" only)
     ngram_max: int = 4
-    # Adaptive control: speculation turns off for the whole step when more sequences than this are
-    # decoding (decode is then no longer memory-bound); None: never; "auto": by device (see
-    # resolved_disable_batch_size).
-    disable_batch_size: int | None | str = "auto"
+    # Speculation turns off for the whole step while more sequences than this are decoding; None:
+    # never. The controller already weighs each sequence's drafts against the whole step's time, so
+    # it drafts in a large batch only for sequences whose acceptance pays for that; this is a cap.
+    disable_batch_size: int | None = None
     adaptive: bool = True                      # per-sequence k from its measured acceptance
     # Cost of one drafted token over one decode step: learned from the measured step times
     # (measure_cost), starting from draft_cost + verify_cost until enough steps are seen.
@@ -60,21 +60,12 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         b = self.disable_batch_size
-        if b is not None and b != "auto" and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
-            raise ValueError(f'disable_batch_size must be an integer >= 1, None or "auto", got {b!r}')
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"disable_batch_size must be an integer >= 1 or None, got {b!r}")
         if self.verify_cost < 0 or (self.draft_cost is not None and self.draft_cost < 0):
             raise ValueError("verify_cost and draft_cost must be non-negative")
         if self.probe_interval < 1:
             raise ValueError(f"probe_interval must be at least 1, got {self.probe_interval}")
-
-    def resolved_disable_batch_size(self, device: str) -> int | None:
-        """"auto": 8 decoding sequences on a GPU; 4 on a CPU, where a decode step stops being bound by
-        reading the weights after a few rows (SmolLM2, one AVX2 core: 4 rows cost 1.2x one row, 8
-        rows 1.7x), and where drafting for 5-8 sequences measured 0.95x of plain decoding against
-        1.01x with speculation off above 4 (copy-heavy prompts at batch 16)."""
-        if self.disable_batch_size != "auto":
-            return self.disable_batch_size
-        return 4 if device == "cpu" else 8
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -28,6 +28,7 @@ def test_valid_configs_parse():
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
     ({"method": "ngram", "disable_batch_size": 0}, "disable_batch_size"),
     ({"method": "ngram", "disable_batch_size": "never"}, "disable_batch_size"),
+    ({"method": "ngram", "disable_batch_size": "auto"}, "disable_batch_size"),
     ({"method": "ngram", "k": 3}, "unknown speculative option"),
     ("ngram", "must be a dict"),
 ])
@@ -66,12 +67,3 @@ def test_gateway_exposes_the_spec_counters():
     text = m.render()
     assert "matinee_spec_decode_draft_tokens_total 40" in text
     assert "matinee_spec_decode_accepted_tokens_total 25" in text
-
-
-def test_disable_batch_size_auto_is_by_device():
-    auto = SpeculativeConfig.parse({"method": "ngram"})
-    assert auto.disable_batch_size == "auto"
-    assert auto.resolved_disable_batch_size("cpu") == 4 and auto.resolved_disable_batch_size("cuda") == 8
-    for given in (None, 2, 16):
-        cfg = SpeculativeConfig.parse({"method": "ngram", "disable_batch_size": given})
-        assert cfg.resolved_disable_batch_size("cpu") == given == cfg.resolved_disable_batch_size("cuda")

@@ -94,8 +94,10 @@ def test_serve_process_prints_working_curl_and_stops_on_sigterm(tiny_model_folde
 
 def test_speculative_disable_batch_size_flag():
     parse = cli.build_parser().parse_args
-    for flag, want in ((None, "auto"), ("none", None), ("auto", "auto"), ("6", 6)):
+    for flag, want in ((None, None), ("none", None), ("6", 6)):
         argv = ["serve", "--speculative-method", "ngram"] + (["--speculative-disable-batch-size", flag] if flag else [])
         assert cli.engine_kwargs(parse(argv))["speculative"]["disable_batch_size"] == want
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-disable-batch-size", "lots"])
+    with pytest.raises(SystemExit):
+        parse(["serve", "--speculative-disable-batch-size", "auto"])
