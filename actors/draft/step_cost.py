@@ -43,18 +43,18 @@ class StepCostModel:
         self._steps.append((num_seqs, num_drafted, seconds))
         self._new_steps += 1
 
-    def relative(self, num_seqs: int, k: int = 1) -> float:
-        """Per drafted token, over a plain decode step, when each of `num_seqs` sequences drafts k.
-
-        Priced at the batch's total (num_seqs * k drafted rows), not at one sequence's k: on a CPU
-        a step's time is far from linear in its rows (past ~24 rows the matmuls leave the few-row
-        kernel), so k tokens for every sequence cost more per token than k for one."""
+    def relative(self, num_seqs: int, k: int = 1, drafting: int | None = None) -> float:
+        """Per drafted token, over a plain decode step of `num_seqs` sequences, when `drafting` of
+        them (default: all) draft k each: (step time with drafting * k drafted rows - plain step
+        time) / (drafted rows * plain step time). With all drafting, the once-per-step cost of
+        drafting is shared by the most tokens and the rows add up (on a CPU a step's time is far from
+        linear in its rows); with one, it pays that once-per-step cost alone."""
         if self._refit() is None or num_seqs < 1 or k < 1:
             return self.prior
         plain = self.step_time(num_seqs, 0)
         if plain <= 0:
             return self.prior
-        drafted = num_seqs * k
+        drafted = (num_seqs if drafting is None else drafting) * k
         per_token = (self.step_time(num_seqs, drafted) - plain) / (drafted * plain)
         return min(max(per_token, 0.0), MAX_RELATIVE_COST)
 

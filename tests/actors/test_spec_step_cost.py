@@ -40,6 +40,30 @@ def test_once_per_step_cost_is_spread_over_the_drafted_tokens():
     # Every sequence of the batch drafts k: the once-per-step cost is shared by all their tokens.
     assert abs(m.relative(4, k=1) - (0.010 + 0.020 / 4) / plain4) < 1e-6
     assert abs(m.relative(3, k=2) - (0.010 + 0.020 / 6) / (0.100 + 0.030)) < 1e-6   # shape never seen: the fit
+    # One of them drafts: it pays the once-per-step cost alone.
+    assert abs(m.relative(4, k=1, drafting=1) - (0.010 + 0.020) / plain4) < 1e-6
+
+
+def test_a_lone_drafter_in_a_large_batch_pays_the_steps_drafting_overhead():
+    """Batch 16 on a CPU: a plain step 175 ms, each drafted row 6 ms, and 8 ms once for drafting at
+    all. Amortised over all 16 sequences that 8 ms looks free; one sequence drafting pays all of it,
+    and with acceptance 0.9 that does not pay in a batch of 16."""
+    m = StepCostModel(prior=0.05)
+    feed(m, 64, a=0.095, c=0.006, f=0.008, b=0.005, seqs=(8, 12, 16), ks=(0, 1, 2, 4, 8, 16))
+    ctl = SpecController(8, verify_cost=0.05)
+    ctl.cost = m
+    assert abs(ctl.token_cost(16, 1) - (0.006 + 0.008) / 0.175) < 1e-6
+    for _ in range(30):
+        ctl.observe(1, 10, 9)                         # alpha = 0.9
+        ctl.observe(2, 8, 8)                          # alpha = 1: a copying sequence
+    chosen = ctl.choose(list(range(1, 17)))
+    assert chosen[1] == 0
+    assert chosen[2] >= 4                            # the copying one drafts long
+    # Priced only at every sequence drafting (the 8 ms shared by 16 tokens per k), it would draft.
+    old = SpecController(8, verify_cost=0.05)
+    old.cost, old._seqs = m, ctl._seqs
+    old.token_cost = lambda n, k=1: m.relative(n, k)
+    assert old.choose(list(range(1, 17)))[1] > 0
 
 
 def test_a_batch_is_priced_at_its_total_drafted_rows():
