@@ -10,7 +10,8 @@ learned from the measured step times (StepCostModel; draft_cost + verify_cost is
 drafts slow every sequence in the step, so the larger the batch, the higher the acceptance a
 sequence needs to draft at all. A sequence for which no k beats plain decoding stops speculating
 and tries k=1 again after `probe_interval` steps (then twice as long after each failed probe, up
-to 16 times), in a step where a draft all of whose tokens were accepted would pay; above `disable_batch_size` decoding sequences nobody speculates, so speculation
+to 16 times; a new sequence starts from where the engine's last failed probe left that wait), in a
+step where a draft all of whose tokens were accepted would pay; above `disable_batch_size` decoding sequences nobody speculates, so speculation
 never makes serving slower.
 """
 
@@ -29,6 +30,7 @@ class _SeqStats:
     trials: float
     off_steps: int = 0
     interval: int = 0      # steps between probes while off; doubles after each probe that fails
+    probing: bool = False  # its last k was a probe
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -60,6 +62,11 @@ class SpecController:
         # at the configured prior and forgets more slowly than a sequence's own estimate.
         self._engine = _SeqStats(prior_alpha * prior_weight, prior_weight)
         self.engine_decay = ENGINE_DECAY
+        # How long a sequence that starts switched off waits before its first probe: the interval
+        # the last failed probe reached, so that request after request of a draft that never agrees
+        # (layer-skip on SmolLM2: each probe ~0.4 of a step) does not restart the back-off at
+        # probe_interval; a probe that is accepted resets it.
+        self._engine_interval = 0
 
     def alpha(self, seq_id: int) -> float:
         s = self._stats(seq_id)
@@ -104,6 +111,9 @@ class SpecController:
             stats.trials = decay * stats.trials + num_accepted + rejected
         if s.trials <= 0:
             s.successes, s.trials = self._new_seq_prior()
+        if s.probing:
+            s.probing = False
+            self._engine_interval = 0 if num_accepted else max(self._engine_interval, s.interval)
 
     def forget(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -136,11 +146,12 @@ class SpecController:
             if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
                 best_k, best_rate = k, rate
         if best_k == 0:
-            s.interval = s.interval or self.probe_interval
+            s.interval = s.interval or max(self.probe_interval, self._engine_interval)
             s.off_steps += 1
             if s.off_steps >= s.interval and may_probe:
                 s.off_steps = 0
                 s.interval = min(2 * s.interval, 16 * self.probe_interval)  # back off if it fails again
+                s.probing = True
                 return 1  # probe: acceptance may have changed (the text moved on to a quote, say)
             return 0
         s.off_steps = s.interval = 0

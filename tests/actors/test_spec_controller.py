@@ -99,3 +99,31 @@ def test_no_probes_where_even_a_perfect_draft_would_not_pay():
     batch = list(range(5, 21))
     assert all(c.choose(batch)[5] == 0 for _ in range(40))
     assert 1 in [c.choose([5])[5] for _ in range(40)]   # alone, it still tries again
+
+
+def test_new_sequences_keep_the_engines_probe_back_off():
+    """A draft that never agrees, request after request: each new sequence waits as long before its
+    first probe as the last failed probe of the one before, not probe_interval again."""
+    c = SpecController(4, probe_interval=2)
+
+    def first_probe(sid: int) -> int:
+        for step in range(1, 200):
+            if c.choose([sid])[sid]:
+                c.observe(sid, 1, 0)                 # the probe fails
+                return step
+        return 0
+
+    for sid in range(1, 5):                          # the engine learns that drafts never hit
+        for _ in range(10):
+            c.observe(sid, 4, 0)
+        c.forget(sid)
+    waits = []
+    for sid in range(10, 16):
+        waits.append(first_probe(sid))
+        c.forget(sid)
+    assert waits[0] == 2 and waits == sorted(waits) and waits[-1] >= 16
+    for step in range(1, 200):                       # a sequence whose probe is accepted
+        if c.choose([50])[50]:
+            c.observe(50, 1, 1)
+            break
+    assert first_probe(60) == 2                      # new sequences probe early again
