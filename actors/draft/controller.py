@@ -10,9 +10,10 @@ learned from the measured step times (StepCostModel; draft_cost + verify_cost is
 drafts slow every sequence in the step, so the larger the batch, the higher the acceptance a
 sequence needs to draft at all. A sequence for which no k beats plain decoding stops speculating
 and tries k=1 again after `probe_interval` steps (then twice as long after each failed probe, up
-to 16 times; a new sequence starts from where the engine's last failed probe left that wait), in a
-step where a draft all of whose tokens were accepted would pay; above `disable_batch_size` decoding sequences nobody speculates, so speculation
-never makes serving slower.
+to 16 times; a new sequence that starts switched off waits as long as the engine's last failed
+probe did), in a step where a draft all of whose tokens were accepted would pay; above
+`disable_batch_size` decoding sequences nobody speculates, so speculation never makes serving
+slower.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class _SeqStats:
     off_steps: int = 0
     interval: int = 0      # steps between probes while off; doubles after each probe that fails
     probing: bool = False  # its last k was a probe
+    verified: bool = False # it has had a verification of its own
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -105,6 +107,7 @@ class SpecController:
         if num_drafted <= 0:
             return
         s = self._stats(seq_id)
+        s.verified = True
         rejected = 1.0 if num_accepted < num_drafted else 0.0
         for stats, decay in ((s, self.decay), (self._engine, self.engine_decay)):
             stats.successes = decay * stats.successes + num_accepted
@@ -146,7 +149,10 @@ class SpecController:
             if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
                 best_k, best_rate = k, rate
         if best_k == 0:
-            s.interval = s.interval or max(self.probe_interval, self._engine_interval)
+            # A sequence that drafted before (it was copying, say) probes soon; a new one that starts
+            # switched off waits as long as the engine's last failed probe did.
+            s.interval = s.interval or (self.probe_interval if s.verified else
+                                        max(self.probe_interval, self._engine_interval))
             s.off_steps += 1
             if s.off_steps >= s.interval and may_probe:
                 s.off_steps = 0

@@ -127,3 +127,25 @@ def test_new_sequences_keep_the_engines_probe_back_off():
             c.observe(50, 1, 1)
             break
     assert first_probe(60) == 2                      # new sequences probe early again
+
+
+def test_a_sequence_that_drafted_well_probes_soon_after_switching_off():
+    """The engine's long back-off is for new sequences: one that was copying and hit an edit comes
+    back to its quote within probe_interval steps."""
+    c = SpecController(4, probe_interval=2)
+    for sid in range(1, 5):
+        for _ in range(10):
+            c.observe(sid, 4, 0)
+        c.forget(sid)
+    for sid in range(10, 16):                        # failed probes: the engine's back-off grows
+        while not c.choose([sid])[sid]:
+            pass
+        c.observe(sid, 1, 0)
+        c.forget(sid)
+    for _ in range(20):
+        c.observe(7, 4, 4)                           # copying
+    assert c.choose([7])[7] > 0
+    for _ in range(60):
+        c.observe(7, 4, 0)                           # an edit: drafts stop agreeing
+    ks = [c.choose([7])[7] for _ in range(3)]
+    assert ks == [0, 1, 0]
