@@ -4,6 +4,7 @@ The engine is a tiny random-weight llama, so text is gibberish: tests check shap
 reproducibility and stop handling rather than meaning (the SmolLM2 tests check meaning).
 """
 import asyncio
+import itertools
 import re
 import time
 
@@ -215,9 +216,15 @@ def test_no_engine_is_503(tiny_servers):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+_long_prompts = itertools.count(20)
+
+
 def _long_stream(base: str):
-    """A streamed request whose long prompt keeps it waiting for many 32-token prefill chunks."""
-    body = {"model": "tiny", "prompt": [7] * 960, "max_tokens": 2, "stream": True,
+    """A streamed request whose long prompt keeps it waiting for many 32-token prefill chunks. Each
+    prompt is new: one the prefix cache still held from an earlier call would skip the prefill (and
+    with it the wait)."""
+    first = next(_long_prompts)
+    body = {"model": "tiny", "prompt": [first] + [7] * 959, "max_tokens": 2, "stream": True,
             "extra": "ignored"}
     return http.open_request("POST", base + "/v1/completions", json_body=body)
 
