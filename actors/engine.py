@@ -129,8 +129,7 @@ async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,
 
         draft = await system.spawn(DraftWorkerActor(make), name=f"{name}-draft")
     stats: DraftStats = await draft.ask(GetDraftStats())
-    controller = SpecController(spec.num_speculative_tokens,
-                                disable_batch_size=spec.disable_batch_size,
+    controller = SpecController(spec.num_speculative_tokens, disable_batch_size=spec.disable_batch_size,
                                 adaptive=spec.adaptive, draft_cost=stats.draft_cost,
                                 verify_cost=spec.verify_cost, probe_interval=spec.probe_interval,
                                 measure_cost=spec.measure_cost)

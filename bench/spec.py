@@ -5,7 +5,8 @@ plain decoding, `ngram` on a copy-heavy workload (repeat or lightly edit a given
 and `layerskip` on ordinary chat prompts. Greedy decoding, so every run emits the same tokens and
 the ratios compare like with like. For each run: tokens/s, the acceptance rate alpha, the mean
 tokens per verification, the measured speedup over plain decoding of the same prompts in the same
-run (each engine in a process of its own), and the expected one, (1 - alpha^(k+1)) / (1 - alpha), that a free draft would give.
+run (each engine in a process of its own), and the expected one, (1 - alpha^(k+1)) / (1 - alpha),
+that a free draft would give.
 """
 from __future__ import annotations
 
@@ -91,12 +92,7 @@ def timed(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> di
 
 
 class EngineProcess:
-    """One engine in a process of its own, running the workloads it is sent.
-
-    Engines sharing a process do not run alike: with several in one process, the first one built
-    decoded batch 16 5-9% faster than a second, identical, plain engine (forward and scheduling
-    both slower; not page faults), which made every speculative engine, built after the plain one,
-    look slower than speculation makes it."""
+    """One engine in a process of its own, running the workloads it is sent (see main for why)."""
 
     def __init__(self, engine_kwargs: dict, batch16_prompts: int):
         ctx = multiprocessing.get_context("spawn")
@@ -179,10 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {"copy": ["plain", "ngram"], "chat": ["plain", "ngram", "layerskip"]}
     # Each round builds its engines afresh, each in a process of its own, and runs every workload
     # on each, the methods alternating (in reverse every other round, so that a drift in the
-    # machine's speed within a round weighs on every method alike). A fresh engine per round:
-    # identical engines differ by up to 5% for their whole life (one plain engine decoded batch 16
-    # at 84.5 tok/s, a second 88.5, round after round), so a single instance per method would bias
-    # its ratio; over the rounds that averages out.
+    # machine's speed within a round weighs on every method alike). Identical engines do not run
+    # alike: in one process the first one built decoded batch 16 5-9% faster than a second, plain
+    # one (which made every speculative engine, built after the plain one, look slower), and even
+    # in separate processes one plain engine decoded at 84.5 tok/s and another at 88.5, round after
+    # round. A fresh engine per round averages that out over the rounds.
     results: dict[str, dict] = {}
     for rep in range(args.repeats):
         procs = {m: EngineProcess(dict(model=args.model, dtype="float32", num_threads=args.threads,

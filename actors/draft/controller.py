@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from actors.draft.step_cost import StepCostModel
 
 ENGINE_DECAY = 0.98   # per verification, for the engine-wide acceptance that new sequences start from
+CLEAR_GAIN = 1.02     # a draft must beat plain decoding by this much: measurement noise should not flip it on
 
 
 @dataclass
@@ -86,7 +87,7 @@ class SpecController:
         costs = [0.0] + [k * self.token_cost(n, k) for k in range(1, self.max_k + 1)]
         # A switched-off sequence probes only where a draft could pay at all: with every drafted
         # token accepted. (At batch 16 on a CPU, a layer-skip probe costs a sixth of the step.)
-        may_probe = any(n + k > n * (1.0 + costs[k]) * 1.02 for k in range(1, self.max_k + 1))
+        may_probe = any(n + k > n * (1.0 + costs[k]) * CLEAR_GAIN for k in range(1, self.max_k + 1))
         return {sid: self._choose_one(sid, n, costs, may_probe) for sid in seq_ids}
 
     def token_cost(self, num_seqs: int, k: int = 1) -> float:
@@ -146,7 +147,7 @@ class SpecController:
         best_k, best_rate = 0, 1.0   # plain decoding: the step's tokens per its time, as a unit
         for k in range(1, self.max_k + 1):
             rate = (others + expected_tokens(alpha, k)) / (num_seqs * (1.0 + costs[k]))
-            if rate > best_rate * 1.02:  # a clear gain only: measurement noise should not flip it on
+            if rate > best_rate * CLEAR_GAIN:
                 best_k, best_rate = k, rate
         if best_k == 0:
             # A sequence that drafted before (it was copying, say) probes soon; a new one that starts
