@@ -97,7 +97,8 @@ async def start_node_system(node: EngineNodeConfig, name: str, stop: asyncio.Eve
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix, ttl_s=node.registry_ttl_s)
+    registry = RedisRegistry(node.redis_url, secret=node.secret, prefix=node.registry_prefix,
+                             ttl_s=node.registry_ttl_s)
     system = ActorSystem(name, listen=(node.listen_host, node.listen_port), secret=node.secret,
                          registry=registry, advertise=node.advertise)
     await system.start()

@@ -60,7 +60,7 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
         from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
         from runtime.redis_registry import RedisRegistry
 
-        registry = RedisRegistry(node.redis_url, prefix=node.registry_prefix)
+        registry = RedisRegistry(node.redis_url, secret=node.secret, prefix=node.registry_prefix)
         store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace)
         router = PrefixRouter(store, timeout_s=node.index_timeout_s)
         salts = TenantSalts(b"tenant-salt:" + node.secret)

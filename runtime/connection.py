@@ -1,6 +1,7 @@
 """One authenticated TCP connection between two nodes, as an asyncio Protocol: handshake,
-frame parsing (many frames per read) and dispatch; the write side is outbox.py.
-Anything malformed closes this connection (with a logged reason), never the node."""
+then sealed records (seal.py) carrying frames, parsed many per read and dispatched; the write
+side is outbox.py. Anything malformed closes this connection (with a logged reason), never the
+node; a record that fails authentication is dropped and the connection goes on."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime import auth, protocol
+from runtime import auth, protocol, seal
 from runtime.codec import (HANDSHAKE_MAX_BYTES, HEADER, Auth, Challenge, Codec, Died, ErrorReply,
                            Ping, ReplyAny, Unwatch, Watch, Welcome)
 from runtime.errors import ActorDead, AskTimeout, RemoteError
@@ -65,7 +66,10 @@ class Connection(asyncio.Protocol):
         self.ready: asyncio.Future = self.loop.create_future()
         self.ready.add_done_callback(_consume)
         self._nonce = b""
+        self._peer_nonce = b""
         self._peer_announced = ""
+        self.opener: seal.Opener | None = None
+        self._rejected = 0
         self._last_rx = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
         ob = self.outbox = Outbox(self.loop, self.codec, self.cap)
@@ -94,7 +98,6 @@ class Connection(asyncio.Protocol):
     # ---- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.outbox.transport = transport  # type: ignore[assignment]
         if self.closed:   # accepted while the node shuts down
             transport.abort()
             return
@@ -105,9 +108,22 @@ class Connection(asyncio.Protocol):
             self._write_handshake(Challenge(self.system.address, self._nonce))
 
     def data_received(self, data: bytes) -> None:
-        self._last_rx = self.loop.time()
         if self.closed:
             return
+        if not self.open:
+            data = self._handshake_received(data)   # what follows the handshake is sealed
+            if not data:
+                return
+        try:
+            data = self.opener.open(data)
+        except seal.RecordTooLarge as exc:
+            self.abort(str(exc))
+            return
+        if self.opener.rejected != self._rejected:
+            self._on_rejected()
+        if not data:
+            return
+        self._last_rx = self.loop.time()   # only authenticated bytes prove the peer alive
         if self._bound_version != protocol.version:
             self._bind_frames()
         if self.rx:
@@ -123,6 +139,38 @@ class Connection(asyncio.Protocol):
         self._shut(f"connection lost: {exc}" if exc else "connection closed by peer")
 
     # ---- reading -------------------------------------------------------------------------
+    def _handshake_received(self, data: bytes) -> bytes:
+        """Handshake frames (plaintext, small); returns the bytes after the one that opened."""
+        rx = self.rx
+        rx += data
+        n = len(rx)
+        pos = 0
+        try:
+            while not self.open and n - pos >= 4:
+                size = HEADER.unpack_from(rx, pos)[0]
+                if size > HANDSHAKE_MAX_BYTES:
+                    self.abort(f"handshake frame of {size} bytes exceeds the cap")
+                    return b""
+                end = pos + 4 + size
+                if end > n:
+                    break
+                self._on_handshake(self.codec.handshake_decoder.decode(rx[pos + 4:end]))
+                pos = end
+                if self.closed:
+                    return b""
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.abort(f"bad handshake frame: {exc}")
+            return b""
+        rest = bytes(rx[pos:]) if self.open else b""
+        del rx[:n if self.open else pos]
+        return rest
+
+    def _on_rejected(self) -> None:
+        if not self._rejected:
+            self.log.warning("dropping records that fail authentication", peer=self.peer)
+        self.system.rejected_records += self.opener.rejected - self._rejected
+        self._rejected = self.opener.rejected
+
     def _parse(self, data: bytes | bytearray) -> int:
         n = len(data)
         pos = 0
@@ -133,18 +181,12 @@ class Connection(asyncio.Protocol):
         try:
             while n - pos >= 4:
                 size = HEADER.unpack_from(data, pos)[0]
-                if size > (self.cap if self.open else HANDSHAKE_MAX_BYTES):
+                if size > self.cap:
                     self.abort(f"frame of {size} bytes exceeds the cap")
                     return n
                 end = pos + 4 + size
                 if end > n:
                     break
-                if not self.open:
-                    self._on_handshake(self.codec.handshake_decoder.decode(mv[pos + 4:end]))
-                    pos = end
-                    if self.closed:
-                        return n
-                    continue
                 frame = self.codec.decoder.decode(mv[pos + 4:end])
                 pos = end
                 if frame.__class__ is batch:
@@ -190,27 +232,33 @@ class Connection(asyncio.Protocol):
         me = self.system.address
         if self.outbound and type(frame) is Challenge and not self._nonce:
             self._peer_announced = frame.node
+            self._peer_nonce = frame.nonce
             self._nonce = auth.new_nonce()
             self._write_handshake(Auth(me, auth.client_proof(secret, frame.nonce, me), self._nonce))
         elif self.outbound and type(frame) is Welcome and self._nonce:
             if not auth.verify(auth.server_proof(secret, self._nonce, self._peer_announced), frame.mac):
                 self.abort("peer failed to prove the cluster secret")
                 return
-            self._opened()
+            to_server, to_client = auth.session_keys(secret, self._peer_nonce, self._nonce)
+            self._opened(to_server, to_client)
         elif not self.outbound and type(frame) is Auth:
             if not auth.verify(auth.client_proof(secret, self._nonce, frame.node), frame.mac):
                 self.abort("wrong secret")
                 return
             self.peer = frame.node
             self._write_handshake(Welcome(auth.server_proof(secret, frame.nonce, me)))
-            self._opened()
+            to_server, to_client = auth.session_keys(secret, self._nonce, frame.nonce)
+            self._opened(to_client, to_server)
         else:
             self.abort(f"unexpected handshake frame {type(frame).__name__}")
 
-    def _opened(self) -> None:
+    def _opened(self, send_key: bytes, receive_key: bytes) -> None:
+        self.opener = seal.Opener(receive_key)
+        self.outbox.transport = seal.Sealer(send_key, self.transport)
         self.open = True
         self.was_open = True
         self.outbox.open = True
+        self._last_rx = self.loop.time()
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self.loop.call_later(self.system.heartbeat_s, self._heartbeat)

@@ -49,6 +49,7 @@ class ActorSystem:
         self.log = get_logger(node=name)
         self.exit_code: int | None = None
         self.dead_letters = 0   # messages that found no live actor (counted, not logged: hot path)
+        self.rejected_records = 0   # received records that failed authentication (forged or replayed)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.remoting: Any = None
         self._cells: dict[str, ActorCell] = {}

@@ -171,7 +171,7 @@ def engine_loads(redis_url: str) -> dict[str, int]:
     from runtime.redis_registry import RedisRegistry
 
     async def probe() -> dict[str, int]:
-        registry = RedisRegistry(redis_url)
+        registry = RedisRegistry(redis_url, secret=SECRET)
         system = ActorSystem("probe", secret=SECRET)
         await system.start()
         try:

@@ -128,13 +128,14 @@ def test_a_node_with_the_wrong_secret_cannot_join(cluster):
         outsider = ActorSystem("outsider", secret="not-the-secret")
         await outsider.start()
         port = cluster.engine_ports[0]
-        registry = RedisRegistry(cluster.redis.url)
+        registry = RedisRegistry(cluster.redis.url, secret=h.SECRET)
         node, path = (await registry.entries("engines/"))[f"engines/engine-{port}"]
+        await registry.close()
         with pytest.raises((ActorDead, ConnectionError)):
             await outsider.ref_for(node, path).ask(GetStats(), timeout=5)
         # ...nor get a gateway to route to a node it announces in the registry.
         fake = ActorSystem("intruder", listen=("127.0.0.1", 0), secret="not-the-secret",
-                           registry=registry)
+                           registry=RedisRegistry(cluster.redis.url, secret="not-the-secret"))
         await fake.start()
         ref = await fake.spawn(FakeFront(), name="front-intruder")
         await fake.publish("engines/intruder", ref)

@@ -49,7 +49,8 @@ async def main(argv: list[str]) -> int:
     registry = None
     if args.redis_prefix:
         from runtime.redis_registry import RedisRegistry
-        registry = RedisRegistry("redis://127.0.0.1:6379/0", prefix=args.redis_prefix, ttl_s=args.ttl)
+        registry = RedisRegistry("redis://127.0.0.1:6379/0", secret=args.secret, prefix=args.redis_prefix,
+                                 ttl_s=args.ttl)
     system = ActorSystem(args.name, listen=("127.0.0.1", args.port), secret=args.secret,
                          registry=registry,
                          supervision=Supervision(max_restarts=2, backoff_initial_s=0.01))

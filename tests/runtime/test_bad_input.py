@@ -6,7 +6,7 @@ import asyncio
 import msgspec
 import pytest
 
-from runtime import Actor, ActorDead, ActorSystem, auth
+from runtime import Actor, ActorDead, ActorSystem, auth, seal
 from runtime.codec import HEADER, Auth, Challenge, Welcome, current_frames
 from tests.runtime.wire_messages import RtEcho
 
@@ -42,12 +42,14 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 async def authenticated(server: ActorSystem, secret: str = SECRET):
+    """A raw client past the handshake, and a sealer that writes records the server accepts."""
     reader, writer = await open_raw(server)
     ch = msgspec.msgpack.decode(await read_frame(reader), type=Challenge)
     nonce = auth.new_nonce()
     me = "~raw-client"
     writer.write(frame(msgspec.msgpack.encode(Auth(me, auth.client_proof(secret.encode(), ch.nonce, me), nonce))))
-    return reader, writer
+    to_server, _ = auth.session_keys(secret.encode(), ch.nonce, nonce)
+    return reader, writer, seal.Sealer(to_server, writer)
 
 
 async def closed_by_server(reader: asyncio.StreamReader) -> bool:
@@ -77,7 +79,7 @@ async def test_listener_binds_loopback_by_default(server):
 
 
 async def test_wrong_secret_is_refused(server):
-    reader, writer = await authenticated(server, secret="wrong-secret")
+    reader, writer, _ = await authenticated(server, secret="wrong-secret")
     assert await closed_by_server(reader)
     writer.close()
     client = ActorSystem("intruder", secret="wrong-secret")
@@ -110,20 +112,22 @@ async def test_server_proof_is_checked_by_the_client(server):
     await srv.wait_closed()
 
 
-@pytest.mark.parametrize("kind", ["garbage", "oversized", "unknown_type", "truncated_struct"])
+@pytest.mark.parametrize("kind", ["garbage", "oversized", "oversized_record", "unknown_type", "truncated_struct"])
 async def test_bad_frames_close_only_that_connection(server, kind, capsys):
     await still_serving(server)
-    reader, writer = await authenticated(server)
+    reader, writer, sealed = await authenticated(server)
     await read_frame(reader)   # Welcome
     _, frames = current_frames()
     if kind == "garbage":
-        writer.write(frame(b"\xc1\xff\x00garbage"))
+        sealed.write(frame(b"\xc1\xff\x00garbage"))
     elif kind == "oversized":
-        writer.write(HEADER.pack(10_000_000) + b"x" * 100)
+        sealed.write(HEADER.pack(10_000_000) + b"x" * 100)
+    elif kind == "oversized_record":
+        writer.write(HEADER.pack(seal.RECORD_MAX + 1) + b"x" * 100)
     elif kind == "unknown_type":
-        writer.write(frame(msgspec.msgpack.encode(["tm", "echo", {"type": "NoSuchMessage"}])))
+        sealed.write(frame(msgspec.msgpack.encode(["tm", "echo", {"type": "NoSuchMessage"}])))
     else:
-        writer.write(frame(msgspec.msgpack.encode(["tm", "echo"])))
+        sealed.write(frame(msgspec.msgpack.encode(["tm", "echo"])))
     await writer.drain()
     assert await closed_by_server(reader)
     writer.close()

@@ -49,7 +49,7 @@ async def test_in_memory_registry_shared_by_two_systems():
 
 
 async def test_redis_registry_roundtrip_and_heartbeat(prefix):
-    reg = RedisRegistry(prefix=prefix, ttl_s=0.6)
+    reg = RedisRegistry(secret=SECRET, prefix=prefix, ttl_s=0.6)
     try:
         await reg.register("engine/0", "127.0.0.1:5000", "scheduler")
         await reg.register("engine/1", "127.0.0.1:5001", "scheduler")
@@ -63,12 +63,12 @@ async def test_redis_registry_roundtrip_and_heartbeat(prefix):
     finally:
         await reg.close()
     with pytest.raises(ValueError):
-        RedisRegistry(prefix=prefix, ttl_s=1, heartbeat_s=2)
+        RedisRegistry(secret=SECRET, prefix=prefix, ttl_s=1, heartbeat_s=2)
 
 
 async def test_redis_entry_of_a_killed_node_expires(prefix):
     node = await start_node("--redis-prefix", prefix, "--ttl", "0.5", "--name", "doomed")
-    reg = RedisRegistry(prefix=prefix, ttl_s=5)
+    reg = RedisRegistry(secret=SECRET, prefix=prefix, ttl_s=5)
     client = ActorSystem("client", secret=SECRET, registry=reg)
     await client.start()
     try:
@@ -112,7 +112,7 @@ async def _start_redis(port: int):
 async def test_heartbeat_survives_a_redis_restart():
     port = _free_port()
     redis_proc = await _start_redis(port)
-    reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", prefix="t:", ttl_s=0.6,
+    reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", secret=SECRET, prefix="t:", ttl_s=0.6,
                         socket_timeout_s=0.5, connect_timeout_s=0.5, retries=1)
     try:
         await reg.register("svc", "127.0.0.1:1", "a")
@@ -129,3 +129,27 @@ async def test_heartbeat_survives_a_redis_restart():
         await reg.close()
         redis_proc.kill()
         await redis_proc.wait()
+
+
+async def test_redis_registry_returns_only_entries_signed_with_the_cluster_secret(prefix):
+    reg = RedisRegistry(secret=SECRET, prefix=prefix)
+    other = RedisRegistry(secret="another-secret", prefix=prefix)
+    raw = aioredis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        await reg.register("engines/real", "127.0.0.1:5000", "front")
+        await other.register("engines/other-secret", "127.0.0.1:6666", "front")
+        await raw.set(prefix + "engines/unsigned", b'["127.0.0.1:6666","front"]')
+        await raw.set(prefix + "engines/garbage", b"not json")
+        # A genuine entry copied under another name: the MAC covers the name too.
+        await raw.set(prefix + "engines/moved", await raw.get(prefix + "engines/real"))
+        assert await reg.entries("engines/") == {"engines/real": ("127.0.0.1:5000", "front")}
+        for name in ("engines/other-secret", "engines/unsigned", "engines/garbage", "engines/moved"):
+            assert await reg.lookup(name) is None
+        assert await reg.lookup("engines/real") == ("127.0.0.1:5000", "front")
+        assert await other.entries("engines/") == {"engines/other-secret": ("127.0.0.1:6666", "front")}
+    finally:
+        await other.close()
+        await reg.close()
+        await raw.aclose()
+    with pytest.raises(ValueError):
+        RedisRegistry(secret="", prefix=prefix)
