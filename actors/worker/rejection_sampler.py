@@ -99,8 +99,9 @@ def _verify_row(row: SpecRow) -> list[int]:
     else:
         residual = p[first].clone()
         residual[drafts[first]] = 0
-    if float(residual.sum()) <= 0:
-        # Only reachable through rounding (p == q within float error): p itself is then exact.
+    if not float(residual.sum()) > 0:
+        # Only reachable through rounding (p == q within float error), where p itself is exact, or
+        # from a draft distribution with NaNs in it (not drawn from any distribution: p is the answer).
         residual = p[first]
     return row.draft_token_ids[:first] + [_sample(residual, row.generator)]
 

@@ -17,6 +17,7 @@ import torch
 
 _EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many best tokens before sorting a row
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class SamplingState:
@@ -76,7 +77,7 @@ class Sampler:
         """
         _check(logits, states)
         logprob_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
-        logprobs = _raw_logprobs(logits, states, logprob_rows) if logprob_rows else None
+        logprobs = raw_logprobs(logits, states, logprob_rows) if logprob_rows else None
         penalized = self._penalized(logits, states, None)
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if len(random_rows) < len(states):
@@ -168,12 +169,14 @@ def apply_penalties_(logits: torch.Tensor, states: Sequence[SamplingState],
     out_ids, out_counts = torch.unique(torch.cat(outputs), return_counts=True)
     seen = torch.unique(torch.cat(prompts + [out_ids]))
 
-    def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([float(getattr(s.params, name)) for s in states], device=device)
+    def per_row(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor([float(getattr(s.params, name)) for s in states], dtype=dtype, device=device)
 
-    rep = per_row("repetition_penalty")[seen // vocab]
-    values = flat[seen]
-    flat[seen] = torch.where(values > 0, values / rep, values * rep)
+    # In float64 and saturated: a penalty near 0 (any value > 0 is accepted, 1e-45 included) would
+    # overflow float32 to inf, and inf - inf in the softmax is NaN.
+    rep = per_row("repetition_penalty", torch.float64)[seen // vocab]
+    values = flat[seen].double()
+    flat[seen] = torch.where(values > 0, values / rep, values * rep).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).float()
     freq, pres = per_row("frequency_penalty")[out_ids // vocab], per_row("presence_penalty")[out_ids // vocab]
     flat.index_add_(0, out_ids, -(freq * out_counts.to(flat.dtype) + pres))
     return logits
@@ -190,9 +193,12 @@ def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> Non
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=w.dtype, device=device).unsqueeze(1)
 
+    # Softmax without its normalisation: the best weighs exactly 1. The max goes first, then the
+    # temperature: x / t overflows for a large finite x and a small t, (x - max) / t never does.
+    w.sub_(w.amax(dim=-1, keepdim=True))
     if any(s.params.temperature != 1.0 for s in states):
         w.div_(column([s.params.temperature for s in states]))
-    w.sub_(w.amax(dim=-1, keepdim=True)).exp_()  # softmax without its normalisation: the best weighs 1
+    w.exp_()
     if any(s.uses_min_p for s in states):
         w.masked_fill_(w < column([s.params.min_p for s in states]), 0.0)
     if any(s.top_k for s in states):
@@ -242,13 +248,15 @@ def _inverse_cdf_draw_(w: torch.Tensor, states: Sequence[SamplingState],
     return torch.searchsorted(w, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]):
-    """Returns f(row, token) -> SampledLogprobs from the unmodified logits of `rows`."""
+def raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]):
+    """Returns f(row, token) -> SampledLogprobs from the unmodified logits of `rows`.
+
+    The subtraction is in float64: x - logsumexp overflows float32 for logits far apart."""
     raw = logits[rows].float()
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)
     max_n = max(states[i].num_logprobs for i in rows)
     top_vals, top_ids = raw.topk(min(max_n, raw.shape[1]), dim=-1) if max_n else (raw[:, :0], raw[:, :0].long())
-    top_vals = (top_vals - lse).tolist()
+    top_vals = (top_vals.double() - lse.double()).tolist()
     top_ids = top_ids.tolist()
     lse_list = lse.squeeze(1).tolist()
     where = {i: j for j, i in enumerate(rows)}
