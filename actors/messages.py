@@ -82,9 +82,10 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     index: int                        # which of the n samples
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None         # "stop" | "length" | "abort"
+    finish_reason: str | None         # "stop" | "length" | "abort" (asked for) | "error" (the engine failed)
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None          # with "error": a short message for the client (no traceback)
 
 
 class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -154,11 +155,12 @@ class SeqOutput(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]              # one token, or several when drafted tokens were accepted
     logprobs: list[TokenLogprobs] | None = None
     num_drafted: int = 0              # drafted tokens verified (token_ids holds the accepted ones + 1)
+    error: str | None = None          # this sequence failed (the traceback); token_ids is then empty
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     step_id: int
-    outputs: list[SeqOutput]          # one per scheduled sequence that sampled, in plan order
+    outputs: list[SeqOutput]          # one per scheduled sequence that sampled or failed, in plan order
     forward_s: float = 0.0            # the model forward alone
     compute_s: float = 0.0            # everything the worker thread did: inputs, forward, sampling
 
