@@ -128,7 +128,7 @@ class LocalCompose:
         if argv[0] == "python":
             argv[0] = sys.executable
         elif argv[0] == "redis-cli":
-            argv += ["-p", str(replica.port)]
+            argv[1:1] = ["-p", str(replica.port)]   # options go before the command
         elif argv[0] == "wget" and shutil.which("wget") is None:
             argv = [sys.executable, "-c", f"import urllib.request; urllib.request.urlopen({argv[-1]!r}, timeout=2)"]
         return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0

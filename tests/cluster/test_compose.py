@@ -17,7 +17,8 @@ from tests.cluster import harness as h
 
 COMPOSE = os.path.join(h.ROOT, "compose.yaml")
 DOCKERFILE = os.path.join(h.ROOT, "Dockerfile")
-ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET}
+REDIS_PASSWORD = "0123456789abcdef"
+ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET, "MATINEE_REDIS_PASSWORD": REDIS_PASSWORD}
 
 
 def test_interpolation_follows_compose_rules():
@@ -41,7 +42,9 @@ def test_compose_file_is_valid_under_the_compose_specification():
 
 def test_compose_file_describes_the_cluster():
     with pytest.raises(ValueError, match="MATINEE_CLUSTER_SECRET"):
-        cl.load(COMPOSE, {})   # the secret is required, never defaulted
+        cl.load(COMPOSE, {"MATINEE_REDIS_PASSWORD": REDIS_PASSWORD})   # the secret is required, never defaulted
+    with pytest.raises(ValueError, match="MATINEE_REDIS_PASSWORD"):
+        cl.load(COMPOSE, {"MATINEE_CLUSTER_SECRET": h.SECRET})        # and so is Redis's password
     spec = cl.load(COMPOSE, ENV)
     s = spec["services"]
     assert s["gateway"]["deploy"]["replicas"] == 2
@@ -50,7 +53,10 @@ def test_compose_file_describes_the_cluster():
         assert "/ready" in " ".join(s[name]["healthcheck"]["test"])
     assert s["engine"]["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["engine"])
     assert s["gateway"]["environment"]["MATINEE_PORT"] == str(cl.CONTAINER_PORTS["gateway"])
-    assert s["gateway"]["environment"]["MATINEE_REDIS_URL"] == "redis://redis:6379/0"
+    assert s["redis"]["command"][-2:] == ["--requirepass", REDIS_PASSWORD]
+    assert REDIS_PASSWORD in s["redis"]["healthcheck"]["test"]
+    for name in ("engine", "gateway"):
+        assert s[name]["environment"]["MATINEE_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0"
     assert cl.dockerfile_entrypoint(DOCKERFILE) in (["matinee"], ["python", "-m", "gateway.roles"])
     assert "draft" not in s                                   # optional: only with --profile draft
     draft = cl.load(COMPOSE, ENV, profiles=("draft",))["services"]["draft"]
@@ -80,6 +86,9 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
             stack.start_service(name)
             if "healthcheck" in spec["services"][name]:
                 stack.wait_healthy(name, timeout=240)
+        import redis
+        with pytest.raises(redis.AuthenticationError):   # Redis serves only who knows its password
+            redis.Redis(port=stack.replicas["redis"][0].port).ping()
         front = "lb" if "lb" in spec["services"] else "gateway"
         base = f"http://{stack.address(front)}"
         for i in range(4):   # nginx alternates between the two gateways
