@@ -14,7 +14,9 @@ from runtime.codec import HEADER
 TAG_BYTES = 16
 RECORD_PLAIN_MAX = 1 << 20                  # larger writes are split into several records
 RECORD_MAX = RECORD_PLAIN_MAX + TAG_BYTES   # a longer length on the wire is a framing error
-_NONCE = struct.Struct(">4xQ")              # 96-bit GCM nonce: 32 zero bits, 64-bit counter
+_pack_nonce = struct.Struct(">4xQ").pack    # 96-bit GCM nonce: 32 zero bits, 64-bit counter
+_pack_header = HEADER.pack
+_unpack_header = HEADER.unpack_from
 
 
 class RecordTooLarge(ValueError):
@@ -28,19 +30,18 @@ class Sealer:
 
     def __init__(self, key: bytes, transport):
         self.transport = transport
-        self._seal = AESGCM(key).encrypt_into
+        self._seal = AESGCM(key).encrypt
         self._count = 0
 
-    def write(self, data: bytes | bytearray) -> None:
-        view = memoryview(data)
-        for start in range(0, len(view), RECORD_PLAIN_MAX):
-            chunk = view[start:start + RECORD_PLAIN_MAX]
-            head = HEADER.pack(len(chunk) + TAG_BYTES)   # authenticated with the record
-            record = bytearray(4 + len(chunk) + TAG_BYTES)
-            record[:4] = head
-            self._seal(_NONCE.pack(self._count), chunk, head, memoryview(record)[4:])
-            self._count += 1
-            self.transport.write(record)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if len(data) > RECORD_PLAIN_MAX:
+            view = memoryview(data)
+            for start in range(0, len(view), RECORD_PLAIN_MAX):
+                self.write(view[start:start + RECORD_PLAIN_MAX])
+            return
+        head = _pack_header(len(data) + TAG_BYTES)   # authenticated with the record
+        self.transport.write(head + self._seal(_pack_nonce(self._count), data, head))
+        self._count += 1
 
 
 class Opener:
@@ -66,20 +67,22 @@ class Opener:
         out = []
         n = len(data)
         pos = 0
-        with memoryview(data) as view:
-            while n - pos >= 4:
-                size = HEADER.unpack_from(data, pos)[0]
-                if size > RECORD_MAX:
-                    raise RecordTooLarge(f"record of {size} bytes exceeds the cap of {RECORD_MAX}")
-                end = pos + 4 + size
-                if end > n:
-                    break
-                try:
-                    out.append(self._open(_NONCE.pack(self._count), view[pos + 4:end], view[pos:pos + 4]))
-                    self._count += 1
-                except InvalidTag:
-                    self.rejected += 1
-                pos = end
+        view = memoryview(data)
+        while n - pos >= 4:
+            size = _unpack_header(data, pos)[0]
+            if size > RECORD_MAX:
+                view.release()
+                raise RecordTooLarge(f"record of {size} bytes exceeds the cap of {RECORD_MAX}")
+            end = pos + 4 + size
+            if end > n:
+                break
+            try:
+                out.append(self._open(_pack_nonce(self._count), view[pos + 4:end], data[pos:pos + 4]))
+                self._count += 1
+            except InvalidTag:
+                self.rejected += 1
+            pos = end
+        view.release()
         if data is rx:
             del rx[:pos]
         elif pos < n:
