@@ -14,6 +14,7 @@ from actors.draft.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def default_model_path() -> str:
@@ -39,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None      # None: the model's context, capped by what the pool holds
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"       # "priority": requests' `priority` orders them (as in vLLM)
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads for the forward; None: torch's default
     step_timeout_s: float = 600.0         # a forward that takes longer fails its requests
@@ -56,6 +58,9 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                   "step_timeout_s")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -95,7 +95,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         tokenizer = await tokenizer_task
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
-                              max_model_len, eos)
+                              max_model_len, eos, config.scheduling_policy == "priority")
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)

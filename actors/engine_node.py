@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from actors.config import EngineConfig
 from actors.messages import AbortRequest, EngineInfo, GetEngineInfo, GetStats, SubmitRefused, SubmitRequest
 from runtime import Actor, ActorRef, ActorSystem, get_logger
@@ -81,8 +83,7 @@ class EngineFront(Actor):
             case GetEngineInfo():
                 return self.info
             case BeginDrain():
-                self.info = EngineInfo(self.info.engine_id, self.info.max_model_len,
-                                       self.info.block_size, self.info.model, draining=True)
+                self.info = msgspec.structs.replace(self.info, draining=True)
             case _:
                 return await super().receive(msg)
         return None
@@ -122,7 +123,7 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     engine.on_step(publisher.notify)
     tasks = [asyncio.create_task(publisher.run())]
     info = EngineInfo(node.engine_id, engine.max_model_len, engine_config.block_size,
-                      engine_config.model or "")
+                      engine_config.model or "", priority_scheduling=engine_config.scheduling_policy == "priority")
     # A fresh path per run: gateways tell a restarted engine from the one they saw die.
     front = await system.spawn(EngineFront(info, engine.scheduler), name=f"front-{uuid.uuid4().hex[:8]}")
     name = REGISTRY_PREFIX + node.engine_id

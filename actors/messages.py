@@ -280,6 +280,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     block_size: int
     model: str                        # the model path as the engine was started with
     draining: bool = False
+    priority_scheduling: bool = False # requests' `priority` is honoured (else the gateway refuses it)
 
 
 class SubmitRefused(msgspec.Struct, tag=True):

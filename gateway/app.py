@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, internal
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
+from gateway.tenant import tenant_middleware
 from runtime import ActorSystem, get_logger
 
 log = get_logger(component="gateway")
@@ -54,12 +55,21 @@ def auth_middleware(api_key: str):
     return check_key
 
 
+def server_options(config: GatewayConfig) -> dict:
+    """aiohttp server settings for `web.run_app` and `web.AppRunner`. aiohttp closes a connection
+    that has not sent a whole request's headers within keepalive_timeout of connecting (or of its
+    last response), which bounds slow headers; `read_body` bounds the body."""
+    return {"handler_cancellation": True, "keepalive_timeout": config.read_timeout_s,
+            "shutdown_timeout": 30.0}
+
+
 def create_app(config: GatewayConfig, launcher: EngineLauncher,
                system: ActorSystem | None = None) -> web.Application:
     """`launcher(system)` starts or reaches an engine; `system` defaults to a new one."""
     middlewares = [errors_middleware]
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
+    middlewares.append(tenant_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[STATE] = GatewayState(config=config, launcher=launcher, system=system)
     app.add_routes(ROUTES)

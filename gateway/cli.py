@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20)
     http.add_argument("--ping-interval", type=float, default=15.0,
                       help="seconds of silence before a stream gets a `: ping` comment")
+    http.add_argument("--read-timeout", type=float, default=30.0,
+                      help="seconds a client has to send a request's headers, and then its body")
     eng = s.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     eng.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes for the KV cache (e.g. 2GiB)")
     eng.add_argument("--num-blocks", type=int, default=None, help="KV pool size exactly")
     eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                     help="priority: requests' `priority` field orders them (lower first); fcfs refuses it")
     eng.add_argument("--num-threads", type=int, default=None,
                      help="torch threads for the forward pass (default: torch's own choice)")
     eng.add_argument("--log-level", default="INFO")
@@ -106,7 +110,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
                 num_blocks=args.num_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                num_threads=args.num_threads, speculative=speculative_kwargs(args))
+                scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+                speculative=speculative_kwargs(args))
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
+                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                         max_body_bytes=args.max_body_bytes, ping_interval_s=args.ping_interval,
+                         read_timeout_s=args.read_timeout, role=args.role)
 
 
 def curl_line(config: GatewayConfig, model: str) -> str:
@@ -121,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from actors.config import EngineConfig
-    from gateway.app import create_app
+    from gateway.app import create_app, server_options
     from gateway.app_keys import STATE
     from gateway.embedded import embedded_launcher
     from runtime import configure_logging
@@ -132,10 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(args.log_level)
     try:
-        config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
-                               served_model_name=args.served_model_name,
-                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                               ping_interval_s=args.ping_interval, role=args.role)
+        config = gateway_config(args)
         engine_config = EngineConfig(**engine_kwargs(args))
     except ValueError as e:
         print(f"matinee serve: {e}", file=sys.stderr)
@@ -168,8 +177,7 @@ def serve(args: argparse.Namespace) -> int:
         pass
     print(f"matinee: loading the model; listening on http://{config.host}:{config.port} "
           f"(/ready turns 200 when the engine is up)", flush=True)
-    web.run_app(app, host=config.host, port=config.port, handler_cancellation=True, print=None,
-                shutdown_timeout=30.0)
+    web.run_app(app, host=config.host, port=config.port, print=None, **server_options(config))
     return 0
 
 

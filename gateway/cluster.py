@@ -19,7 +19,6 @@ from gateway.engine_pool import EnginePool, PoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pool_metrics import PoolMetrics
 from gateway.state import EngineHandle
-from gateway.tenant import tenant_middleware
 from runtime import ActorSystem
 
 
@@ -77,7 +76,8 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
         if metrics is not None:   # shown once the gateway can serve
             metrics.pool = pool.metrics
         return EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer, max_model_len=info.max_model_len,
-                            model_path=info.model or tokenizer_path, close=close, client=pool)
+                            model_path=info.model or tokenizer_path, close=close, client=pool,
+                            priority_scheduling=info.priority_scheduling)
 
     return launch
 
@@ -86,7 +86,6 @@ def create_cluster_app(config: GatewayConfig, node: GatewayNodeConfig) -> web.Ap
     system = ActorSystem(f"gateway-{socket.gethostname()}", secret=node.secret)
     metrics = ClusterMetrics()
     app = create_app(config, cluster_launcher(node, metrics), system)
-    app.middlewares.append(tenant_middleware)
     app[STATE].metrics = metrics
 
     async def own_system(app: web.Application):

@@ -15,6 +15,7 @@ class GatewayConfig:
     max_waiting: int = 256                 # submitted requests without a first token; more get 429
     max_body_bytes: int = 4 << 20
     ping_interval_s: float = 15.0          # `: ping` on a stream idle this long
+    read_timeout_s: float = 30.0           # a request's headers, and then its body, must arrive within this
     retry_after_s: int = 1
     role: str = "all"
 
@@ -27,6 +28,8 @@ class GatewayConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.ping_interval_s <= 0:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
+        if self.read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.api_key is not None and not self.api_key:

@@ -13,7 +13,8 @@ def engine_handle(engine) -> EngineHandle:
     """An `actors.engine.Engine` as the gateway sees it."""
     return EngineHandle(scheduler=engine.scheduler, tokenizer=engine.tokenizer,
                         max_model_len=engine.max_model_len, model_path=engine.config.model,
-                        close=engine.stop)
+                        close=engine.stop,
+                        priority_scheduling=engine.config.scheduling_policy == "priority")
 
 
 def embedded_launcher(config: EngineConfig) -> EngineLauncher:

@@ -9,11 +9,18 @@ import asyncio
 
 from actors.messages import (AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest,
                              TokenDeltas)
+from gateway.tenant import current_cache_salt
+from prefix_store import TenantSalts
 from runtime import Actor, ActorRef, ActorSystem, Terminated
 
 
 class EngineLost(Exception):
     """Put on every open stream when the engine dies."""
+
+
+class RequestFailed(Exception):
+    """The request failed on the server (the engine failed a sample, or it could not be sent);
+    the message is safe to show the client."""
 
 
 class DeltaReceiver(Actor):
@@ -44,17 +51,18 @@ class EngineClient:
     """Submits requests to one scheduler and hands back a queue of TokenDeltas per request."""
 
     def __init__(self, scheduler: ActorRef, receiver: ActorRef,
-                 queues: dict[str, asyncio.Queue]) -> None:
+                 queues: dict[str, asyncio.Queue], salts: TenantSalts | None = None) -> None:
         self.scheduler = scheduler
         self._receiver = receiver
         self._queues = queues
+        self.salts = salts
 
     @classmethod
-    async def start(cls, system: ActorSystem, scheduler: ActorRef,
-                    name: str = "gateway-receiver") -> EngineClient:
+    async def start(cls, system: ActorSystem, scheduler: ActorRef, name: str = "gateway-receiver",
+                    salts: TenantSalts | None = None) -> EngineClient:
         queues: dict[str, asyncio.Queue] = {}
         receiver = await system.spawn(DeltaReceiver(queues, scheduler), name=name)
-        return cls(scheduler, receiver, queues)
+        return cls(scheduler, receiver, queues, salts)
 
     @property
     def alive(self) -> bool:
@@ -62,10 +70,12 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue, priority: int = 0) -> None:
-        """Deltas for `request_id` go to `queue` until `release(request_id)`."""
+        """Deltas for `request_id` go to `queue` until `release(request_id)`; its prompt blocks
+        are salted for the tenant of the HTTP request being handled."""
         self._queues[request_id] = queue
         self.scheduler.tell(SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                          params=params, reply_to=self._receiver, priority=priority))
+                                          params=params, reply_to=self._receiver, priority=priority,
+                                          cache_salt=current_cache_salt(self.salts)))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort one sample (`index`) or the whole request; the engine frees its blocks."""

@@ -15,10 +15,10 @@ from typing import Any
 from actors.engine_node import REGISTRY_PREFIX
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
                              SubmitRefused, SubmitRequest, TokenDeltas)
-from gateway.engine_client import EngineLost
+from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
-from gateway.tenant import current_api_key
+from gateway.tenant import current_cache_salt
 from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts
 from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 
@@ -141,13 +141,10 @@ class EnginePool:
     def num_open(self) -> int:
         return len(self._requests)
 
-    def tenant_salt(self, api_key: str | None) -> str | None:
-        return self.salts.salt_for(api_key) if self.salts is not None else None
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
         if cache_salt is None:   # the tenant of the HTTP request being handled
-            cache_salt = self.tenant_salt(current_api_key.get())
+            cache_salt = current_cache_salt(self.salts)
         req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))
@@ -187,6 +184,17 @@ class EnginePool:
 
     # ---- routing --------------------------------------------------------------------------
     async def _send(self, req: InflightRequest, resub: Resubmission | None) -> None:
+        """Route and send in a task of the pool's; whatever fails on the way fails this request,
+        so a request is always either sent or answered."""
+        try:
+            await self._route_and_send(req, resub)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("cannot send a request to an engine", request_id=req.request_id)
+            self._fail(req, RequestFailed(f"The request could not be sent to an engine: {exc}"))
+
+    async def _route_and_send(self, req: InflightRequest, resub: Resubmission | None) -> None:
         prompt = req.prompt_token_ids if resub is None else resub.prompt_token_ids
         params = req.params if resub is None else resub.params
         try:
@@ -199,7 +207,7 @@ class EnginePool:
                     if not self.alive:
                         await self._changed.wait()
         except TimeoutError:
-            self._fail(req, "no engine is available to serve the request")
+            self._fail(req, EngineLost("no engine is available to serve the request"))
             return
         if req.finished or req.request_id not in self._requests:
             return
@@ -230,10 +238,10 @@ class EnginePool:
             decision = await self.router.route(hashes, loads)
         return by_id.get(decision.engine_id)
 
-    def _fail(self, req: InflightRequest, why: str) -> None:
+    def _fail(self, req: InflightRequest, error: Exception) -> None:
         entry = self._requests.get(req.request_id)
         if entry is not None:
-            entry[1].put_nowait(EngineLost(why))
+            entry[1].put_nowait(error)
 
     # ---- replies and deaths (from the receiver actor) ---------------------------------------
     def _on_deltas(self, deltas) -> None:

@@ -1,7 +1,8 @@
 """One HTTP request's generation: its prompts' engine requests, their text, usage and metrics.
 
 Turns TokenDeltas into per-choice text deltas (incremental detokenization, stop strings), aborts
-engine requests that are no longer wanted (stop string, disconnect), and never touches HTTP.
+engine requests that are no longer wanted (stop string, disconnect), and never touches HTTP. A
+sample the engine failed ends the whole request with RequestFailed, never a normal-looking finish.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from actors.detokenizer import SampleText
 from actors.messages import SamplingParams, TokenDelta, TokenLogprobs
-from gateway.engine_client import EngineClient, EngineLost
+from gateway.engine_client import EngineClient, EngineLost, RequestFailed
 from gateway.metrics import GatewayMetrics
 
 
@@ -70,7 +71,7 @@ class Generation:
         self._prompts = prompts
         self._open = len(self._subs) * params.n
         self._first_token_at: float | None = None
-        self.waiting = False   # submitted, no token yet: counts toward the gateway's queue limit
+        self.num_waiting = 0   # samples submitted with nothing back yet: the gateway's queue limit
 
     @property
     def done(self) -> bool:
@@ -80,10 +81,11 @@ class Generation:
         self._metrics.queue.observe(time.monotonic() - self._arrival)
         for sub, ids in zip(self._subs.values(), self._prompts):
             self._client.submit(sub.request_id, ids, self._params, self._queue, self._priority)
-        self.waiting = True
+        self.num_waiting = len(self._subs) * self._params.n
 
     async def next(self, timeout: float | None = None) -> list[ChoiceDelta] | None:
-        """The next text deltas, or None when `timeout` passed first. Raises EngineLost."""
+        """The next text deltas, or None when `timeout` passed first. Raises EngineLost or
+        RequestFailed."""
         if timeout is None:
             item = await self._queue.get()
         else:
@@ -98,7 +100,7 @@ class Generation:
         out: list[ChoiceDelta] = []
         now = time.monotonic()
         for it in items:
-            if isinstance(it, EngineLost):
+            if isinstance(it, (EngineLost, RequestFailed)):
                 raise it
             cd = self._apply(it, now)
             if cd is not None:
@@ -110,7 +112,14 @@ class Generation:
         if sub is None or d.index >= len(sub.choices):
             return None
         ch = sub.choices[d.index]
-        ch.started = True
+        if not ch.started:
+            ch.started = True
+            self.num_waiting -= 1
+        if d.finish_reason == "error":
+            ch.finish_reason, ch.engine_done = "error", True
+            self._open -= 1
+            self._metrics.requests_total.inc(1, "error")
+            raise RequestFailed(d.error or "The engine failed to generate this request.")
         if ch.finish_reason is not None:
             ch.engine_done = ch.engine_done or d.finish_reason is not None
             self._send_pending_aborts(sub)
@@ -118,7 +127,6 @@ class Generation:
         m = self._metrics
         if self._first_token_at is None:
             self._first_token_at = now
-            self.waiting = False
             m.ttft.observe(now - self._arrival)
         elif ch.last_t and d.token_ids:
             m.itl.observe(now - ch.last_t)
@@ -168,7 +176,7 @@ class Generation:
                     if c.finish_reason is None:
                         self._metrics.requests_total.inc(1, "abort")
             self._client.release(sub.request_id)
-        self.waiting = False
+        self.num_waiting = 0
         if self._open == 0:
             self._metrics.e2e.observe(time.monotonic() - self._arrival)
 

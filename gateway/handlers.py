@@ -1,7 +1,7 @@
 """POST /v1/chat/completions and /v1/completions: validate, tokenize, generate, respond.
 
 Everything that can fail on bad input is checked before the first byte is written; after that
-an error travels inside the stream as `data: {"error": ...}`.
+an error travels inside the stream as `data: {"error": ...}`, followed by `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway import protocol
 from gateway.app_keys import STATE
-from gateway.engine_client import EngineLost
+from gateway.engine_client import EngineLost, RequestFailed
 from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
@@ -31,31 +31,34 @@ log = get_logger(component="gateway")
 _THREAD_TOKENIZE_CHARS = 8192
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within the size cap and the read timeout (a client that sends half a body
+    gets 408 and its connection closed, instead of holding it forever)."""
+    config = request.app[STATE].config
+    limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"The request body is larger than {limit} bytes.",
                        code="request_too_large")
-    return await request.read()   # past client_max_size aiohttp raises 413, shaped by middleware
+    try:
+        async with asyncio.timeout(config.read_timeout_s):
+            return await request.read()   # past client_max_size aiohttp raises 413, shaped by middleware
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {config.read_timeout_s:g} s.",
+                       code="request_timeout", headers={"Connection": "close"}) from None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    req = protocol.decode(await read_body(request, state.config.max_body_bytes), protocol.ChatRequest)
+    req = protocol.decode(await read_body(request), protocol.ChatRequest)
     protocol.validate_chat(req)
     client, engine = state.require_engine()
     state.check_model(req.model)
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": protocol.message_text(m)} for m in req.messages]
-    try:
-        prompt = await _off_loop(sum(len(m["content"]) for m in messages),
-                                 engine.tokenizer.apply_chat_template, messages, True)
-    except Exception as e:   # a template that rejects this conversation (e.g. role order)
-        raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
+    prompt = await render_chat(engine.tokenizer, req.messages, True)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [prompt], max_tokens, engine.max_model_len, "messages", top)
-    state.check_capacity()
+    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top)
+    state.check_capacity(params.n)
     rid = uuid.uuid4().hex
     fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
@@ -66,17 +69,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    req = protocol.decode(await read_body(request, state.config.max_body_bytes),
-                          protocol.CompletionRequest)
+    req = protocol.decode(await read_body(request), protocol.CompletionRequest)
     protocol.validate_completion(req)
     client, engine = state.require_engine()
     state.check_model(req.model)
     tok = engine.tokenizer
-    prompts = [p if isinstance(p, list) else await _off_loop(len(p), tok.encode, p)
+    prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p)
                for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]
-    params = sampling_params(req, prompts, req.max_tokens, engine.max_model_len, "prompt",
+    params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
                              req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
-    state.check_capacity()
+    state.check_capacity(params.n * len(prompts))
     rid = uuid.uuid4().hex
     fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,
                            params.n * len(prompts), req.logprobs)
@@ -85,10 +87,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
 
 
-async def _off_loop(size: int, fn, *args):
+async def render_chat(tokenizer, messages: list[protocol.ChatMessage],
+                      add_generation_prompt: bool) -> list[int]:
+    """The conversation through the model's chat template, as token ids (off the loop when long)."""
+    msgs = [{"role": "system" if m.role == "developer" else m.role,
+             "content": protocol.message_text(m)} for m in messages]
+    try:
+        return await off_loop(sum(len(m["content"]) for m in msgs),
+                              tokenizer.apply_chat_template, msgs, add_generation_prompt)
+    except Exception as e:   # a template that rejects this conversation (e.g. role order)
+        raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
+
+
+async def off_loop(size: int, fn, *args, **kwargs):
+    """`fn` on a worker thread when its input is long, so other streams keep flowing."""
     if size > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _include_usage(req: protocol._Common) -> bool:
@@ -110,6 +125,8 @@ async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: b
                                 content_type="application/json")
         except EngineLost as e:
             raise unavailable(str(e)) from None
+        except RequestFailed as e:
+            raise internal(str(e)) from None
         finally:
             # Also on cancellation (the client went away): aborts the engine request, frees its KV.
             gen.close()
@@ -136,12 +153,12 @@ async def _stream(request, state: GatewayState, gen: Generation, fmt,
             await sse.send(fmt.usage_event(gen.usage()))
         await sse.done()
     except EngineLost as e:
-        await sse.send(APIError(503, str(e), type="service_unavailable").body())
-        await sse.response.write_eof()
+        await sse.fail(unavailable(str(e)))
+    except RequestFailed as e:
+        await sse.fail(internal(str(e)))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:   # headers are out: the error can only travel inside the stream
         log.exception("stream failed")
-        await sse.send(internal().body())
-        await sse.response.write_eof()
+        await sse.fail(internal())
     return sse.response

@@ -74,8 +74,9 @@ class InflightRequest:
             self.done[index] = True
             if part.index is not None or all(self.done):
                 self.parts.pop(engine_request_id, None)
-        return TokenDelta(self.request_id, index, d.token_ids, d.logprobs, d.finish_reason,
-                          len(self.prompt_token_ids), self.num_cached_tokens)
+        return msgspec.structs.replace(d, request_id=self.request_id, index=index,
+                                       num_prompt_tokens=len(self.prompt_token_ids),
+                                       num_cached_tokens=self.num_cached_tokens)
 
     def abort_targets(self, index: int | None) -> list[tuple[str, str, int | None]]:
         """(engine id, engine request id, sample index or None) to abort for `index` (None: all)."""

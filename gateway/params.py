@@ -1,4 +1,6 @@
-"""From a validated request to the engine's SamplingParams, with the context-length check.
+"""From a validated request to the engine's SamplingParams, with the checks that need the engine:
+the context length, `top_k` against the vocabulary, `priority` only where the engine honours it,
+and the number of sequences one request may add to the queue.
 
 `max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions.
 """
@@ -6,14 +8,16 @@ from __future__ import annotations
 
 from actors.messages import SamplingParams
 from gateway.errors import invalid
-from gateway.protocol import _Common, stop_list
+from gateway.protocol import MAX_SEQUENCES, _Common, stop_list
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None,
-                    max_model_len: int, prompt_param: str, logprobs: int | None,
+def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
+                    prompt_param: str, logprobs: int | None,
                     default_max_tokens: int | None = None) -> SamplingParams:
+    """`engine` is the gateway's EngineHandle (max_model_len, tokenizer, priority_scheduling)."""
+    max_model_len = engine.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
         raise invalid(f"This model's maximum context length is {max_model_len} tokens, but the "
@@ -28,9 +32,20 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
                       f"{prompt_param}, {max_tokens} for the completion). Please reduce the length "
                       f"of the {prompt_param} or the completion.",
                       param=prompt_param, code="context_length_exceeded")
+    n = req.n or 1
+    if n * len(prompts) > MAX_SEQUENCES:
+        raise invalid(f"{len(prompts)} prompts x n={n} is {n * len(prompts)} sequences; at most "
+                      f"{MAX_SEQUENCES} are allowed per request.", param="n")
+    vocab = engine.tokenizer.vocab_size
+    if req.top_k is not None and req.top_k > vocab:
+        raise invalid(f"`top_k` must be at most the vocabulary size ({vocab}), got {req.top_k}.",
+                      param="top_k")
+    if req.priority and not engine.priority_scheduling:
+        raise invalid(f"Got priority {req.priority}, but priority scheduling is not enabled "
+                      "(start the engine with --scheduling-policy priority).", param="priority")
     try:
         return SamplingParams(
-            n=req.n or 1,
+            n=n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,

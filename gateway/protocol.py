@@ -1,7 +1,8 @@
 """OpenAI request bodies as msgspec Structs, and the checks that turn bad input into 400s.
 
 Types are enforced by msgspec while decoding (unknown fields ignored, as OpenAI does); ranges
-and cross-field rules are checked here, each error naming the offending `param`.
+and cross-field rules are checked here, each error naming the offending `param`. Every number a
+client sends is bounded here, so nothing out of range reaches the engine or the cluster wire.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_PROMPTS = 128   # prompts in one completions request
+MAX_SEQUENCES = 128  # prompts x n: the sequences one request may put in the queue
+PRIORITY_RANGE = (-(2 ** 15), 2 ** 15 - 1)
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -98,6 +101,8 @@ def decode(body: bytes, type_: type) -> Any:
         raise invalid(f"Invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as e:
         raise invalid(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:   # msgspec's guard against nesting deep enough to overflow the stack
+        raise invalid("The request body nests too deeply.") from None
 
 
 def _range(value, param: str, lo=None, hi=None, lo_open=False) -> None:
@@ -130,6 +135,7 @@ def validate_common(req: _Common) -> None:
     _range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, lo_open=True)
     _range(req.n, "n", 1, MAX_N)
+    _range(req.priority, "priority", *PRIORITY_RANGE)
     _range(req.max_tokens, "max_tokens", 1)
     if req.seed is not None and not -(2 ** 63) <= req.seed < 2 ** 63:
         raise invalid("`seed` must fit in a signed 64-bit integer.", param="seed")

@@ -113,6 +113,7 @@ def serve_draft(args: argparse.Namespace) -> int:
 def serve_gateway(args: argparse.Namespace, config) -> int:
     from aiohttp import web
 
+    from gateway.app import server_options
     from gateway.cluster import GatewayNodeConfig, create_cluster_app
     from gateway.engine_pool import PoolConfig
     from runtime import configure_logging
@@ -133,15 +134,14 @@ def serve_gateway(args: argparse.Namespace, config) -> int:
         loop = asyncio.new_event_loop()
     print(f"matinee gateway listening on http://{config.host}:{config.port} "
           f"(/ready turns 200 once an engine is found)", flush=True)
-    web.run_app(create_cluster_app(config, node), host=config.host, port=config.port,
-                handler_cancellation=True, print=None, shutdown_timeout=30.0, loop=loop)
+    web.run_app(create_cluster_app(config, node), host=config.host, port=config.port, print=None,
+                loop=loop, **server_options(config))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gateway.roles serve --role ...`: the console script's serve, with the roles."""
-    from gateway.cli import build_parser, engine_kwargs
-    from gateway.config import GatewayConfig
+    from gateway.cli import build_parser, engine_kwargs, gateway_config
 
     parser = build_parser()
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]
@@ -158,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_draft(args)
     if args.role == "gateway":
         try:
-            config = GatewayConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                   served_model_name=args.served_model_name,
-                                   max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                   ping_interval_s=args.ping_interval, role=args.role)
+            config = gateway_config(args)
         except ValueError as e:
             print(f"matinee serve: {e}", file=sys.stderr)
             return 2

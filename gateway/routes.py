@@ -62,20 +62,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
+    """Tokenized exactly as the generation routes do, and off the loop for long text as they are."""
     state = request.app[STATE]
-    req = protocol.decode(await handlers.read_body(request, state.config.max_body_bytes),
-                          protocol.TokenizeRequest)
+    req = protocol.decode(await handlers.read_body(request), protocol.TokenizeRequest)
     _, engine = state.require_engine()
     state.check_model(req.model)
     tok = engine.tokenizer
     if req.messages is not None and req.prompt is None:
-        msgs = [{"role": m.role, "content": protocol.message_text(m)} for m in req.messages]
-        try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:
-            raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
+        ids = await handlers.render_chat(tok, req.messages, req.add_generation_prompt)
     elif req.prompt is not None and req.messages is None:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await handlers.off_loop(len(req.prompt), tok.encode, req.prompt,
+                                      add_special_tokens=req.add_special_tokens)
     else:
         raise invalid("Give exactly one of `prompt` and `messages`.", param="prompt")
     return _json({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
@@ -83,14 +80,15 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = protocol.decode(await handlers.read_body(request, state.config.max_body_bytes),
-                          protocol.DetokenizeRequest)
+    req = protocol.decode(await handlers.read_body(request), protocol.DetokenizeRequest)
     _, engine = state.require_engine()
     state.check_model(req.model)
     vocab = engine.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise invalid(f"Token ids must be in [0, {vocab}).", param="tokens")
-    return _json({"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+    text = await handlers.off_loop(len(req.tokens), engine.tokenizer.decode, req.tokens,
+                                   skip_special_tokens=False)
+    return _json({"prompt": text})
 
 
 ROUTES = [

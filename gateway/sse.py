@@ -34,3 +34,8 @@ class SSEWriter:
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
+
+    async def fail(self, error) -> None:
+        """An error after the headers went out: its event, then [DONE], as vLLM ends such streams."""
+        await self.send(error.body())
+        await self.done()

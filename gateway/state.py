@@ -16,6 +16,7 @@ from gateway.errors import APIError, not_found, unavailable
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.responses import TokenStrings
+from prefix_store import TenantSalts
 from runtime import ActorRef, ActorSystem
 
 
@@ -29,6 +30,7 @@ class EngineHandle:
     model_path: str = ""
     close: Callable[[], Awaitable[None]] | None = None
     client: Any = None                   # a ready client (a cluster's EnginePool); None: one for `scheduler`
+    priority_scheduling: bool = False    # the engine orders requests by `priority`
 
 
 EngineLauncher = Callable[[ActorSystem], Awaitable[EngineHandle]]
@@ -57,7 +59,10 @@ class GatewayState:
     async def connect(self) -> None:
         """Start the engine (or reach it) and the receiver; then the gateway is ready."""
         self.engine = engine = await self.launcher(self.system)
-        self.client = engine.client or await EngineClient.start(self.system, engine.scheduler)
+        # One engine in this process: its prefix cache lives as long as the process, so a random
+        # secret salts tenants apart as the cluster's shared secret does across processes.
+        self.client = engine.client or await EngineClient.start(
+            self.system, engine.scheduler, salts=TenantSalts(os.urandom(32)))
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
             or "matinee"
@@ -81,9 +86,12 @@ class GatewayState:
             return
         raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def check_capacity(self) -> None:
-        waiting = sum(1 for g in self.generations if g.waiting)
-        if waiting >= self.config.max_waiting:
-            raise APIError(429, f"Too many requests waiting ({waiting}); retry later.",
+    def check_capacity(self, num_sequences: int) -> None:
+        """429 unless `num_sequences` more fit under max_waiting: sequences count, not requests,
+        so one request with many prompts and a large `n` cannot fill the queue alone. An empty
+        queue takes any one request (its size is capped per request)."""
+        waiting = sum(g.num_waiting for g in self.generations)
+        if waiting and waiting + num_sequences > self.config.max_waiting:
+            raise APIError(429, f"Too many sequences waiting ({waiting}); retry later.",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)})

@@ -1,13 +1,16 @@
 """The tenant of the request being handled: its API key, for a server-side prefix-cache salt.
 
 A middleware records the bearer token in a context variable for the handler's task; the engine
-pool salts that request's block hashes with it, so tenants never share cached prompt blocks.
+client (one engine or a cluster's pool) salts that request's block hashes with it, so tenants
+never share cached prompt blocks, nor learn from `cached_tokens` what another tenant sent.
 """
 from __future__ import annotations
 
 from contextvars import ContextVar
 
 from aiohttp import web
+
+from prefix_store import TenantSalts
 
 current_api_key: ContextVar[str | None] = ContextVar("current_api_key", default=None)
 
@@ -21,3 +24,8 @@ async def tenant_middleware(request: web.Request, handler):
         return await handler(request)
     finally:
         current_api_key.reset(token)
+
+
+def current_cache_salt(salts: TenantSalts | None) -> str | None:
+    """The cache salt of the request being handled; None without a bearer token."""
+    return salts.salt_for(current_api_key.get()) if salts is not None else None

@@ -29,6 +29,7 @@ class PolicyConfig:
     block_size: int
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    priority_scheduling: bool = False   # off: every request is first come, first served
 
 
 @dataclass
@@ -85,8 +86,9 @@ class SchedulingPolicy:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already in the engine")
         self._arrivals += 1
+        priority = msg.priority if self.cfg.priority_scheduling else 0
         req = RequestState(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.reply_to,
-                           msg.priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
+                           priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
         leader = self._new_seq(req, 0)
         if not msg.prompt_token_ids or req.max_output < 1:
             # Empty, or no room left in the context: nothing can be generated.

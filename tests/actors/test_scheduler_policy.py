@@ -59,7 +59,8 @@ class Harness:
     def __init__(self, num_blocks=256, block_size=4, budget=64, max_seqs=16, max_model_len=512,
                  prefix_caching=True):
         self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, prefix_caching))
-        self.policy = SchedulingPolicy(PolicyConfig(max_seqs, budget, block_size, max_model_len, frozenset({EOS})))
+        self.policy = SchedulingPolicy(PolicyConfig(max_seqs, budget, block_size, max_model_len, frozenset({EOS}),
+                                                    priority_scheduling=True))
         self.model = PagedFake(num_blocks, block_size)
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.finish: dict[tuple[str, int], str] = {}
@@ -161,6 +162,15 @@ def test_preemption_by_recompute_keeps_outputs_exact():
     for i, p in enumerate(ps):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 30)
     h.assert_all_free()
+
+
+def test_priority_is_ignored_unless_priority_scheduling_is_on():
+    """As in vLLM: first come, first served by default; a client's priority orders nothing."""
+    for enabled, order in ((False, ["early", "late-urgent"]), (True, ["late-urgent", "early"])):
+        policy = SchedulingPolicy(PolicyConfig(4, 64, 4, 512, priority_scheduling=enabled))
+        policy.add(SubmitRequest("early", [1, 2, 3], SamplingParams(), "client", 0))
+        policy.add(SubmitRequest("late-urgent", [4, 5, 6], SamplingParams(), "client", -5))
+        assert [s.request.request_id for s in policy.waiting] == order
 
 
 def test_preemption_picks_lowest_priority_then_newest():

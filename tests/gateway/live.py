@@ -13,7 +13,7 @@ from aiohttp import web
 
 from actors.config import EngineConfig
 from actors.messages import GetStats
-from gateway.app import create_app
+from gateway.app import create_app, server_options
 from gateway.app_keys import STATE
 from gateway.config import GatewayConfig
 from gateway.embedded import engine_handle
@@ -66,7 +66,7 @@ class LiveServer:
 
         async def go() -> str:
             app = create_app(config, shared if ready else never)
-            runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+            runner = web.AppRunner(app, **{**server_options(config), "shutdown_timeout": 2.0})
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
