@@ -9,7 +9,7 @@ import pytest
 
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
                              SubmitRequest, TokenDelta, TokenDeltas)
-from gateway.engine_client import EngineLost
+from gateway.engine_client import EngineLost, RequestFailed
 from gateway.engine_pool import EnginePool, PoolConfig
 from prefix_store import PrefixRouter
 from runtime import Actor, ActorSystem, InMemoryRegistry
@@ -175,3 +175,35 @@ async def test_requests_spread_over_the_engines(routing):
     finally:
         await pool.close()
         await system.shutdown()
+
+
+async def test_a_request_that_cannot_be_sent_fails_instead_of_hanging():
+    """Over a real connection: a SubmitRequest that cannot be encoded (a priority past 64 bits) or
+    framed (over the frame cap) fails its request at once, and the pool keeps serving."""
+    registry = InMemoryRegistry()
+    engine_node = ActorSystem("engine-node", listen=0, secret="s3cret", registry=registry)
+    await engine_node.start()
+    gateway = ActorSystem("gateway-node", secret="s3cret", registry=registry, max_frame_bytes=4096)
+    await gateway.start()
+    await engine_node.publish("engines/remote", await engine_node.spawn(ScriptedEngine("remote"), name="front"))
+    pool = EnginePool(gateway, registry, PrefixRouter(None),
+                      PoolConfig(routing="least_loaded", discovery_interval_s=0.05, stats_interval_s=0.05))
+    await pool.start()
+    try:
+        async with asyncio.timeout(5):
+            while not pool.engines:
+                await asyncio.sleep(0.01)
+        for rid, prompt, priority in (("huge-priority", [1, 2], 2 ** 64), ("huge-prompt", [1] * 5000, 0)):
+            queue: asyncio.Queue = asyncio.Queue()
+            pool.submit(rid, prompt, SamplingParams(max_tokens=2), queue, priority)
+            failed = await asyncio.wait_for(queue.get(), 5)
+            assert isinstance(failed, RequestFailed), failed
+            assert "could not be sent" in str(failed)
+            pool.release(rid)
+        queue = asyncio.Queue()
+        pool.submit("fine", [4, 5], SamplingParams(max_tokens=3), queue)
+        assert [t for d in await _collect(queue) for t in d.token_ids] == expected([4, 5], 3)
+    finally:
+        await pool.close()
+        await gateway.shutdown()
+        await engine_node.shutdown()
