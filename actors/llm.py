@@ -26,10 +26,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None                       # "stop" | "length" | "abort"
+    finish_reason: str | None                       # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None            # the stop string or stop token that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: the sampled token's and the top-k logprobs
     cumulative_logprob: float | None = None
+    error: str | None = None                        # with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -55,6 +56,7 @@ class _Pending:
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     stop_reason: list[str | int | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
     num_cached_tokens: int = 0
 
 
@@ -83,7 +85,7 @@ class _Collector(Actor):
                     p.finish[d.index], p.stop_reason[d.index] = "stop", text.stop.matched
                     self.engine.scheduler.tell(AbortRequest(d.request_id, d.index))
             if p.finish[d.index] is None and d.finish_reason is not None:
-                p.finish[d.index] = d.finish_reason
+                p.finish[d.index], p.errors[d.index] = d.finish_reason, d.error
                 if d.finish_reason == "stop" and d.token_ids and d.token_ids[-1] in p.params.stop_token_ids:
                     p.stop_reason[d.index] = d.token_ids[-1]
             if all(f is not None for f in p.finish):
@@ -114,7 +116,11 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: a string, a list of token ids, or a list
-        of either (or dicts with "prompt" / "prompt_token_ids")."""
+        of either (or dicts with "prompt" / "prompt_token_ids").
+
+        A sample the engine failed (as vLLM's FinishReason.ERROR) does not raise: its output has
+        finish_reason "error", the tokens made before the failure and the message in `error`; the
+        other prompts' outputs are unaffected. An empty prompt ends the same way."""
         items = [self._tokenize(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -153,7 +159,7 @@ class LLM:
             texts = [SampleText(self.tokenizer, token_ids, sp.stop) if sp.stop else None for _ in range(n)]
             pending = _Pending(text, token_ids, sp, loop.create_future(), texts, [[] for _ in range(n)],
                                [[] if sp.logprobs is not None else None for _ in range(n)],
-                               [None] * n, [None] * n)
+                               [None] * n, [None] * n, [None] * n)
             self._collector.pending[rid] = pending
             ids.append(rid)
             futures.append(pending.done)
@@ -173,7 +179,8 @@ class LLM:
             cumulative = None
             if lps is not None:
                 cumulative = sum(step[tok] for step, tok in zip(lps, p.tokens[i]))
-            outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative))
+            outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative,
+                                            p.errors[i]))
         return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens)
 
     # --- helpers ---------------------------------------------------------------------------------

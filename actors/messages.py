@@ -248,6 +248,10 @@ class KVFree(msgspec.Struct, tag=True, array_like=True):
     seq_ids: list[int]
 
 
+class KVResetPrefixCache(msgspec.Struct, tag=True):
+    """After a failed step: blocks it hashed at allocation may never have received their KV."""
+
+
 class GetKVStats(msgspec.Struct, tag=True):
     pass
 
@@ -293,7 +297,7 @@ class SubmitRefused(msgspec.Struct, tag=True):
 ENGINE_MESSAGES = (
     SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
     StepPlan, StepResult, GetWorkerInfo, WorkerInfo,
-    KVStep, KVStepResult, KVFree, GetKVStats, KVStats, DrainKVEvents, KVEvents,
+    KVStep, KVStepResult, KVFree, KVResetPrefixCache, GetKVStats, KVStats, DrainKVEvents, KVEvents,
 )
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.

@@ -10,8 +10,8 @@ from typing import Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
-from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVStats, KVStep,
-                             KVStepResult)
+from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVResetPrefixCache,
+                             KVStats, KVStep, KVStepResult)
 from runtime import Actor
 
 
@@ -86,6 +86,9 @@ class KVManagerActor(Actor):
                 return apply_kv_step(self.kv, msg)
             case KVFree(seq_ids=seq_ids):
                 _free(self.kv, seq_ids)
+                return None
+            case KVResetPrefixCache():
+                self.kv.reset_prefix_cache()
                 return None
             case GetKVStats():
                 return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
@@ -20,6 +20,19 @@ from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, KVTr
                              ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
+
+
+# What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
+SEQUENCE_FAILED = "internal error: the engine failed while generating this sequence"
+EMPTY_PROMPT = "the prompt is empty"
+
+
+class SeqFailure(NamedTuple):
+    """A sequence the worker failed: the engine logs `detail` (a traceback) with the request id."""
+
+    request_id: str
+    index: int
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -89,41 +102,27 @@ class SchedulingPolicy:
         priority = msg.priority if self.cfg.priority_scheduling else 0
         req = RequestState(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.reply_to,
                            priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
-        leader = self._new_seq(req, 0)
-        if not msg.prompt_token_ids or req.max_output < 1:
-            # Empty, or no room left in the context: nothing can be generated.
-            self._emit(leader, [], None, "length" if msg.prompt_token_ids else "abort")
+        if not msg.prompt_token_ids:  # bad input the front end should have refused
+            self._end_unstarted(req, "error", EMPTY_PROMPT)
             return
+        if req.max_output < 1:  # no room left in the context: nothing can be generated
+            self._end_unstarted(req, "length")
+            return
+        leader = self._new_seq(req, 0)
         self.requests[req.request_id] = req
         self.seqs[leader.seq_id] = leader
         self.counters.prompt_tokens += len(req.prompt_token_ids)
         bisect.insort(self.waiting, leader, key=_key)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
-        """End a request (or one of its samples) now; its blocks go back at once."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        if index is not None and index > 0 and len(req.seqs) < req.params.n:
-            return False  # that sample has not started yet (it forks from sample 0 after the prompt)
-        if index is None or (index == 0 and len(req.seqs) < req.params.n):
-            self.requests.pop(request_id)  # whole request: no sample will be spawned any more
-            targets = req.seqs
-        else:
-            targets = [s for s in req.seqs if s.index == index]
-        ids = {s.seq_id for s in targets}
-        # A pending fork of an aborted child is dropped; one from an aborted parent still happens
-        # (the parent's free waits for it), so its live children keep their shared blocks.
-        self._forks = [(f, c) for f, c in self._forks if f.child_seq_id not in ids]
-        for seq in targets:
-            if seq.status is not SeqStatus.FINISHED:
-                self._retire(seq)
-                self._emit(seq, [], None, "abort")
-        if targets is req.seqs:  # samples never started still get their (only) delta
-            for index in range(len(req.seqs), req.params.n):
-                self._outbox[req.reply_to].append(TokenDelta(req.request_id, index, [], None, "abort",
-                                                             len(req.prompt_token_ids), req.num_cached_tokens))
-        return True
+        """End a request (or one of its samples) now, as its client asked; its blocks go back at once."""
+        return self._end(request_id, index, "abort")
+
+    def fail_all(self, error: str) -> None:
+        """The step failed for every sequence (or nothing fits the pool): every request ends with
+        finish_reason "error" and `error` as its message, and frees its blocks."""
+        for request_id in list(self.requests):
+            self._end(request_id, None, "error", error)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -232,12 +231,19 @@ class SchedulingPolicy:
         out, self._propose = self._propose, None
         return out
 
-    def update(self, result: StepResult) -> None:
+    def update(self, result: StepResult) -> list[SeqFailure]:
+        """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
+        finish_reason "error"), for the caller to log."""
         eos = self.cfg.eos_token_ids
+        failures = []
         for out in result.outputs:
             seq = self.seqs.get(out.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if out.error is not None:
+                failures.append(SeqFailure(seq.request.request_id, seq.index, out.error))
+                self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
+                continue
             reason, kept = None, 0
             for token_id in out.token_ids:
                 kept += 1
@@ -253,11 +259,7 @@ class SchedulingPolicy:
             self._emit(seq, out.token_ids[:kept], logprobs, reason)
             if reason is not None:
                 self._retire(seq)
-
-    def fail_all(self) -> None:
-        """The worker failed a step: every request ends (as aborted) and frees its blocks."""
-        for request_id in list(self.requests):
-            self.abort(request_id)
+        return failures
 
     # --- internals --------------------------------------------------------------------------------
 
@@ -364,10 +366,43 @@ class SchedulingPolicy:
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)
 
-    def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None) -> None:
+    def _end(self, request_id: str, index: int | None, reason: str, error: str | None = None) -> bool:
+        """End a request, or one of its samples, with `reason`. Sample 0 before the others started
+        ends them all: they would have forked from it."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if index is not None and index > 0 and len(req.seqs) < req.params.n:
+            return False  # that sample has not started yet (it forks from sample 0 after the prompt)
+        if index is None or (index == 0 and len(req.seqs) < req.params.n):
+            self.requests.pop(request_id)  # whole request: no sample will be spawned any more
+            targets = req.seqs
+        else:
+            targets = [s for s in req.seqs if s.index == index]
+        ids = {s.seq_id for s in targets}
+        # A pending fork of an ended child is dropped; one from an ended parent still happens
+        # (the parent's free waits for it), so its live children keep their shared blocks.
+        self._forks = [(f, c) for f, c in self._forks if f.child_seq_id not in ids]
+        for seq in targets:
+            if seq.status is not SeqStatus.FINISHED:
+                self._retire(seq)
+                self._emit(seq, [], None, reason, error)
+        if targets is req.seqs:
+            self._end_unstarted(req, reason, error)
+        return True
+
+    def _end_unstarted(self, req: RequestState, reason: str, error: str | None = None) -> None:
+        """Samples that never started still get their (only) delta."""
+        for index in range(len(req.seqs), req.params.n):
+            self._outbox[req.reply_to].append(TokenDelta(req.request_id, index, [], None, reason,
+                                                         len(req.prompt_token_ids), req.num_cached_tokens, error))
+
+    def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
+              error: str | None = None) -> None:
         req = seq.request
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
-                                                     reason, len(req.prompt_token_ids), req.num_cached_tokens))
+                                                     reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                                                     error))
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:

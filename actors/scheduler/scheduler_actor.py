@@ -2,7 +2,8 @@
 
 A step is: schedule (one KV transaction), run (the worker's forward, awaited in a task this actor
 owns, so Submit and Abort keep arriving meanwhile), update, emit. It never polls: with no work
-it simply waits for the next message.
+it simply waits for the next message. A failed step ends its requests with finish_reason "error",
+never "abort", and the engine goes on.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Any
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
-from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, KVFree, StepPlan, StepResult,
-                             SubmitRequest, TokenDeltas)
+from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, KVFree, KVResetPrefixCache, StepPlan,
+                             StepResult, SubmitRequest, TokenDeltas)
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
-from runtime import Actor, ActorRef
+from runtime import Actor, ActorDead, ActorRef
+
+NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
 
 @dataclass
@@ -78,7 +81,7 @@ class SchedulerActor(Actor):
             plan = await self._schedule()
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
-            self.policy.fail_all()
+            self.policy.fail_all(NOTHING_FITS)
             self._emit()
             return
         self._inflight = asyncio.create_task(self._run(plan, self.policy.take_propose(), started))
@@ -122,10 +125,9 @@ class SchedulerActor(Actor):
     async def _on_step_done(self, done: _StepDone) -> None:
         self._inflight = None
         if done.error is not None:
-            self.context.log.error("step failed", error=repr(done.error))
-            self.policy.fail_all()
+            self._step_failed(done.error)
         else:
-            self.policy.update(done.result)
+            self._update(done.result)
             self.forward_s += done.result.forward_s
             self.compute_s += done.result.compute_s
         wall = time.perf_counter() - done.started
@@ -134,6 +136,20 @@ class SchedulerActor(Actor):
             self.spec.observe_step(*done.decode_shape, wall)   # what drafting costs on this machine
         self._emit()
         await self._maybe_step()
+
+    def _step_failed(self, error: BaseException) -> None:
+        """The step failed for all: every request ends with "error"; the next step starts afresh."""
+        self.context.log.error("step failed", error=repr(error), exc_info=error)
+        self.policy.fail_all(_step_error(error))
+        self.kv.tell(KVResetPrefixCache())  # blocks hashed for this step may never have got their KV
+
+    def _update(self, result: StepResult) -> None:
+        failures = self.policy.update(result)
+        for failed in failures:
+            self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
+                                   error=failed.detail)
+        if failures:  # as for a failed step, for the blocks the failed sequences hashed
+            self.kv.tell(KVResetPrefixCache())
 
     def _emit(self) -> None:
         """Blocks of finished sequences go back at once; deltas go out, one message per front end."""
@@ -162,6 +178,15 @@ class SchedulerActor(Actor):
             spec_decode_num_drafts=c.spec_num_drafts,
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0)
+
+
+def _step_error(error: BaseException) -> str:
+    """What every request of a failed step is told; the cause itself goes to the log only."""
+    if isinstance(error, TimeoutError):
+        return "internal error: the engine step timed out"
+    if isinstance(error, ActorDead):
+        return "internal error: the model worker stopped"
+    return "internal error: the engine step failed"
 
 
 def _decode_shape(plan: StepPlan) -> tuple[int, int] | None:

@@ -3,12 +3,14 @@ tokens) on its own compute thread.
 
 A thin shell around ModelRunner and the sampler. The model is built (see `build_runner`), and every
 forward runs, on one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
+A failure traced to some sequences of a step ends those alone; the rest of the batch goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,7 +22,7 @@ from actors.messages import (GetWorkerInfo, ScheduledSeq, SeqOutput, StepPlan, S
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
-from actors.worker.sampler import Sampler, SamplingState
+from actors.worker.sampler import Sampler, SamplingState, raw_logprobs
 from runtime import Actor
 
 
@@ -61,17 +63,46 @@ class WorkerActor(Actor):
         return await super().receive(msg)
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Runs on the compute thread."""
+        """Runs on the compute thread. When the batch fails, the sequences that fail on their own end
+        alone (their SeqOutput carries the error) and the rest run again without them; only a step
+        where every one of several sequences fails raises."""
         t0 = time.perf_counter()
         for sid in plan.finished_seq_ids:
             self.states.pop(sid, None)
         for new in plan.new_seqs:
             self.states[new.seq_id] = SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device)
+        rng = self._rng_snapshot(plan.seqs)
+        failed: dict[int, str] = {}
+        try:
+            tokens = self._run(plan.seqs)
+        except Exception:
+            failed = self._isolate(plan.seqs, rng)
+            rest = [s for s in plan.seqs if s.seq_id not in failed]
+            if not rest and len(failed) > 1:
+                raise  # not one sequence runs: the step itself is broken
+            # Running the others again rewrites the same KV slots with the same values.
+            tokens = self._run(rest) if rest else {}
+        vocab = self.runner.model_config.vocab_size
+        outputs = []
+        for s in plan.seqs:
+            error = failed.get(s.seq_id)
+            if error is None and s.sample:
+                out, logprobs = tokens[s.seq_id]
+                error = _outside_vocab(out, vocab)
+            if error is not None:
+                outputs.append(SeqOutput(s.seq_id, [], None, len(s.spec_token_ids), error))
+            elif s.sample:
+                self.states[s.seq_id].append(out)
+                outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids)))
+        return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+
+    def _run(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """One forward over `seqs`, then sampling or verification: the tokens of those that sample."""
         # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts.
         batch = ForwardBatch([SequenceInput(s.token_ids + s.spec_token_ids, s.start_pos, s.block_table,
-                                            len(s.spec_token_ids) + 1 if s.sample else 0) for s in plan.seqs])
+                                            len(s.spec_token_ids) + 1 if s.sample else 0) for s in seqs])
         logits = self.runner.execute(batch)
-        sampled = [s for s in plan.seqs if s.sample]
+        sampled = [s for s in seqs if s.sample]
         starts, row = [], 0          # each sampled sequence's first logits row
         for s in sampled:
             starts.append(row)
@@ -79,12 +110,30 @@ class WorkerActor(Actor):
         tokens: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
         self._sample_plain(logits, [(s, r) for s, r in zip(sampled, starts) if not s.spec_token_ids], tokens)
         self._verify(logits, [(s, r) for s, r in zip(sampled, starts) if s.spec_token_ids], tokens)
-        outputs = []
-        for s in sampled:
-            out, logprobs = tokens[s.seq_id]
-            self.states[s.seq_id].append(out)
-            outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids)))
-        return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+        return tokens
+
+    def _isolate(self, seqs: list[ScheduledSeq], rng: list[tuple[torch.Generator, torch.Tensor]]) -> dict[int, str]:
+        """After a failed batch: the sequences that fail when run alone, with their tracebacks. The
+        random generators go back to where the step found them, so the retry draws what it would have."""
+        if len(seqs) == 1:  # alone in its step, the failure is its own
+            return {seqs[0].seq_id: traceback.format_exc()}
+        failed = {}
+        for s in seqs:
+            try:
+                self._run([s])
+            except Exception:
+                failed[s.seq_id] = traceback.format_exc()
+        for generator, state in rng:
+            generator.set_state(state)
+        return failed
+
+    def _rng_snapshot(self, seqs: list[ScheduledSeq]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        generators = [self._generator]
+        for s in seqs:
+            state = self.states.get(s.seq_id)
+            if state is not None and state.generator is not None:
+                generators.append(state.generator)
+        return [(g, g.get_state()) for g in generators]
 
     def _sample_plain(self, logits: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]], into: dict) -> None:
         """One token per sequence without drafts, from its logits row."""
@@ -107,14 +156,19 @@ class WorkerActor(Actor):
         emitted = verify_logits(self._sampler, picked, items, self._generator)
         offset = 0
         for (s, _), item, out in zip(seqs, items, emitted):
-            n = item.state.num_logprobs
-            into[s.seq_id] = (out, None if n is None else _raw_logprobs(picked[offset:offset + len(out)], out, n))
+            into[s.seq_id] = (out, _verified_logprobs(picked[offset:offset + len(out)], item.state, out))
             offset += len(s.spec_token_ids) + 1
 
 
-def _raw_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
-    """The sampler's raw logprobs (log_softmax of the unmodified logits) for verified positions."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top_vals, top_ids = logp.topk(min(n, logp.shape[1]), dim=-1) if n else (logp[:, :0], logp[:, :0].long())
-    return [TokenLogprobs(t, float(logp[j, t]), list(zip(top_ids[j].tolist(), top_vals[j].tolist())))
-            for j, t in enumerate(token_ids)]
+def _verified_logprobs(logits: torch.Tensor, state: SamplingState, token_ids: list[int]) -> list[TokenLogprobs] | None:
+    """The sampler's raw logprobs for verified positions, one row per emitted token."""
+    if state.num_logprobs is None:
+        return None
+    for_row = raw_logprobs(logits, [state] * len(token_ids), list(range(len(token_ids))))
+    return [TokenLogprobs(*for_row(j, t)) for j, t in enumerate(token_ids)]
+
+
+def _outside_vocab(token_ids: list[int], vocab: int) -> str | None:
+    """A token the sampler must never give; it ends its own sequence, never the step."""
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    return f"sampled token {bad[0]} is outside the vocabulary [0, {vocab})" if bad else None

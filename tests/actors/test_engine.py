@@ -23,6 +23,7 @@ class Sink(Actor):
     def __init__(self):
         self.tokens: dict[tuple[str, int], list[int]] = {}
         self.finish: dict[tuple[str, int], str] = {}
+        self.errors: dict[tuple[str, int], str | None] = {}
         self.messages = 0
         self.changed = asyncio.Event()
 
@@ -35,6 +36,7 @@ class Sink(Actor):
             self.tokens.setdefault(key, []).extend(d.token_ids)
             if d.finish_reason is not None:
                 self.finish[key] = d.finish_reason
+                self.errors[key] = d.error
         self.changed.set()
 
     async def wait(self, pred, timeout=60.0):
@@ -133,7 +135,8 @@ async def test_unknown_abort_and_duplicate_ids_are_harmless(engine):
     eng.scheduler.tell(SubmitRequest("dup", [7, 8], p, ref))
     eng.scheduler.tell(SubmitRequest("empty", [], p, ref))
     await sink.wait(lambda: ("dup", 0) in sink.finish and ("empty", 0) in sink.finish)
-    assert len(sink.tokens[("dup", 0)]) == 4 and sink.finish[("empty", 0)] == "abort"
+    assert len(sink.tokens[("dup", 0)]) == 4 and sink.finish[("empty", 0)] == "error"
+    assert sink.errors[("empty", 0)] == "the prompt is empty"
 
 
 async def test_step_hook_and_kv_events_for_the_prefix_index(engine):
