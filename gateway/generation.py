@@ -115,11 +115,13 @@ class Generation:
         if not ch.started:
             ch.started = True
             self.num_waiting -= 1
-        if d.finish_reason == "error":
+        if ch.finish_reason is None and d.finish_reason in ("error", "abort"):
+            # Failed by the engine, or aborted without this request asking (its own aborts come
+            # after the sample finished here): either way the client hears of an error.
             ch.finish_reason, ch.engine_done = "error", True
             self._open -= 1
             self._metrics.requests_total.inc(1, "error")
-            raise RequestFailed(d.error or "The engine failed to generate this request.")
+            raise RequestFailed(d.error or "The engine ended this request before it finished.")
         if ch.finish_reason is not None:
             ch.engine_done = ch.engine_done or d.finish_reason is not None
             self._send_pending_aborts(sub)

@@ -2,7 +2,7 @@
 carries an error event, and the next good request is served.
 
 Bodies mix the fields the API knows, filled with plausible values and with junk (huge and
-negative numbers, NaN, wrong types, deep nesting), plus bytes that are not JSON at all. The
+negative numbers, NaN, wrong types, nested junk), plus bytes that are not JSON at all. The
 number of examples is bounded so the test takes seconds.
 """
 import json

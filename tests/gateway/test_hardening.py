@@ -180,11 +180,13 @@ def test_half_sent_body_gets_408_and_is_closed(impatient):
 
 
 class FailingProxy(Actor):
-    """Stands in front of the real scheduler and, after each request's first delta, reports that
-    the engine failed it (as the engine does when a sample cannot be computed)."""
+    """Stands in front of the real scheduler and, after each request's first delta, ends it with
+    `reason`: "error" as the engine does when a sample cannot be computed, or an "abort" the
+    gateway never asked for."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, reason: str) -> None:
         self.target = target
+        self.reason = reason
         self.reply_to: dict[str, object] = {}
 
     async def receive(self, msg):
@@ -199,36 +201,44 @@ class FailingProxy(Actor):
                         continue
                     to.tell(TokenDeltas([d]))
                     if d.finish_reason is None:
+                        error = "The engine could not compute this sample." if self.reason == "error" else None
                         to.tell(TokenDeltas([msgspec.structs.replace(
-                            d, token_ids=[], logprobs=None, finish_reason="error",
-                            error="The engine could not compute this sample.")]))
+                            d, token_ids=[], logprobs=None, finish_reason=self.reason, error=error)]))
                     self.target.tell(AbortRequest(d.request_id))
             case _:
                 return await self.target.ask(msg)
 
 
-@pytest.fixture(scope="module")
-def failing(tiny_servers):
+@pytest.fixture(scope="module", params=["error", "abort"])
+def failing(tiny_servers, request):
     live = tiny_servers.live
-    proxy = live.run(live.engine.system.spawn(FailingProxy(live.engine.scheduler), name="failing-proxy"))
-    return live.add_app(GatewayConfig(served_model_name="tiny"), scheduler=proxy)
+    proxy = FailingProxy(live.engine.scheduler, request.param)
+    ref = live.run(live.engine.system.spawn(proxy, name=f"failing-proxy-{request.param}"))
+    return live.add_app(GatewayConfig(served_model_name="tiny"), scheduler=ref), request.param
+
+
+def _failure_message(reason: str) -> str:
+    return ("The engine could not compute this sample." if reason == "error"
+            else "The engine ended this request before it finished.")
 
 
 def test_a_failed_stream_ends_with_an_error_event_then_done(failing):
+    failing, reason = failing
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": 20, "ignore_eos": True, "stream": True}
     r = _post(failing, "/v1/completions", body)
     assert r.status_code == 200
     data = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert data[-1] == "[DONE]"
     err = json.loads(data[-2])["error"]
-    assert err["type"] == "internal_server_error" and err["message"] == "The engine could not compute this sample."
+    assert err["type"] == "internal_server_error" and err["message"] == _failure_message(reason)
     assert all(c["finish_reason"] is None for d in map(json.loads, data[:-2]) for c in d["choices"])
 
 
 def test_a_failed_request_is_a_500_not_a_finish(failing):
+    failing, reason = failing
     r = _post(failing, "/v1/chat/completions", {**CHAT, "max_tokens": 20, "ignore_eos": True})
     assert r.status_code == 500
-    assert r.json()["error"]["message"] == "The engine could not compute this sample."
+    assert r.json()["error"]["message"] == _failure_message(reason)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
