@@ -2,10 +2,11 @@
 forwards the handshake untouched, then injects forged frames and replays records. The traffic
 still arrives exactly as sent, nothing injected is delivered, and the relay reads nothing."""
 import asyncio
+import contextlib
 
 import msgspec
 
-from runtime import Actor, ActorSystem, register_messages
+from runtime import Actor, ActorSystem, register_messages, seal
 from runtime.codec import HEADER, ReplyAny, current_frames
 from tests.runtime.relay import TO_CLIENT, TO_SERVER, Relay
 from tests.runtime.wire_messages import RtEcho
@@ -63,9 +64,10 @@ class Attacker:
         return out
 
 
-async def test_a_relay_without_the_secret_learns_nothing_and_changes_nothing():
-    attacker = Attacker()
-    relay = Relay(attacker)
+@contextlib.asynccontextmanager
+async def through_relay(tamper=None):
+    """A far node that advertises the relay's address, and a near node that reaches it there."""
+    relay = Relay(tamper)
     port = await relay.start()
     far = ActorSystem("far", listen=0, secret=SECRET, advertise=f"127.0.0.1:{port}")
     near = ActorSystem("near", secret=SECRET)
@@ -75,7 +77,16 @@ async def test_a_relay_without_the_secret_learns_nothing_and_changes_nothing():
     try:
         actor = Far()
         await far.spawn(actor, name="far")
-        ref = near.remote_ref(far.address, "far")   # the relay's address: far advertises it
+        yield relay, far, near, actor, near.remote_ref(far.address, "far")
+    finally:
+        await near.shutdown()
+        await far.shutdown()
+        await relay.close()
+
+
+async def test_a_relay_without_the_secret_learns_nothing_and_changes_nothing():
+    attacker = Attacker()
+    async with through_relay(attacker) as (relay, far, near, actor, ref):
         for i in range(20):
             assert await ref.ask(RtEcho(i), timeout=5) == RtEcho(i + 1)
             ref.tell(RelayNote(i, PAYLOAD))
@@ -87,7 +98,12 @@ async def test_a_relay_without_the_secret_learns_nothing_and_changes_nothing():
         assert relay.connections == 1 and attacker.injected == {TO_SERVER: 1, TO_CLIENT: 1}
         assert far.rejected_records >= 2 and near.rejected_records >= 2
         assert PAYLOAD.encode() not in relay.captured
-    finally:
-        await near.shutdown()
-        await far.shutdown()
-        await relay.close()
+
+
+async def test_a_frame_larger_than_a_record_crosses_in_several():
+    async with through_relay() as (relay, _, _, actor, ref):
+        text = PAYLOAD * (3 * seal.RECORD_PLAIN_MAX // len(PAYLOAD))
+        ref.tell(RelayNote(1, text))
+        assert await ref.ask(RtEcho(1), timeout=10) == RtEcho(2)
+        assert actor.notes == [RelayNote(1, text)]
+        assert len(relay.captured) > 3 * seal.RECORD_PLAIN_MAX and PAYLOAD.encode() not in relay.captured
