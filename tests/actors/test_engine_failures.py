@@ -112,6 +112,22 @@ async def test_a_failure_traced_to_one_sequence_ends_it_alone(engine, monkeypatc
     await assert_good_unharmed(eng, sink, folder, eng.draft is not None)
 
 
+@pytest.mark.parametrize("engine", [None], ids=["plain"], indirect=True)
+async def test_a_token_outside_the_vocabulary_ends_its_sequence_alone(engine, monkeypatch):
+    eng, sink, ref, folder = engine
+    sample = Sampler.sample
+
+    def sample_past_the_vocabulary(self, logits, states, *args):
+        out = sample(self, logits, states, *args)
+        return out._replace(token_ids=[logits.shape[1] if int(s.prompt_token_ids[0]) == POISON else t
+                                       for s, t in zip(states, out.token_ids)])
+
+    monkeypatch.setattr(Sampler, "sample", sample_past_the_vocabulary)
+    await run_batch(eng, sink, ref, {**good_requests(), "bad": (poisoned(30, 3), GREEDY)})
+    assert sink.finish[("bad", 0)] == "error" and sink.tokens[("bad", 0)] == []
+    await assert_good_unharmed(eng, sink, folder, False)
+
+
 def breakable_forward(monkeypatch) -> list[bool]:
     """The real forward, failing for every batch while the returned switch is on."""
     execute = ModelRunner.execute
