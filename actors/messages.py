@@ -232,6 +232,7 @@ class KVAdmitted(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int            # prefix-cache hit, capped so one token is always computed
     num_new_tokens: int
     block_table: list[int]
+    reads_from: list[int] = []        # sequences of this step whose blocks the hit maps: hashed, not yet written
 
 
 class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -244,12 +245,17 @@ class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     hit_tokens: int = 0
 
 
+class KVUnwritten(msgspec.Struct, array_like=True, gc=False):
+    """A sequence whose step failed: only its first `num_tokens` positions hold KV. The blocks it
+    hashed past them (at allocation, before the forward) must not serve prefix hits."""
+
+    seq_id: int
+    num_tokens: int
+
+
 class KVFree(msgspec.Struct, tag=True, array_like=True):
     seq_ids: list[int]
-
-
-class KVResetPrefixCache(msgspec.Struct, tag=True):
-    """After a failed step: blocks it hashed at allocation may never have received their KV."""
+    unwritten: list[KVUnwritten] = []  # applied first: failed sequences' blocks leave the prefix cache
 
 
 class GetKVStats(msgspec.Struct, tag=True):
@@ -297,7 +303,7 @@ class SubmitRefused(msgspec.Struct, tag=True):
 ENGINE_MESSAGES = (
     SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
     StepPlan, StepResult, GetWorkerInfo, WorkerInfo,
-    KVStep, KVStepResult, KVFree, KVResetPrefixCache, GetKVStats, KVStats, DrainKVEvents, KVEvents,
+    KVStep, KVStepResult, KVFree, GetKVStats, KVStats, DrainKVEvents, KVEvents,
 )
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.

@@ -57,9 +57,7 @@ class BlockPool:
         for _ in range(n):
             block = self.blocks[self._free.popitem(last=False)[0]]
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                evicted.append(self._unhash(block))
             block.ref_cnt = 1
             taken.append(block)
         if evicted and self._events is not None:
@@ -108,6 +106,12 @@ class BlockPool:
             run_hashes = []
         self._announce(run_hashes, run_start, parent, hashes, token_ids)
 
+    def uncache(self, blocks: list[Block]) -> None:
+        """Take blocks in use out of the prefix cache (their KV cannot be trusted); their holders keep them."""
+        removed = [self._unhash(block) for block in blocks if block.block_hash is not None]
+        if removed and self._events is not None:
+            self._events.removed(removed)
+
     def clear_hashes(self) -> None:
         """Forget every cached hash; blocks in use keep their KV, free ones become plain free."""
         for block in self._cached.values():
@@ -119,6 +123,11 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Free queue in eviction order (head first); for tests and debugging."""
         return list(self._free)
+
+    def _unhash(self, block: Block) -> BlockHash:
+        block_hash, block.block_hash = block.block_hash, None
+        del self._cached[block_hash]
+        return block_hash
 
     def _announce(self, run: list[BlockHash], start: int, parent: BlockHash | None,
                   hashes: list[BlockHash], token_ids: list[int]) -> None:

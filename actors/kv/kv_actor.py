@@ -10,8 +10,8 @@ from typing import Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
-from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVResetPrefixCache,
-                             KVStats, KVStep, KVStepResult)
+from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVStats, KVStep,
+                             KVStepResult)
 from runtime import Actor
 
 
@@ -37,6 +37,7 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if grow.new_token_ids and grow.seq_id not in unforked:
             kv.append_token_ids(str(grow.seq_id), grow.new_token_ids)
     grown, grow_failed = [], False
+    writers: dict[int, int] = {}  # block id -> the sequence whose KV this step writes into it
     for grow in msg.grows:
         if grow.seq_id in unforked:
             grown.append([])
@@ -46,9 +47,10 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if not kv.can_allocate(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead):
             grow_failed = True
             break
-        before = len(kv.block_table(rid))
+        before, start = len(kv.block_table(rid)), kv.num_computed_tokens(rid)
         kv.allocate_slots(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead)
         grown.append(kv.block_table(rid)[before:])
+        _note_writes(writers, kv, grow.seq_id, start)
     admitted, budget = [], msg.token_budget
     stats_before = kv.stats
     for admit in [] if grow_failed else msg.admits:
@@ -60,12 +62,31 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if not kv.can_allocate(rid, num_new, hit=hit):
             break  # first come, first served: nobody jumps a request that does not fit
         kv.allocate_slots(rid, num_new, hit=hit)
-        admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(rid)))
+        # Blocks hashed at allocation get their KV in this step's forward: a hit on them is good only
+        # if their writer's step succeeds.
+        reads_from = sorted({writers[b] for b in hit.block_ids if b in writers})
+        admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(rid), reads_from))
+        _note_writes(writers, kv, admit.seq_id, hit.num_computed_tokens)
         budget -= num_new
     stats = kv.stats
     return KVStepResult(fork_tables, grown, grow_failed, admitted, kv.num_free_blocks,
                         stats.queried_tokens - stats_before.queried_tokens,
                         stats.hit_tokens - stats_before.hit_tokens)
+
+
+def _note_writes(writers: dict[int, int], kv: KVCacheManager, seq_id: int, start: int) -> None:
+    """The sequence's blocks from the one holding position `start` on get their KV in this step."""
+    for block_id in kv.block_table(str(seq_id))[start // kv.block_size:]:
+        writers[block_id] = seq_id
+
+
+def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
+    """Failed sequences forget the KV their step never wrote, then every listed sequence is freed."""
+    for unwritten in msg.unwritten:
+        rid = str(unwritten.seq_id)
+        if kv.has_request(rid):
+            kv.forget_unwritten(rid, unwritten.num_tokens)
+    _free(kv, msg.seq_ids)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
@@ -84,11 +105,8 @@ class KVManagerActor(Actor):
         match msg:
             case KVStep():
                 return apply_kv_step(self.kv, msg)
-            case KVFree(seq_ids=seq_ids):
-                _free(self.kv, seq_ids)
-                return None
-            case KVResetPrefixCache():
-                self.kv.reset_prefix_cache()
+            case KVFree():
+                apply_kv_free(self.kv, msg)
                 return None
             case GetKVStats():
                 return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)

@@ -117,6 +117,22 @@ class KVCacheManager:
         seq.num_cached_blocks = min(seq.num_cached_blocks, num_tokens // self.block_size)
         self._cache_full_blocks(seq)
 
+    def forget_unwritten(self, request_id: str, num_written: int) -> None:
+        """The step that was to write the sequence's KV past its first `num_written` positions
+        failed: the blocks holding any of those positions leave the prefix cache (announced as
+        removed, like an eviction), and only `num_written` positions count as computed.
+
+        Blocks wholly before them keep their hashes: earlier steps wrote them, or they were the
+        prefix hits the sequence started from.
+        """
+        seq = self._seq(request_id)
+        if not 0 <= num_written <= seq.num_computed:
+            raise ValueError(f"{request_id!r} has {seq.num_computed} computed positions, not {num_written}")
+        first = num_written // self.block_size
+        self._pool.uncache(seq.blocks[first:])
+        seq.num_computed = num_written
+        seq.num_cached_blocks = min(seq.num_cached_blocks, first)
+
     # ---- n > 1 sampling ---------------------------------------------------------------------
 
     def can_fork(self, src_id: str, num_tokens: int | None = None) -> bool:

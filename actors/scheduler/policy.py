@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
-from actors.messages import (KVAdmit, KVFork, KVGrow, KVStep, KVStepResult, KVTrim, NewSequence,
-                             ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
+from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVStep, KVStepResult, KVTrim, KVUnwritten,
+                             NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 
@@ -68,6 +69,17 @@ class _Step:
     admits: list[Sequence] = field(default_factory=list)
     fork_children: list[Sequence] = field(default_factory=list)
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    readers: dict[int, list[int]] = field(default_factory=dict)   # see _InFlight
+
+
+@dataclass
+class _InFlight:
+    """The step the worker is computing, between plan() and its outcome: what a failure leaves unwritten."""
+
+    starts: dict[int, int] = field(default_factory=dict)   # seq id -> positions whose KV it had before
+    # seq id -> admitted sequences whose prefix hit maps blocks it writes in this step: their KV
+    # exists only if it succeeds
+    readers: dict[int, list[int]] = field(default_factory=dict)
 
 
 class SchedulingPolicy:
@@ -88,6 +100,8 @@ class SchedulingPolicy:
         self._released: list[int] = []         # sequences whose sampler state the worker drops
         self._outbox: dict[Any, list[TokenDelta]] = defaultdict(list)
         self._step = _Step()
+        self._in_flight = _InFlight()
+        self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
         self._propose: Propose | None = None   # the draft worker's share of the planned step
         self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
@@ -115,12 +129,16 @@ class SchedulingPolicy:
         bisect.insort(self.waiting, leader, key=_key)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
-        """End a request (or one of its samples) now, as its client asked; its blocks go back at once."""
+        """End a request (or one of its samples) now, as its client asked; its blocks go back as soon
+        as no step is computing them."""
         return self._end(request_id, index, "abort")
 
     def fail_all(self, error: str) -> None:
         """The step failed for every sequence (or nothing fits the pool): every request ends with
-        finish_reason "error" and `error` as its message, and frees its blocks."""
+        finish_reason "error" and `error` as its message, and frees its blocks, forgetting the KV
+        the step was to write."""
+        step = self._take_in_flight()
+        self._forget_unwritten(step, step.starts)
         for request_id in list(self.requests):
             self._end(request_id, None, "error", error)
 
@@ -131,9 +149,15 @@ class SchedulingPolicy:
         out, self._outbox = self._outbox, defaultdict(list)
         return out
 
-    def take_frees(self) -> list[int]:
-        out, self._frees = self._frees, []
-        return out
+    def take_frees(self) -> KVFree | None:
+        """Blocks of ended sequences to give back, failed ones with the KV their step never wrote.
+        Held while a step is in flight (nothing allocates meanwhile): its outcome decides what the
+        blocks of a sequence aborted during it hold."""
+        if self._in_flight.starts or not (self._frees or self._unwritten):
+            return None
+        msg = KVFree(self._frees, self._unwritten)
+        self._frees, self._unwritten = [], []
+        return msg
 
     # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
 
@@ -184,6 +208,8 @@ class SchedulingPolicy:
                 return KVStep([], [], [self._grow_msg(s, n) for s, n in left], [], 0)
             return self._preempt_and_retry(left)
         for seq, adm in zip(step.admits, res.admitted):
+            for writer in adm.reads_from:
+                step.readers.setdefault(writer, []).append(seq.seq_id)
             self.waiting.remove(seq)
             seq.block_table = list(adm.block_table)
             seq.num_computed = adm.num_cached_tokens
@@ -195,7 +221,7 @@ class SchedulingPolicy:
         return None
 
     def plan(self) -> StepPlan:
-        seqs, new, drafts = [], [], []
+        seqs, new, drafts, starts = [], [], [], {}
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if not seq.known_to_worker:
@@ -208,9 +234,11 @@ class SchedulingPolicy:
                 drafts.append(DraftInput(seq.seq_id, scheduled.token_ids, start, scheduled.block_table,
                                          seq.spec_k if scheduled.sample else 0))
             seq.num_computed = end
-        self._step = _Step()
+            starts[seq.seq_id] = start
+        readers, self._step = self._step.readers, _Step()
         if not seqs:  # nothing runs: keep the releases for the next real step
             return StepPlan(self._step_id, [], [], [])
+        self._in_flight = _InFlight(starts, readers)
         self._step_id += 1
         self.counters.steps += 1
         self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size
@@ -233,17 +261,16 @@ class SchedulingPolicy:
 
     def update(self, result: StepResult) -> list[SeqFailure]:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
-        finish_reason "error"), for the caller to log."""
+        finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
+        step = self._take_in_flight()
+        failed = _failed_in(result, step)
+        self._forget_unwritten(step, failed)
+        failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
         eos = self.cfg.eos_token_ids
-        failures = []
         for out in result.outputs:
             seq = self.seqs.get(out.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            if out.error is not None:
-                failures.append(SeqFailure(seq.request.request_id, seq.index, out.error))
-                self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
-                continue
+                continue  # failed, or aborted or preempted while the step ran
             reason, kept = None, 0
             for token_id in out.token_ids:
                 kept += 1
@@ -262,6 +289,22 @@ class SchedulingPolicy:
         return failures
 
     # --- internals --------------------------------------------------------------------------------
+
+    def _take_in_flight(self) -> _InFlight:
+        step, self._in_flight = self._in_flight, _InFlight()
+        return step
+
+    def _forget_unwritten(self, step: _InFlight, seq_ids: Iterable[int]) -> None:
+        """The KV of these sequences past where the failed step found it leaves the prefix cache
+        with their free (aborted ones included: their free waited for the step)."""
+        self._unwritten += [KVUnwritten(seq_id, step.starts[seq_id]) for seq_id in seq_ids]
+
+    def _fail(self, seq_id: int, detail: str) -> SeqFailure | None:
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING:
+            return None  # aborted while the step ran
+        self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
+        return SeqFailure(seq.request.request_id, seq.index, detail)
 
     def _choose_spec(self) -> dict[int, int]:
         """k per decoding sequence, capped so that the drafts fit the output and the context."""
@@ -403,6 +446,16 @@ class SchedulingPolicy:
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,
                                                      error))
+
+
+def _failed_in(result: StepResult, step: _InFlight) -> dict[int, str]:
+    """Sequences the worker failed, and those whose prefix hit read the KV one of them never wrote
+    (hashes chain, so every such reader maps a failed sequence's block itself): seq id -> detail."""
+    failed = {out.seq_id: out.error for out in result.outputs if out.error is not None}
+    for writer in list(failed):
+        for reader in step.readers.get(writer, []):
+            failed.setdefault(reader, f"its prefix hit read KV that failed sequence {writer} never wrote")
+    return failed
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:

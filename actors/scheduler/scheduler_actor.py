@@ -16,8 +16,8 @@ from typing import Any
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
-from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, KVFree, KVResetPrefixCache, StepPlan,
-                             StepResult, SubmitRequest, TokenDeltas)
+from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, StepPlan, StepResult, SubmitRequest,
+                             TokenDeltas)
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
 from runtime import Actor, ActorDead, ActorRef
 
@@ -141,21 +141,19 @@ class SchedulerActor(Actor):
         """The step failed for all: every request ends with "error"; the next step starts afresh."""
         self.context.log.error("step failed", error=repr(error), exc_info=error)
         self.policy.fail_all(_step_error(error))
-        self.kv.tell(KVResetPrefixCache())  # blocks hashed for this step may never have got their KV
 
     def _update(self, result: StepResult) -> None:
         failures = self.policy.update(result)
         for failed in failures:
             self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
                                    error=failed.detail)
-        if failures:  # as for a failed step, for the blocks the failed sequences hashed
-            self.kv.tell(KVResetPrefixCache())
 
     def _emit(self) -> None:
-        """Blocks of finished sequences go back at once; deltas go out, one message per front end."""
+        """Blocks of finished sequences go back (once no step computes them); deltas go out, one
+        message per front end."""
         frees = self.policy.take_frees()
-        if frees:
-            self.kv.tell(KVFree(frees))
+        if frees is not None:
+            self.kv.tell(frees)
         if self.draft is not None:
             released = self.policy.take_draft_released()
             if released:

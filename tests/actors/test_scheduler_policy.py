@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.kv.kv_actor import apply_kv_step
+from actors.kv.kv_actor import apply_kv_free, apply_kv_step
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
 from actors.messages import SamplingParams, SeqOutput, StepPlan, StepResult, SubmitRequest
@@ -94,9 +94,9 @@ class Harness:
         raise AssertionError("did not finish")
 
     def _collect(self):
-        for sid in self.policy.take_frees():
-            if self.kv.has_request(str(sid)):
-                self.kv.free(str(sid))
+        frees = self.policy.take_frees()
+        if frees is not None:
+            apply_kv_free(self.kv, frees)
         for ref, deltas in self.policy.take_deltas().items():
             assert ref == "client"
             for d in deltas:
