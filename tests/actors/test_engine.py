@@ -24,6 +24,7 @@ class Sink(Actor):
         self.tokens: dict[tuple[str, int], list[int]] = {}
         self.finish: dict[tuple[str, int], str] = {}
         self.errors: dict[tuple[str, int], str | None] = {}
+        self.cached: dict[tuple[str, int], int] = {}
         self.messages = 0
         self.changed = asyncio.Event()
 
@@ -34,6 +35,7 @@ class Sink(Actor):
             key = (d.request_id, d.index)
             assert key not in self.finish, "a delta after the finish"
             self.tokens.setdefault(key, []).extend(d.token_ids)
+            self.cached[key] = d.num_cached_tokens
             if d.finish_reason is not None:
                 self.finish[key] = d.finish_reason
                 self.errors[key] = d.error

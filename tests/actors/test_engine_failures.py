@@ -13,7 +13,8 @@ import pytest
 from actors import LLM
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages import GetStats, SamplingParams, SeqOutput, SubmitRequest
+from actors.kv.kv_actor import apply_kv_step
+from actors.messages import GetStats, SamplingParams, SeqOutput, StepPlan, SubmitRequest
 from actors.scheduler.policy import EMPTY_PROMPT, SEQUENCE_FAILED
 from actors.worker.model_runner import ModelRunner
 from actors.worker.sampler import Sampler
@@ -25,6 +26,7 @@ from tests.actors.test_scheduler_policy import Harness, reference
 from tests.actors.test_spec_engine import repetitive
 
 POISON = 3
+GARBAGE = -1  # what a failed forward leaves in the paged fake's KV slots
 STEP_FAILED = "internal error: the engine step failed"
 # Repetitive prompts, so that the n-gram proposer drafts and the rejection sampler verifies.
 GOOD = [repetitive(40, 7, 1), repetitive(33, 5, 2)] + prompts(3, (16, 64))
@@ -171,19 +173,61 @@ async def test_blocks_a_failed_step_never_wrote_are_not_served_from_the_prefix_c
     await assert_good_unharmed(eng, sink, folder, eng.draft is not None)
 
 
+@pytest.mark.parametrize("failure", ["alone", "whole step"])
+async def test_another_tenants_cached_prompt_stays_hot_after_a_failure(engine, monkeypatch, failure):
+    eng, sink, ref, folder = engine
+    broken = breakable_forward(monkeypatch)
+    warm, doomed = GOOD[0], GOOD[1:3] if failure == "whole step" else GOOD[1:2]
+    await run_salted(eng, sink, ref, {"warm": (warm, "tenant-a")})
+    for i, prompt in enumerate(doomed):
+        eng.scheduler.tell(SubmitRequest(f"doomed{i}", prompt, GREEDY, ref, cache_salt="tenant-b"))
+    if failure == "whole step":  # both decode together, then a step fails for both
+        await sink.wait(lambda: all(sink.tokens.get((f"doomed{i}", 0)) for i in range(len(doomed))))
+    broken[0] = True
+    await sink.wait(lambda: all((f"doomed{i}", 0) in sink.finish for i in range(len(doomed))))
+    assert {sink.finish[(f"doomed{i}", 0)] for i in range(len(doomed))} == {"error"}
+    broken[0] = False
+    hits = (await eng.scheduler.ask(GetStats())).prefix_cache_hit_tokens
+    again = {f"again{i}": (p, "tenant-b") for i, p in enumerate(doomed)}
+    await run_salted(eng, sink, ref, {"warm-again": (warm, "tenant-a"), **again})
+    assert sink.cached[("warm-again", 0)] == full_blocks(warm)
+    assert (await eng.scheduler.ask(GetStats())).prefix_cache_hit_tokens - hits >= full_blocks(warm)
+    # A failed prefill wrote none of its blocks; decodes that failed found the prompt's blocks written.
+    assert sink.cached[("again0", 0)] == (full_blocks(doomed[0]) if failure == "whole step" else 0)
+    assert [sink.tokens[(rid, 0)] for rid in ["warm-again", *again]] == hf_greedy(folder, [warm, *doomed])
+
+
+def full_blocks(prompt: list[int]) -> int:
+    """The most of a prompt the prefix cache can serve (blocks of 16, one token left to compute)."""
+    return (len(prompt) - 1) // 16 * 16
+
+
+async def run_salted(eng, sink, ref, batch: dict[str, tuple[list[int], str]]) -> None:
+    for rid, (prompt, salt) in batch.items():
+        eng.scheduler.tell(SubmitRequest(rid, prompt, GREEDY, ref, cache_salt=salt))
+    await sink.wait(lambda: all((rid, 0) in sink.finish for rid in batch), timeout=120)
+
+
 class FailingModel:
     """The policy test's paged fake, except that the sequences in `victims` fail, as the worker
-    reports a sequence it traced a step's failure to."""
+    reports a sequence it traced a step's failure to: their KV slots get garbage, and the rest of
+    the batch runs again without them."""
 
     def __init__(self, model):
         self.model = model
         self.victims: set[int] = set()
 
     def run(self, plan):
-        result = self.model.run(plan)
-        result.outputs = [SeqOutput(o.seq_id, [], None, 0, "Traceback ...") if o.seq_id in self.victims else o
-                          for o in result.outputs]
+        failed = [s for s in plan.seqs if s.seq_id in self.victims]
+        for s in failed:
+            self.model.write(s, [GARBAGE] * len(s.token_ids))
+        rest = [s for s in plan.seqs if s.seq_id not in self.victims]
+        result = self.model.run(StepPlan(plan.step_id, rest, plan.new_seqs, plan.finished_seq_ids))
+        result.outputs += [SeqOutput(s.seq_id, [], None, 0, "Traceback ...") for s in failed]
         return result
+
+    def fail(self, h, request_id):
+        self.victims.add(h.policy.requests[request_id].seqs[0].seq_id)
 
 
 def test_a_failed_sample_ends_alone_and_its_siblings_go_on():
@@ -210,6 +254,59 @@ def test_a_leader_failing_before_its_samples_start_ends_them_all():
     model.victims.add(h.policy.requests["multi"].seqs[0].seq_id)
     h.run()
     assert h.finish[("multi", 0)] == h.finish[("multi", 1)] == "error"  # no sample waits forever
+    h.assert_all_free()
+
+
+PROMPT = list(range(10, 31))  # five full blocks of the harness's 4, and one token more
+
+
+def test_a_sequence_failing_in_decode_keeps_the_blocks_earlier_steps_wrote():
+    h = Harness()
+    h.model = model = FailingModel(h.model)
+    h.submit("a", PROMPT, max_tokens=8)
+    for _ in range(3):  # the prefill, then decodes at positions 21 and 22
+        h.step()
+    model.fail(h, "a")
+    h.step()  # position 23 fills block 5, hashed at allocation and never written
+    assert h.finish[("a", 0)] == "error"
+    h.assert_all_free()
+    resumed = PROMPT + reference(PROMPT, 3) + [5]
+    hits = h.policy.counters.prefix_hit_tokens
+    h.submit("again", resumed, max_tokens=4)
+    h.run()
+    assert h.policy.counters.prefix_hit_tokens - hits == 20  # blocks 0-4, not the failed step's block 5
+    assert h.outputs[("again", 0)] == reference(resumed, 4)
+
+
+def test_a_request_that_hit_blocks_a_failed_one_was_writing_fails_with_it():
+    h = Harness()
+    h.model = model = FailingModel(h.model)
+    h.submit("a", PROMPT, max_tokens=4)
+    h.submit("b", PROMPT, max_tokens=4)  # admitted in a's step, its hit maps a's five new blocks
+    model.fail(h, "a")
+    h.step()
+    assert h.finish[("a", 0)] == h.finish[("b", 0)] == "error" and h.outputs[("b", 0)] == []
+    h.submit("again", PROMPT, max_tokens=4)
+    h.run()
+    assert h.outputs[("again", 0)] == reference(PROMPT, 4)
+    h.assert_all_free()
+
+
+def test_a_sequence_aborted_during_its_failed_step_forgets_what_it_never_wrote():
+    h = Harness()
+    h.model = model = FailingModel(h.model)
+    h.submit("a", PROMPT, max_tokens=4)
+    model.fail(h, "a")
+    kv_step = h.policy.schedule()
+    h.policy.on_kv(apply_kv_step(h.kv, kv_step))
+    plan = h.policy.plan()
+    h.abort("a")  # while the worker computes the step
+    assert h.finish[("a", 0)] == "abort" and h.kv.num_requests == 1  # the free waits for the outcome
+    h.policy.update(model.run(plan))
+    h._collect()
+    h.submit("again", PROMPT, max_tokens=4)
+    h.run()
+    assert h.outputs[("again", 0)] == reference(PROMPT, 4)
     h.assert_all_free()
 
 

@@ -318,6 +318,46 @@ def test_reset_prefix_cache_drops_hits_but_running_requests_go_on():
     assert m.num_free_blocks == 16
 
 
+def removed_hashes(m) -> list:
+    return [h for e in m.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+
+
+def test_forgetting_a_failed_step_drops_only_the_blocks_it_never_wrote():
+    m = make()
+    other = list(range(100, 112))
+    admit(m, "other", other)
+    m.free("other")
+    prompt = list(range(13))
+    admit(m, "a", prompt, chunk=5)  # a step that wrote positions 0-4: block 0 is full
+    m.allocate_slots("a", 8)        # the step that fails: blocks 1 and 2 hashed, never written
+    m.take_events()
+    m.forget_unwritten("a", 5)
+    assert removed_hashes(m) == hash_full_blocks(prompt, BS)[1:3]  # the cluster index forgets them too
+    assert m.num_computed_tokens("a") == 5
+    m.free("a")
+    m.check_invariants()
+    assert m.get_computed_blocks(KVRequest("b", prompt)).num_computed_tokens == 4
+    assert m.get_computed_blocks(KVRequest("c", other + [7])).num_computed_tokens == 12
+
+
+def test_forgetting_keeps_the_prefix_hit_a_failed_sequence_started_from():
+    m = make()
+    prompt = list(range(13))
+    admit(m, "a", prompt)
+    m.free("a")
+    hit = admit(m, "b", prompt[:8] + [50, 51, 52, 53, 54])  # hits blocks 0-1, hashes its own block 2
+    assert hit.num_computed_tokens == 8
+    m.take_events()
+    m.forget_unwritten("b", hit.num_computed_tokens)
+    assert removed_hashes(m) == hash_full_blocks(prompt[:8] + [50, 51, 52, 53], BS)[2:]
+    m.free("b")
+    m.check_invariants()
+    assert m.get_computed_blocks(KVRequest("c", prompt)).num_computed_tokens == 12
+    admit(m, "d", range(5))
+    with pytest.raises(ValueError, match="computed positions"):
+        m.forget_unwritten("d", 6)
+
+
 def test_prefix_caching_off_means_no_hits_and_no_events():
     m = make(enable_prefix_caching=False)
     admit(m, "a", range(9))

@@ -11,7 +11,7 @@ import pytest
 from actors.kv.kv_actor import apply_kv_free, apply_kv_step
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
-from actors.messages import SamplingParams, SeqOutput, StepPlan, StepResult, SubmitRequest
+from actors.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult, SubmitRequest
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
 
 VOCAB = 1000
@@ -41,8 +41,7 @@ class PagedFake:
         for sid in plan.finished_seq_ids:
             del self.seeds[sid]
         for s in plan.seqs:  # all KV writes first, as in a forward pass
-            for i, tok in enumerate(s.token_ids):
-                self.cache[self._slot(s.block_table, s.start_pos + i)] = tok
+            self.write(s, s.token_ids)
         outs = []
         for s in plan.seqs:
             if s.sample:
@@ -50,6 +49,10 @@ class PagedFake:
                 ctx = [self.cache[self._slot(s.block_table, p)] for p in range(end)]
                 outs.append(SeqOutput(s.seq_id, [next_token(ctx, self.seeds[s.seq_id])]))
         return StepResult(plan.step_id, outs)
+
+    def write(self, s: ScheduledSeq, token_ids: list[int]) -> None:
+        for i, tok in enumerate(token_ids):
+            self.cache[self._slot(s.block_table, s.start_pos + i)] = tok
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.bs] * self.bs + pos % self.bs
