@@ -25,7 +25,7 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
-    """Blocks left the prefix cache (evicted to make room)."""
+    """Blocks left the prefix cache: evicted to make room, or a failed step never wrote their KV."""
 
     seq: int
     block_hashes: list[BlockHash]

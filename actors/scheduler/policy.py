@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ from actors.draft.messages import DraftInput, Propose
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVStep, KVStepResult, KVTrim, KVUnwritten,
                              NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
 from actors.scheduler.draft_feed import DraftFeed
+from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 
 
@@ -69,17 +69,7 @@ class _Step:
     admits: list[Sequence] = field(default_factory=list)
     fork_children: list[Sequence] = field(default_factory=list)
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    readers: dict[int, list[int]] = field(default_factory=dict)   # see _InFlight
-
-
-@dataclass
-class _InFlight:
-    """The step the worker is computing, between plan() and its outcome: what a failure leaves unwritten."""
-
-    starts: dict[int, int] = field(default_factory=dict)   # seq id -> positions whose KV it had before
-    # seq id -> admitted sequences whose prefix hit maps blocks it writes in this step: their KV
-    # exists only if it succeeds
-    readers: dict[int, list[int]] = field(default_factory=dict)
+    readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
 
 
 class SchedulingPolicy:
@@ -100,7 +90,7 @@ class SchedulingPolicy:
         self._released: list[int] = []         # sequences whose sampler state the worker drops
         self._outbox: dict[Any, list[TokenDelta]] = defaultdict(list)
         self._step = _Step()
-        self._in_flight = _InFlight()
+        self._in_flight = InFlightStep()
         self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
         self._propose: Propose | None = None   # the draft worker's share of the planned step
@@ -138,7 +128,7 @@ class SchedulingPolicy:
         finish_reason "error" and `error` as its message, and frees its blocks, forgetting the KV
         the step was to write."""
         step = self._take_in_flight()
-        self._forget_unwritten(step, step.starts)
+        self._unwritten += step.unwritten(step.starts)
         for request_id in list(self.requests):
             self._end(request_id, None, "error", error)
 
@@ -238,7 +228,7 @@ class SchedulingPolicy:
         readers, self._step = self._step.readers, _Step()
         if not seqs:  # nothing runs: keep the releases for the next real step
             return StepPlan(self._step_id, [], [], [])
-        self._in_flight = _InFlight(starts, readers)
+        self._in_flight = InFlightStep(starts, readers)
         self._step_id += 1
         self.counters.steps += 1
         self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size
@@ -263,8 +253,8 @@ class SchedulingPolicy:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
-        failed = _failed_in(result, step)
-        self._forget_unwritten(step, failed)
+        failed = step.failed(result)
+        self._unwritten += step.unwritten(failed)  # aborted ones too: their free waited for the step
         failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
         eos = self.cfg.eos_token_ids
         for out in result.outputs:
@@ -290,14 +280,9 @@ class SchedulingPolicy:
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _take_in_flight(self) -> _InFlight:
-        step, self._in_flight = self._in_flight, _InFlight()
+    def _take_in_flight(self) -> InFlightStep:
+        step, self._in_flight = self._in_flight, InFlightStep()
         return step
-
-    def _forget_unwritten(self, step: _InFlight, seq_ids: Iterable[int]) -> None:
-        """The KV of these sequences past where the failed step found it leaves the prefix cache
-        with their free (aborted ones included: their free waited for the step)."""
-        self._unwritten += [KVUnwritten(seq_id, step.starts[seq_id]) for seq_id in seq_ids]
 
     def _fail(self, seq_id: int, detail: str) -> SeqFailure | None:
         seq = self.seqs.get(seq_id)
@@ -446,16 +431,6 @@ class SchedulingPolicy:
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,
                                                      error))
-
-
-def _failed_in(result: StepResult, step: _InFlight) -> dict[int, str]:
-    """Sequences the worker failed, and those whose prefix hit read the KV one of them never wrote
-    (hashes chain, so every such reader maps a failed sequence's block itself): seq id -> detail."""
-    failed = {out.seq_id: out.error for out in result.outputs if out.error is not None}
-    for writer in list(failed):
-        for reader in step.readers.get(writer, []):
-            failed.setdefault(reader, f"its prefix hit read KV that failed sequence {writer} never wrote")
-    return failed
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:
