@@ -84,7 +84,7 @@ def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
     """Failed sequences forget the KV their step never wrote, then every listed sequence is freed."""
     for unwritten in msg.unwritten:
         rid = str(unwritten.seq_id)
-        if kv.has_request(rid):
+        if kv.has_request(rid):  # one aborted during its step forgot then, with its free
             kv.forget_unwritten(rid, unwritten.num_tokens)
     _free(kv, msg.seq_ids)
 

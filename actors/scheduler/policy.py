@@ -119,8 +119,7 @@ class SchedulingPolicy:
         bisect.insort(self.waiting, leader, key=_key)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
-        """End a request (or one of its samples) now, as its client asked; its blocks go back as soon
-        as no step is computing them."""
+        """End a request (or one of its samples) now, as its client asked; its blocks go back at once."""
         return self._end(request_id, index, "abort")
 
     def fail_all(self, error: str) -> None:
@@ -140,10 +139,8 @@ class SchedulingPolicy:
         return out
 
     def take_frees(self) -> KVFree | None:
-        """Blocks of ended sequences to give back, failed ones with the KV their step never wrote.
-        Held while a step is in flight (nothing allocates meanwhile): its outcome decides what the
-        blocks of a sequence aborted during it hold."""
-        if self._in_flight.starts or not (self._frees or self._unwritten):
+        """Blocks of ended sequences to give back, failed ones with the KV their step never wrote."""
+        if not (self._frees or self._unwritten):
             return None
         msg = KVFree(self._frees, self._unwritten)
         self._frees, self._unwritten = [], []
@@ -254,7 +251,7 @@ class SchedulingPolicy:
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
         failed = step.failed(result)
-        self._unwritten += step.unwritten(failed)  # aborted ones too: their free waited for the step
+        self._unwritten += step.unwritten(failed)
         failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
         eos = self.cfg.eos_token_ids
         for out in result.outputs:
@@ -380,6 +377,10 @@ class SchedulingPolicy:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.seqs.pop(seq.seq_id, None)
+        if seq.seq_id in self._in_flight.starts:
+            # Aborted while the worker computes its step, which may yet fail: its blocks go back now,
+            # without the hashes of those the step writes.
+            self._unwritten += self._in_flight.unwritten([seq.seq_id])
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
         if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
