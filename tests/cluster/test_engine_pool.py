@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
@@ -37,6 +38,7 @@ class ScriptedEngine(Actor):
         self.info = EngineInfo(engine_id, 4096, 16, "scripted")
         self.running: dict[str, list] = {}
         self.served: list[str] = []
+        self.stats = EngineStats(0, 0, 100, 100, 0, 0, 0, 0, 0)
 
     async def on_start(self) -> None:
         self.context.schedule_repeating(0.005, _Tick())
@@ -46,7 +48,7 @@ class ScriptedEngine(Actor):
             case GetEngineInfo():
                 return self.info
             case GetStats():
-                return EngineStats(len(self.running), 0, 100, 100, 0, 0, 0, 0, 0)
+                return msgspec.structs.replace(self.stats, requests_running=len(self.running))
             case SubmitRequest():
                 self.served.append(msg.request_id)
                 self.running[msg.request_id] = [list(msg.prompt_token_ids), msg.params.max_tokens, msg.reply_to,
@@ -207,3 +209,28 @@ async def test_a_request_that_cannot_be_sent_fails_instead_of_hanging():
         await pool.close()
         await gateway.shutdown()
         await engine_node.shutdown()
+
+
+async def test_the_cluster_stats_sum_counters_and_recompute_means():
+    system, pool, engines = await _cluster()
+    try:
+        # a: 10 verifications keeping 2 drafted tokens each (3 tokens per verification);
+        # b: 30 verifications keeping none (1 token each). Over the cluster: 60 tokens in 40.
+        engines["a"][0].stats = EngineStats(0, 0, 100, 40, 0, 0, 0, 0, 0, steps=10, spec_decode_draft_tokens=30,
+                                            spec_decode_accepted_tokens=20, spec_decode_num_drafts=10,
+                                            spec_decode_mean_accepted_length=3.0, spec_decode_token_cost=0.1)
+        engines["b"][0].stats = EngineStats(0, 0, 100, 60, 0, 0, 0, 0, 0, steps=30, spec_decode_draft_tokens=90,
+                                            spec_decode_accepted_tokens=0, spec_decode_num_drafts=30,
+                                            spec_decode_mean_accepted_length=1.0, spec_decode_token_cost=0.3)
+        async with asyncio.timeout(5):
+            while any(e.stats is None or e.stats.steps == 0 for e in pool.engines.values()):
+                await asyncio.sleep(0.01)
+        stats = await pool.stats()
+        assert (stats.kv_blocks_total, stats.kv_blocks_free, stats.steps) == (200, 100, 40)
+        assert stats.spec_decode_num_drafts == 40 and stats.spec_decode_accepted_tokens == 20
+        assert stats.spec_decode_mean_accepted_length == pytest.approx(60 / 40)
+        # a drafted token's cost, weighted by how many verifications paid it
+        assert stats.spec_decode_token_cost == pytest.approx((0.1 * 10 + 0.3 * 30) / 40)
+    finally:
+        await pool.close()
+        await system.shutdown()
