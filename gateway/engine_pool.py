@@ -359,7 +359,7 @@ class EnginePool:
 
 
 def _mean_token_cost(stats: list[EngineStats]) -> float:
-    """A drafted token's cost over the engines that draft, weighted by their verifications (each
+    """A drafted token's cost over the engines that draft, weighted by their verifications (a
     plain mean of their priors before any has verified)."""
     drafting = [s for s in stats if s.spec_decode_token_cost > 0]
     weight = sum(s.spec_decode_num_drafts for s in drafting)
