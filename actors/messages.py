@@ -273,7 +273,7 @@ class DrainKVEvents(msgspec.Struct, tag=True):
 
 
 class KVEvents(msgspec.Struct, tag=True):
-    events: list[object]              # actors.kv.events.KVEvent values, oldest first
+    events: list[object]              # prefix_store.events.KVEvent values, oldest first
     next_seq: int = 0                 # sequence number the next event will carry
 
 

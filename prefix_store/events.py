@@ -1,7 +1,9 @@
-"""How the index reads the KV manager's events: sequence checks and the outcome of a batch.
+"""KV cache events: what an engine's KV manager announces and the prefix index applies.
 
-The events themselves are the KV manager's own (`actors.kv.events`); the index only needs
-their sequence numbers and block hashes, never the tokens.
+Every event carries a sequence number that grows by one per event, so a consumer that sees a
+gap knows it missed something and asks for a snapshot. Hashes are the engine-independent
+chained block hashes of `hashing.py`; the index reads only them and the sequence numbers,
+never the tokens.
 """
 
 from __future__ import annotations
@@ -9,9 +11,35 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+import msgspec
 
-__all__ = ["AllBlocksCleared", "ApplyResult", "BlockRemoved", "BlockStored", "KVEvent", "events_to_apply"]
+from prefix_store.hashing import BlockHash
+
+
+class BlockStored(msgspec.Struct, tag=True, frozen=True):
+    """Consecutive full blocks of one sequence entered the prefix cache."""
+
+    seq: int
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None  # parent of block_hashes[0]; None at a sequence start
+    token_ids: list[int]  # the tokens of all the blocks, concatenated
+    block_size: int
+
+
+class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
+    """Blocks left the prefix cache: evicted to make room, or a failed step never wrote their KV."""
+
+    seq: int
+    block_hashes: list[BlockHash]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
+    """The whole prefix cache was dropped (`reset_prefix_cache`)."""
+
+    seq: int
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class ApplyResult(enum.Enum):

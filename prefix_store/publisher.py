@@ -16,8 +16,8 @@ from typing import Protocol
 
 import structlog
 
-from actors.kv.block_hash import BlockHash
 from prefix_store.events import ApplyResult, KVEvent
+from prefix_store.hashing import BlockHash
 from prefix_store.store import PrefixStore
 
 log = structlog.get_logger(__name__)

@@ -1,11 +1,10 @@
-"""KV block manager: paged blocks, chained prefix hashes, refcounts, LRU eviction and cache events."""
+"""KV block manager: paged blocks, prefix caching on chained block hashes, refcounts, LRU eviction.
 
-from actors.kv.block_hash import BlockHash, hash_block, hash_full_blocks
-from actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+The hashes and the cache events it announces are `prefix_store`'s (`hashing`, `events`): the
+cluster index shares them without importing the engine.
+"""
+
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
 
-__all__ = [
-    "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "KVCacheConfig", "KVCacheManager",
-    "KVEvent", "KVRequest", "PrefixCacheStats", "PrefixHit", "StalePrefixHit", "hash_block", "hash_full_blocks",
-]
+__all__ = ["KVCacheConfig", "KVCacheManager", "KVRequest", "PrefixCacheStats", "PrefixHit", "StalePrefixHit"]

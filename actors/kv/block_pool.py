@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from actors.kv.block_hash import BlockHash
-from actors.kv.events import EventLog
+from actors.kv.event_log import EventLog
+from prefix_store.hashing import BlockHash
 
 
 class Block:

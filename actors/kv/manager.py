@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from actors.kv.block_hash import BlockHash, hash_full_blocks
 from actors.kv.block_pool import Block, BlockPool
-from actors.kv.events import EventLog, KVEvent
+from actors.kv.event_log import EventLog
 from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
+from prefix_store.events import KVEvent
+from prefix_store.hashing import BlockHash, hash_full_blocks
 
 
 class _Seq:

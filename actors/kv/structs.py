@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from actors.kv.block_hash import BlockHash
+from prefix_store.hashing import BlockHash
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from actors.kv import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheConfig, KVCacheManager, KVRequest,
-                       StalePrefixHit, hash_full_blocks)
+from actors.kv import KVCacheConfig, KVCacheManager, KVRequest, StalePrefixHit
+from prefix_store import AllBlocksCleared, BlockRemoved, BlockStored, hash_full_blocks
 
 BS = 4
 

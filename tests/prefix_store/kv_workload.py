@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from actors.kv.block_hash import hash_full_blocks
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
+from prefix_store.hashing import hash_full_blocks
 
 BLOCK_SIZE = 4
 

@@ -8,8 +8,7 @@ import redis
 import redis.asyncio as aredis
 from redis.asyncio.connection import Connection
 
-from actors.kv.events import BlockRemoved
-from prefix_store import ApplyResult, RedisPrefixStore
+from prefix_store import ApplyResult, BlockRemoved, RedisPrefixStore
 from tests.prefix_store.conftest import SHARED_REDIS_URL
 from tests.prefix_store.kv_workload import KVWorkload
 

@@ -7,8 +7,7 @@ import asyncio
 import pytest
 import redis
 
-from actors.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_store import ApplyResult, InMemoryPrefixStore
+from prefix_store import AllBlocksCleared, ApplyResult, BlockRemoved, BlockStored, InMemoryPrefixStore
 from tests.prefix_store.conftest import SHARED_REDIS_URL, FakeClock
 from tests.prefix_store.kv_workload import KVWorkload
 

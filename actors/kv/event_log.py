@@ -1,43 +1,15 @@
-"""KV cache events: what the cluster prefix index learns about the blocks an engine holds.
+"""The KV manager's event log: numbers the cache events of `prefix_store.events` as they happen.
 
-Every event carries a sequence number that grows by one per event, so a consumer that sees a gap
-knows it missed something and asks for a snapshot. Hashes are the engine-independent chained
-block hashes of `block_hash.py`.
+The event types belong to the prefix index's package, so the index never imports the engine;
+here they only get their sequence numbers, one more per event, and wait to be drained.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import msgspec
-
-from actors.kv.block_hash import BlockHash
-
-
-class BlockStored(msgspec.Struct, tag=True, frozen=True):
-    """Consecutive full blocks of one sequence entered the prefix cache."""
-
-    seq: int
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None  # parent of block_hashes[0]; None at a sequence start
-    token_ids: list[int]  # the tokens of all the blocks, concatenated
-    block_size: int
-
-
-class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
-    """Blocks left the prefix cache: evicted to make room, or a failed step never wrote their KV."""
-
-    seq: int
-    block_hashes: list[BlockHash]
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
-    """The whole prefix cache was dropped (`reset_prefix_cache`)."""
-
-    seq: int
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+from prefix_store.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefix_store.hashing import BlockHash
 
 
 class EventLog:

@@ -4,11 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actors.kv.block_hash import hash_block, hash_full_blocks
+from prefix_store.hashing import hash_block, hash_full_blocks
 
 
 def test_hash_is_a_sha256_digest_stable_across_processes():
-    code = "from actors.kv.block_hash import hash_full_blocks; print(hash_full_blocks(list(range(40)), 16, 'salt')[1].hex())"
+    code = "from prefix_store.hashing import hash_full_blocks; print(hash_full_blocks(list(range(40)), 16, 'salt')[1].hex())"
     outs = set()
     for seed in ("0", "123"):  # a different PYTHONHASHSEED must not change anything
         env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
@@ -17,6 +17,16 @@ def test_hash_is_a_sha256_digest_stable_across_processes():
     here = hash_full_blocks(list(range(40)), 16, "salt")[1]
     assert outs == {here.hex()}
     assert isinstance(here, bytes) and len(here) == 32
+
+
+def test_hashes_never_change():
+    # Engines and gateways of different builds share one index: a changed encoding would
+    # silently turn every cluster lookup into a miss.
+    assert [h.hex() for h in hash_full_blocks(list(range(40)), 16, "salt")] == [
+        "8d30e8e631bdcf24283062fbefcfbdb793d62b949421eea4f792bb4b74b19ce6",
+        "625a54eef8df49d8246d5ba3d635a2871de4f104c70a198041768fe49d52ec17",
+    ]
+    assert hash_full_blocks(list(range(20)), 16)[0].hex() == "6ef8b15403d1ac0c9107d736aa771ad669cb90a9d53846ab9e327cad5e521304"
 
 
 def test_only_full_blocks_are_hashed():
