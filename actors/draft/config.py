@@ -7,7 +7,7 @@ when the engine starts, by `check_against_target`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft", "layerskip")
@@ -15,16 +15,27 @@ METHODS = ("ngram", "draft", "layerskip")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int = 4            # k: the most tokens drafted per sequence and step
-    model: str | None = None                   # the draft model ("draft" only): HF folder or .gguf
-    draft_layers: int | None = None            # L ("layerskip" only): the first L layers of the target
+    # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py); without
+    # --speculative-method the engine does not speculate.
+    method: str = field(metadata={
+        "help": "draft tokens by prompt lookup, a small draft model, or the target's first layers",
+        "flag": "speculative-method", "choices": METHODS})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "k: the most tokens drafted per sequence and step"})
+    model: str | None = field(default=None, metadata={
+        "help": "the draft model (method draft): HF folder or .gguf", "flag": "speculative-model"})
+    draft_layers: int | None = field(default=None, metadata={
+        "help": "L: the target's first L layers draft (method layerskip)",
+        "flag": "speculative-draft-layers"})
     ngram_min: int = 1                         # n-gram lengths tried, longest first ("ngram" only)
     ngram_max: int = 4
     # Speculation turns off for the whole step while more sequences than this are decoding; None:
     # never. The controller already weighs each sequence's drafts against the whole step's time, so
     # it drafts in a large batch only for sequences whose acceptance pays for that; this is a cap.
-    disable_batch_size: int | None = None
+    disable_batch_size: int | None = field(default=None, metadata={
+        "help": 'no drafting while more sequences than this are decoding ("none": the controller drafts '
+                "in a large batch only where a sequence's acceptance pays for it)",
+        "flag": "speculative-disable-batch-size", "type": "int_or_none"})
     adaptive: bool = True                      # per-sequence k from its measured acceptance
     # Cost of one drafted token over one decode step: learned from the measured step times
     # (measure_cost), starting from draft_cost + verify_cost until enough steps are seen.
@@ -34,7 +45,9 @@ class SpeculativeConfig:
     probe_interval: int = 16                   # steps a sequence stays off before it tries k=1 again
     # The id of a draft node (`matinee serve --role draft`) to draft on, instead of in this process
     # ("ngram" or "draft"; the node holds the draft model).
-    draft_node: str | None = None
+    draft_node: str | None = field(default=None, metadata={
+        "help": "draft on this draft node (`--role draft --engine-id ID`) instead of in the engine",
+        "flag": "speculative-draft-node"})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

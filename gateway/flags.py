@@ -1,0 +1,108 @@
+"""Command-line flags generated from config dataclasses: a field with `metadata={"help": ...}` is a
+flag, and its default, or `MATINEE_<FLAG>` from the environment, is the flag's default.
+Only fields that say so become flags: a secret never gets that metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import MISSING, Field, fields
+from typing import Any, Mapping
+
+ENV_PREFIX = "MATINEE_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512MB', '2g' -> bytes (binary units, as memory budgets are)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 536870912)")
+    unit = (m.group(2) or "b").lower()[0]
+    return int(float(m.group(1)) * {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit])
+
+
+def int_or_none(text: str) -> int | None:
+    if text == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer or "none", got {text!r}') from None
+
+
+# A field names its parser in metadata["type"] (by name, so the config classes import nothing from
+# here); without one the annotation decides.
+PARSERS = {"bytes": parse_bytes, "int_or_none": int_or_none, "int": int, "float": float, "str": str}
+
+
+def flag_fields(cls: type) -> list[Field]:
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def flag_name(f: Field) -> str:
+    return "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+
+
+def dest(f: Field) -> str:
+    return flag_name(f)[2:].replace("-", "_")
+
+
+def default(f: Field) -> Any:
+    return None if f.default is MISSING else f.default
+
+
+def _negated(f: Field) -> bool:
+    # A bool that is on by default is turned off by its flag (--no-prefix-caching).
+    return f.type == "bool" and f.default is True
+
+
+def _parser(f: Field):
+    return PARSERS[f.metadata.get("type", f.type.removesuffix(" | None"))]
+
+
+def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
+    """The flag's default: MATINEE_<DEST> if set (an empty value counts as unset, so compose files
+    may pass `${VAR:-}` through), else the field's own."""
+    name = ENV_PREFIX + dest(f).upper()
+    raw = environ.get(name, "")
+    if raw == "":
+        return False if f.type == "bool" else default(f)
+    if f.type == "bool":
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    try:
+        value = _parser(f)(raw)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise ValueError(f"{name}={raw!r}: {e}") from None
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {list(choices)}")
+    return value
+
+
+def add_flags(group, cls: type, environ: Mapping[str, str] | None = None) -> None:
+    """One flag per help-carrying field of `cls`, on a parser or an argument group."""
+    environ = os.environ if environ is None else environ
+    for f in flag_fields(cls):
+        if f.type == "bool":
+            group.add_argument(flag_name(f), action="store_true", default=_from_env(f, environ),
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
+                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+
+
+def values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The flag fields of `cls` from parsed flags, by field name."""
+    out = {}
+    for f in flag_fields(cls):
+        value = getattr(args, dest(f))
+        out[f.name] = not value if _negated(f) else value
+    return out
+
+
+def build(cls: type, args: argparse.Namespace, **others: Any):
+    """`cls` from its flags, and `others` for the fields that are not flags."""
+    return cls(**values(cls, args), **others)
