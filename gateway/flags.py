@@ -54,13 +54,19 @@ def default(f: Field) -> Any:
     return None if f.default is MISSING else f.default
 
 
+def _type(f: Field) -> str:
+    """'int', 'str', 'bool', ...: the annotation, a string where the module postpones them."""
+    name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return name.removesuffix(" | None")
+
+
 def _negated(f: Field) -> bool:
     # A bool that is on by default is turned off by its flag (--no-prefix-caching).
-    return f.type == "bool" and f.default is True
+    return _type(f) == "bool" and f.default is True
 
 
 def _parser(f: Field):
-    return PARSERS[f.metadata.get("type", f.type.removesuffix(" | None"))]
+    return PARSERS[f.metadata.get("type", _type(f))]
 
 
 def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
@@ -69,8 +75,8 @@ def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
     name = ENV_PREFIX + dest(f).upper()
     raw = environ.get(name, "")
     if raw == "":
-        return False if f.type == "bool" else default(f)
-    if f.type == "bool":
+        return False if _type(f) == "bool" else default(f)
+    if _type(f) == "bool":
         return raw.strip().lower() in ("1", "true", "yes", "on")
     try:
         value = _parser(f)(raw)
@@ -86,7 +92,7 @@ def add_flags(group, cls: type, environ: Mapping[str, str] | None = None) -> Non
     """One flag per help-carrying field of `cls`, on a parser or an argument group."""
     environ = os.environ if environ is None else environ
     for f in flag_fields(cls):
-        if f.type == "bool":
+        if _type(f) == "bool":
             group.add_argument(flag_name(f), action="store_true", default=_from_env(f, environ),
                                help=f.metadata["help"])
         else:

@@ -1,4 +1,5 @@
 """`matinee serve`: flags, and a real server process that prints a working curl line."""
+import dataclasses
 import json
 import os
 import shlex
@@ -101,3 +102,83 @@ def test_speculative_disable_batch_size_flag():
         parse(["serve", "--speculative-disable-batch-size", "lots"])
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-disable-batch-size", "auto"])
+
+
+# Every flag of `matinee serve`, so a renamed or dropped one fails here.
+FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-waiting --max-body-bytes
+--ping-interval --read-timeout --model --dtype --device --kernels --block-size --num-blocks --kv-cache-memory
+--max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
+--speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
+--speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
+--engine-id --drain-grace --registry-ttl --index-timeout --routing --max-migrations""".split()
+
+
+def _serve_flags(parser) -> list[str]:
+    serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
+    return [s for a in serve._actions for s in a.option_strings if s not in ("-h", "--help")]
+
+
+def test_each_config_field_with_help_is_a_flag_with_its_default():
+    from gateway import flags
+
+    assert sorted(_serve_flags(cli.build_parser({}))) == sorted(FLAGS)
+    defaults = cli.build_parser({}).parse_args(["serve"])
+    for _, classes in cli.SECTIONS:
+        for cls in classes:
+            for f in flags.flag_fields(cls):
+                parsed = getattr(defaults, flags.dest(f))
+                assert (not parsed if f.type == "bool" else parsed) == flags.default(f), f.name
+    assert not any("secret" in name for name in FLAGS)   # the cluster secret: environment only
+
+
+def test_a_new_field_with_help_becomes_a_flag_and_an_environment_variable():
+    import argparse
+
+    from gateway import flags
+
+    @dataclasses.dataclass
+    class Knobs:
+        new_knob: int = dataclasses.field(default=7, metadata={"help": "a knob"})
+        budget: int = dataclasses.field(default=1 << 20, metadata={"help": "bytes", "type": "bytes"})
+        internal: float = 1.0
+
+    def parse(argv, environ):
+        p = argparse.ArgumentParser()
+        flags.add_flags(p, Knobs, environ)
+        return flags.build(Knobs, p.parse_args(argv))
+
+    assert parse([], {}) == Knobs()
+    assert parse(["--new-knob", "9", "--budget", "2KiB"], {}) == Knobs(new_knob=9, budget=2048)
+    assert parse([], {"MATINEE_NEW_KNOB": "3", "MATINEE_BUDGET": ""}) == Knobs(new_knob=3)
+    with pytest.raises(SystemExit):
+        parse(["--internal", "2"], {})
+
+
+def test_environment_sets_the_defaults(capsys):
+    env = {"MATINEE_KV_CACHE_MEMORY": "2GiB", "MATINEE_NO_PREFIX_CACHING": "1", "MATINEE_API_KEY": "",
+           "MATINEE_ROUTING": "round_robin", "MATINEE_SPECULATIVE_METHOD": "ngram", "MATINEE_DRAIN_GRACE": "5"}
+    a = cli.build_parser(env).parse_args(["serve"])
+    kw = cli.engine_kwargs(a)
+    assert (kw["kv_cache_memory"], kw["enable_prefix_caching"], a.api_key) == (2 << 30, False, None)
+    assert (a.routing, kw["speculative"]["method"], a.drain_grace) == ("round_robin", "ngram", 5.0)
+    assert cli.build_parser(env).parse_args(["serve", "--routing", "kv"]).routing == "kv"   # the flag wins
+    with pytest.raises(ValueError, match="MATINEE_ROUTING='x' is not one of"):
+        cli.build_parser({"MATINEE_ROUTING": "x"})
+
+
+def test_a_bad_value_is_one_line_and_exit_2(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--port", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "matinee serve: error: argument --port: invalid int value: 'x'" and len(err) == 2
+    monkeypatch.setenv("MATINEE_KV_CACHE_MEMORY", "lots")
+    assert cli.main(["serve"]) == 2
+    assert capsys.readouterr().err == ("matinee serve: MATINEE_KV_CACHE_MEMORY='lots': not a size: 'lots' "
+                                       "(try 2GiB or 536870912)\n")
+
+
+def test_the_role_runners_never_import_the_cli():
+    import gateway.roles
+
+    assert "gateway.cli" not in open(gateway.roles.__file__).read()
