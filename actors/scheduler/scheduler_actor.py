@@ -44,12 +44,25 @@ class SchedulerActor(Actor):
         self.draft = draft
         self.step_timeout_s = step_timeout_s
         self._inflight: asyncio.Task | None = None
+        self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
         self.step_listeners: list[Callable[[], None]] = []   # in-process hooks, see Engine.on_step
 
+    async def on_start(self) -> None:
+        """After a restart (the same instance, its requests kept): the step the stop cancelled fails
+        as a failed step does, so its requests end with "error" and the next step can start."""
+        if self._interrupted:
+            self._interrupted = False
+            self._step_failed(RuntimeError("the scheduler restarted while its step ran"))
+            self._emit()
+            await self._maybe_step()
+
     async def on_stop(self) -> None:
-        if self._inflight is not None:
+        """On a restart and at shutdown. A step still running is cancelled; one that has answered
+        left its _StepDone in the mailbox, which the restarted scheduler handles as usual."""
+        if self._inflight is not None and not self._inflight.done():
             self._inflight.cancel()
+            self._inflight, self._interrupted = None, True
 
     async def receive(self, msg: Any) -> Any:
         match msg:

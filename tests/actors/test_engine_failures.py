@@ -8,6 +8,9 @@ the request marked by POISON, a special token id the random prompts never hold.
 """
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from actors import LLM
@@ -160,6 +163,30 @@ async def test_a_step_that_fails_for_everyone_errors_every_request_and_the_engin
     broken[0] = False
     await run_batch(eng, sink, ref, good_requests())
     await assert_good_unharmed(eng, sink, folder, eng.draft is not None)
+
+
+class _Unhandled:
+    """A message the scheduler does not handle: it fails, and its supervisor restarts it."""
+
+
+@pytest.mark.parametrize("engine", [None], ids=["plain"], indirect=True)
+async def test_a_scheduler_restarted_during_its_step_serves_the_next_requests(engine, monkeypatch):
+    eng, sink, ref, folder = engine
+    execute, entered, release = ModelRunner.execute, threading.Event(), threading.Event()
+
+    def held_execute(self, batch, *args):
+        entered.set()
+        release.wait(30)
+        return execute(self, batch, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute", held_execute)
+    eng.scheduler.tell(SubmitRequest("during", GOOD[0], GREEDY, ref))
+    assert await asyncio.to_thread(entered.wait, 30)
+    eng.scheduler.tell(_Unhandled())          # restarts the scheduler while its step runs
+    release.set()
+    await run_batch(eng, sink, ref, good_requests())
+    assert sink.finish[("during", 0)] == "error"   # the interrupted step's outcome never comes
+    await assert_good_unharmed(eng, sink, folder, False)
 
 
 async def test_blocks_a_failed_step_never_wrote_are_not_served_from_the_prefix_cache(engine, monkeypatch):
