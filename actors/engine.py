@@ -93,6 +93,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
         tokenizer = await tokenizer_task
+        worker_actor.runner.tokenizer = tokenizer   # a draft's vocabulary check reads it: not loaded twice
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
                               max_model_len, eos, config.scheduling_policy == "priority")

@@ -101,12 +101,17 @@ class ModelRunner:
 
     @property
     def tokenizer(self):
-        """The model's Tokenizer (actors.tokenizer), loaded on first use: the forward never needs it."""
+        """The model's Tokenizer (actors.tokenizer): the engine hands over the one it loaded; loaded
+        here on first use only when nobody did (the forward never needs it)."""
         if self._tokenizer is None:
             from actors.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.source)
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     def execute(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
                 ) -> torch.Tensor:
