@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from actors.config import EngineConfig
 from actors.detokenizer import SampleText
 from actors.engine import Engine, start_engine
@@ -120,7 +122,9 @@ class LLM:
 
         A sample the engine failed (as vLLM's FinishReason.ERROR) does not raise: its output has
         finish_reason "error", the tokens made before the failure and the message in `error`; the
-        other prompts' outputs are unaffected. An empty prompt ends the same way."""
+        other prompts' outputs are unaffected. An empty prompt ends the same way.
+
+        `use_tqdm` draws a bar on stderr over the prompts as they finish, as vLLM's does."""
         items = [self._tokenize(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -128,7 +132,7 @@ class LLM:
             [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
-        return self._call(self._generate(items, params))
+        return self._call(self._generate(items, params, use_tqdm))
 
     def stats(self) -> EngineStats:
         return self._call(self.engine.scheduler.ask(GetStats()))
@@ -149,8 +153,8 @@ class LLM:
 
     # --- on the engine's loop --------------------------------------------------------------------
 
-    async def _generate(self, items: list[tuple[str | None, list[int]]],
-                        params: list[SamplingParams]) -> list[RequestOutput]:
+    async def _generate(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+                        use_tqdm: bool) -> list[RequestOutput]:
         loop = asyncio.get_running_loop()
         ids, futures = [], []
         for (text, token_ids), sp in zip(items, params):
@@ -164,6 +168,8 @@ class LLM:
             ids.append(rid)
             futures.append(pending.done)
             self.engine.scheduler.tell(SubmitRequest(rid, token_ids, sp, self._collector_ref))
+        if use_tqdm:
+            await _with_bar(futures)
         return [self._output(rid, await fut) for rid, fut in zip(ids, futures)]
 
     def _output(self, rid: str, p: _Pending) -> RequestOutput:
@@ -210,3 +216,12 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     if prompts and isinstance(prompts[0], int):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+async def _with_bar(futures: list[asyncio.Future]) -> None:
+    """Waits for every prompt, advancing a tqdm bar on stderr as each one finishes."""
+    with tqdm(total=len(futures), desc="Processed prompts", dynamic_ncols=True) as bar:
+        left = set(futures)
+        while left:
+            done, left = await asyncio.wait(left, return_when=asyncio.FIRST_COMPLETED)
+            bar.update(len(done))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.worker.model_config import ModelConfig, ModelLoadError
-from actors.worker.progress import LoadProgress
+from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
 
 
@@ -57,7 +57,7 @@ class DecoderModel:
     def load_weights(self, weights, label: str = "loading weights") -> None:
         """`weights` has get(hf_name, dtype) -> tensor; raises ModelLoadError for a missing tensor."""
         cfg = self.config
-        progress = LoadProgress(cfg.num_layers + 1, label)
+        progress = load_progress(cfg.num_layers + 1, label)
 
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
@@ -65,7 +65,7 @@ class DecoderModel:
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        progress.advance()
+        progress.update()
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -85,7 +85,7 @@ class DecoderModel:
                 gate_up_weight=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 down_weight=get(p + "mlp.down_proj.weight"),
             ))
-            progress.advance()
+            progress.update()
         progress.close()
         self._check_shapes()
 

@@ -108,6 +108,15 @@ def test_list_of_params_and_bad_input(llm):
         SamplingParams(top_p=0.0)
 
 
+@pytest.mark.parametrize("use_tqdm", [True, False])
+def test_use_tqdm_draws_a_bar_over_the_prompts(llm, capfd, use_tqdm):
+    capfd.readouterr()
+    llm.generate(prompts(3, (4, 7, 12)), SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=use_tqdm)
+    err = capfd.readouterr().err
+    assert ("Processed prompts" in err and "3/3" in err) == use_tqdm
+    assert err == "" or use_tqdm
+
+
 def test_bad_engine_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing"))
