@@ -95,16 +95,6 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
-    def pool_blocks(self, kv_bytes_per_token: int) -> int:
-        """Blocks in the pool: `num_blocks`, or as many as `kv_cache_memory` holds."""
-        if self.num_blocks is not None:
-            return self.num_blocks
-        blocks = self.kv_cache_memory // (kv_bytes_per_token * self.block_size)
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes holds no block of "
-                             f"{self.block_size} tokens ({kv_bytes_per_token} bytes per token)")
-        return blocks
-
     def context_len(self, model_max_len: int, num_blocks: int) -> int:
         """The longest sequence served: it must fit in the pool, or no preemption could ever let it run."""
         capacity = num_blocks * self.block_size

@@ -300,12 +300,6 @@ class SubmitRefused(msgspec.Struct, tag=True):
     reason: str
 
 
-ENGINE_MESSAGES = (
-    SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
-    StepPlan, StepResult, GetWorkerInfo, WorkerInfo,
-    KVStep, KVStepResult, KVFree, GetKVStats, KVStats, DrainKVEvents, KVEvents,
-)
-
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)

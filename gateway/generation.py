@@ -189,7 +189,3 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def choice_text(self, index: int) -> str:
-        sub = list(self._subs.values())[index // self._params.n]
-        return sub.choices[index % self._params.n].sample.text
