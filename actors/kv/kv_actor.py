@@ -19,12 +19,12 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
     """Trims (speculative rollback), forks, frees, grows in order (stopping at the first that does not fit), then admissions while
     the token budget and the pool allow. A grow that did not fit changes nothing."""
     for trim in msg.trims:  # a sequence freed since its verification holds nothing to trim
-        if kv.has_request(str(trim.seq_id)):
+        if kv.has_seq(str(trim.seq_id)):
             kv.trim(str(trim.seq_id), trim.num_tokens)
     fork_tables, unforked = [], set()
     for fork in msg.forks:
         parent, child = str(fork.parent_seq_id), str(fork.child_seq_id)
-        if kv.has_request(parent) and kv.can_fork(parent):
+        if kv.has_seq(parent) and kv.can_fork(parent):
             kv.fork(parent, child)
             # Keep only whole shared blocks: the child recomputes the partial one, so no KV copy.
             kv.trim(child, fork.num_tokens)
@@ -42,30 +42,30 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if grow.seq_id in unforked:
             grown.append([])
             continue
-        rid = str(grow.seq_id)
+        seq_id = str(grow.seq_id)
         lookahead = grow.num_lookahead_tokens
-        if not kv.can_allocate(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead):
+        if not kv.can_allocate(seq_id, grow.num_new_tokens, num_lookahead_tokens=lookahead):
             grow_failed = True
             break
-        before, start = len(kv.block_table(rid)), kv.num_computed_tokens(rid)
-        kv.allocate_slots(rid, grow.num_new_tokens, num_lookahead_tokens=lookahead)
-        grown.append(kv.block_table(rid)[before:])
+        before, start = len(kv.block_table(seq_id)), kv.num_computed_tokens(seq_id)
+        kv.allocate_slots(seq_id, grow.num_new_tokens, num_lookahead_tokens=lookahead)
+        grown.append(kv.block_table(seq_id)[before:])
         _note_writes(writers, kv, grow.seq_id, start)
     admitted, budget = [], msg.token_budget
     stats_before = kv.stats
     for admit in [] if grow_failed else msg.admits:
         if budget <= 0:
             break
-        rid = str(admit.seq_id)
-        hit = kv.get_computed_blocks(KVRequest(rid, admit.token_ids, admit.cache_salt))
+        seq_id = str(admit.seq_id)
+        hit = kv.get_computed_blocks(KVRequest(seq_id, admit.token_ids, admit.cache_salt))
         num_new = min(len(admit.token_ids) - hit.num_computed_tokens, budget)
-        if not kv.can_allocate(rid, num_new, hit=hit):
+        if not kv.can_allocate(seq_id, num_new, hit=hit):
             break  # first come, first served: nobody jumps a request that does not fit
-        kv.allocate_slots(rid, num_new, hit=hit)
+        kv.allocate_slots(seq_id, num_new, hit=hit)
         # Blocks hashed at allocation get their KV in this step's forward: a hit on them is good only
         # if their writer's step succeeds.
         reads_from = sorted({writers[b] for b in hit.block_ids if b in writers})
-        admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(rid), reads_from))
+        admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(seq_id), reads_from))
         _note_writes(writers, kv, admit.seq_id, hit.num_computed_tokens)
         budget -= num_new
     stats = kv.stats
@@ -83,17 +83,17 @@ def _note_writes(writers: dict[int, int], kv: KVCacheManager, seq_id: int, start
 def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
     """Failed sequences forget the KV their step never wrote, then every listed sequence is freed."""
     for unwritten in msg.unwritten:
-        rid = str(unwritten.seq_id)
-        if kv.has_request(rid):  # one aborted during its step forgot then, with its free
-            kv.forget_unwritten(rid, unwritten.num_tokens)
+        seq_id = str(unwritten.seq_id)
+        if kv.has_seq(seq_id):  # one aborted during its step forgot then, with its free
+            kv.forget_unwritten(seq_id, unwritten.num_tokens)
     _free(kv, msg.seq_ids)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
     for seq_id in seq_ids:
-        rid = str(seq_id)
-        if kv.has_request(rid):  # a sequence aborted before it ever got blocks holds none
-            kv.free(rid)
+        seq_id = str(seq_id)
+        if kv.has_seq(seq_id):  # a sequence aborted before it ever got blocks holds none
+            kv.free(seq_id)
 
 
 class KVManagerActor(Actor):

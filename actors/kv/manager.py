@@ -47,8 +47,8 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the last position has logits.
         """
-        if request.request_id in self._seqs:
-            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        if request.seq_id in self._seqs:
+            raise ValueError(f"sequence {request.seq_id!r} already holds blocks")
         if not self.config.enable_prefix_caching:
             return PrefixHit(request, [], [], 0)
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)
@@ -61,13 +61,13 @@ class KVCacheManager:
             block_ids.append(block.block_id)
         return PrefixHit(request, block_ids, hashes, len(block_ids) * self.block_size)
 
-    def can_allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+    def can_allocate(self, seq_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                      hit: PrefixHit | None = None) -> bool:
         """Whether `allocate_slots` with the same arguments would succeed."""
-        fresh, reused = self._blocks_to_take(request_id, num_new_tokens, num_lookahead_tokens, hit)
+        fresh, reused = self._blocks_to_take(seq_id, num_new_tokens, num_lookahead_tokens, hit)
         return fresh + reused <= self._pool.num_free
 
-    def allocate_slots(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+    def allocate_slots(self, seq_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                        hit: PrefixHit | None = None) -> None:
         """Give the sequence KV slots for `num_new_tokens` more positions, plus lookahead ones.
 
@@ -77,10 +77,10 @@ class KVCacheManager:
         blocks among them enter the prefix cache now. Lookahead positions (speculative tokens)
         get slots but are not counted as computed until `trim` confirms them.
         """
-        fresh, reused = self._blocks_to_take(request_id, num_new_tokens, num_lookahead_tokens, hit)
+        fresh, reused = self._blocks_to_take(seq_id, num_new_tokens, num_lookahead_tokens, hit)
         if fresh + reused > self._pool.num_free:
-            raise RuntimeError(f"allocate_slots without room for {request_id!r}: call can_allocate first")
-        seq = self._seqs.get(request_id)
+            raise RuntimeError(f"allocate_slots without room for {seq_id!r}: call can_allocate first")
+        seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._admit(hit)
         seq.blocks.extend(self._pool.take_fresh(fresh))
@@ -89,13 +89,13 @@ class KVCacheManager:
 
     # ---- growth and rollback ---------------------------------------------------------------
 
-    def append_token_ids(self, request_id: str, token_ids: list[int]) -> None:
+    def append_token_ids(self, seq_id: str, token_ids: list[int]) -> None:
         """Record tokens the sequence gained (sampled or accepted); hashing needs them."""
-        seq = self._seq(request_id)
+        seq = self._seq(seq_id)
         seq.token_ids.extend(token_ids)
         self._cache_full_blocks(seq)
 
-    def trim(self, request_id: str, num_tokens: int) -> None:
+    def trim(self, seq_id: str, num_tokens: int) -> None:
         """Set the sequence's KV length to `num_tokens` positions and return blocks wholly past it.
 
         Speculative decoding calls it after verification with the accepted length: positions up
@@ -103,14 +103,14 @@ class KVCacheManager:
         inside a block that is cached or shared would let this sequence overwrite KV that others
         read, so that is refused; cuts on a block boundary are always fine.
         """
-        seq = self._seq(request_id)
+        seq = self._seq(seq_id)
         if not 0 <= num_tokens <= len(seq.blocks) * self.block_size:
-            raise ValueError(f"trim to {num_tokens} outside the {len(seq.blocks)} blocks of {request_id!r}")
+            raise ValueError(f"trim to {num_tokens} outside the {len(seq.blocks)} blocks of {seq_id!r}")
         keep, offset = divmod(num_tokens, self.block_size)
         if offset:
             cut = seq.blocks[keep]
             if cut.ref_cnt > 1 or cut.block_hash is not None:
-                raise ValueError(f"trim to {num_tokens} would rewrite a shared or cached block of {request_id!r}")
+                raise ValueError(f"trim to {num_tokens} would rewrite a shared or cached block of {seq_id!r}")
             keep += 1
         self._pool.release(seq.blocks[keep:][::-1])
         del seq.blocks[keep:]
@@ -118,7 +118,7 @@ class KVCacheManager:
         seq.num_cached_blocks = min(seq.num_cached_blocks, num_tokens // self.block_size)
         self._cache_full_blocks(seq)
 
-    def forget_unwritten(self, request_id: str, num_written: int) -> None:
+    def forget_unwritten(self, seq_id: str, num_written: int) -> None:
         """The step that was to write the sequence's KV past its first `num_written` positions
         failed: the blocks holding any of those positions leave the prefix cache (announced as
         removed, like an eviction), and only `num_written` positions count as computed.
@@ -126,9 +126,9 @@ class KVCacheManager:
         Blocks wholly before them keep their hashes: earlier steps wrote them, or they were the
         prefix hits the sequence started from.
         """
-        seq = self._seq(request_id)
+        seq = self._seq(seq_id)
         if not 0 <= num_written <= seq.num_computed:
-            raise ValueError(f"{request_id!r} has {seq.num_computed} computed positions, not {num_written}")
+            raise ValueError(f"{seq_id!r} has {seq.num_computed} computed positions, not {num_written}")
         first = num_written // self.block_size
         self._pool.uncache(seq.blocks[first:])
         seq.num_computed = num_written
@@ -153,7 +153,7 @@ class KVCacheManager:
         """
         src = self._seq(src_id)
         if dst_id in self._seqs:
-            raise ValueError(f"request {dst_id!r} already holds blocks")
+            raise ValueError(f"sequence {dst_id!r} already holds blocks")
         if not self.can_fork(src_id, num_tokens):
             raise RuntimeError(f"fork of {src_id!r} without a free block: call can_fork first")
         length = self._fork_length(src_id, num_tokens)
@@ -172,11 +172,11 @@ class KVCacheManager:
 
     # ---- release ------------------------------------------------------------------------------
 
-    def free(self, request_id: str) -> None:
+    def free(self, seq_id: str) -> None:
         """Give back all of a finished, aborted or preempted sequence's blocks (once)."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.pop(seq_id, None)
         if seq is None:
-            raise KeyError(f"free of unknown request {request_id!r} (freed twice?)")
+            raise KeyError(f"free of unknown sequence {seq_id!r} (freed twice?)")
         # Last blocks first: they join the free queue earliest, so they are evicted first and a
         # shared prefix survives longest.
         self._pool.release(seq.blocks[::-1])
@@ -189,17 +189,17 @@ class KVCacheManager:
 
     # ---- queries ------------------------------------------------------------------------------
 
-    def block_table(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._seq(request_id).blocks]
+    def block_table(self, seq_id: str) -> list[int]:
+        return [block.block_id for block in self._seq(seq_id).blocks]
 
-    def num_computed_tokens(self, request_id: str) -> int:
-        return self._seq(request_id).num_computed
+    def num_computed_tokens(self, seq_id: str) -> int:
+        return self._seq(seq_id).num_computed
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._seqs
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
 
     @property
-    def num_requests(self) -> int:
+    def num_seqs(self) -> int:
         return len(self._seqs)
 
     @property
@@ -246,9 +246,9 @@ class KVCacheManager:
                 raise RuntimeError(f"{block} has a hash the cache does not map to it")
         if self._pool.num_cached != sum(b.block_hash is not None for b in self._pool.blocks):
             raise RuntimeError("the cache maps hashes to blocks that do not hold them")
-        for request_id, seq in self._seqs.items():
+        for seq_id, seq in self._seqs.items():
             if len(seq.blocks) * self.block_size < seq.num_computed:
-                raise RuntimeError(f"{request_id!r} has fewer slots than computed positions")
+                raise RuntimeError(f"{seq_id!r} has fewer slots than computed positions")
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -260,30 +260,30 @@ class KVCacheManager:
             raise ValueError(f"fork of {num_tokens} positions of {src_id!r}, which has {computed} computed")
         return num_tokens
 
-    def _seq(self, request_id: str) -> _Seq:
-        seq = self._seqs.get(request_id)
+    def _seq(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
         if seq is None:
-            raise KeyError(f"unknown request {request_id!r}")
+            raise KeyError(f"unknown sequence {seq_id!r}")
         return seq
 
-    def _blocks_to_take(self, request_id: str, num_new: int, num_lookahead: int,
+    def _blocks_to_take(self, seq_id: str, num_new: int, num_lookahead: int,
                         hit: PrefixHit | None) -> tuple[int, int]:
         """(fresh blocks, free cached hit blocks) this allocation takes out of the free queue."""
         if num_new < 0 or num_lookahead < 0:
-            raise ValueError(f"negative token counts ({num_new}, {num_lookahead}) for {request_id!r}")
-        seq = self._seqs.get(request_id)
+            raise ValueError(f"negative token counts ({num_new}, {num_lookahead}) for {seq_id!r}")
+        seq = self._seqs.get(seq_id)
         if seq is None:
-            if hit is None or hit.request.request_id != request_id:
-                raise ValueError(f"first allocation of {request_id!r} needs its PrefixHit")
+            if hit is None or hit.request.seq_id != seq_id:
+                raise ValueError(f"first allocation of {seq_id!r} needs its PrefixHit")
             hit_blocks = self._hit_blocks(hit)
             num_known, num_computed = len(hit.request.token_ids), hit.num_computed_tokens
             num_held, reused = len(hit_blocks), sum(block.ref_cnt == 0 for block in hit_blocks)
         else:
             if hit is not None:
-                raise ValueError(f"request {request_id!r} already holds blocks; a PrefixHit is for new ones")
+                raise ValueError(f"sequence {seq_id!r} already holds blocks; a PrefixHit is for new ones")
             num_known, num_computed, num_held, reused = len(seq.token_ids), seq.num_computed, len(seq.blocks), 0
         if num_computed + num_new > num_known:
-            raise ValueError(f"{request_id!r}: {num_computed} + {num_new} positions but only {num_known} "
+            raise ValueError(f"{seq_id!r}: {num_computed} + {num_new} positions but only {num_known} "
                              "known tokens (append sampled tokens first; speculative ones are lookahead)")
         total = -(-(num_computed + num_new + num_lookahead) // self.block_size)
         return max(total - num_held, 0), reused
@@ -292,7 +292,7 @@ class KVCacheManager:
         blocks = [self._pool.blocks[block_id] for block_id in hit.block_ids]
         for block, block_hash in zip(blocks, hit.block_hashes):
             if block.block_hash != block_hash:
-                raise StalePrefixHit(f"cached block {block.block_id} of {hit.request.request_id!r} was evicted")
+                raise StalePrefixHit(f"cached block {block.block_id} of {hit.request.seq_id!r} was evicted")
         return blocks
 
     def _admit(self, hit: PrefixHit) -> _Seq:
@@ -300,7 +300,7 @@ class KVCacheManager:
         self._pool.touch(blocks)
         request = hit.request
         seq = _Seq(list(request.token_ids), request.cache_salt, blocks, list(hit.block_hashes), hit.num_computed_tokens)
-        self._seqs[request.request_id] = seq
+        self._seqs[request.seq_id] = seq
         self._requests += 1
         self._queried_tokens += len(request.token_ids)
         self._hit_tokens += hit.num_computed_tokens

@@ -32,7 +32,7 @@ class KVCacheConfig:
 class KVRequest(msgspec.Struct, frozen=True):
     """A sequence as the KV manager first sees it."""
 
-    request_id: str
+    seq_id: str
     token_ids: list[int]  # the prompt, plus the output so far when a preempted request resumes
     cache_salt: str | None = None  # per tenant: different salts never share cached blocks
 

@@ -328,7 +328,7 @@ def test_a_sequence_aborted_during_its_failed_step_forgets_what_it_never_wrote()
     h.policy.on_kv(apply_kv_step(h.kv, kv_step))
     plan = h.policy.plan()
     h.abort("a")  # while the worker computes the step: its blocks go back at once
-    assert h.finish[("a", 0)] == "abort" and h.kv.num_requests == 0
+    assert h.finish[("a", 0)] == "abort" and h.kv.num_seqs == 0
     h.policy.update(model.run(plan))
     h._collect()
     h.submit("again", PROMPT, max_tokens=4)

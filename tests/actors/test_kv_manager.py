@@ -169,7 +169,7 @@ def test_can_allocate_counts_cached_free_blocks_a_hit_takes():
     assert not m.can_allocate("b", 5, hit=hit)  # would need a 4th
     with pytest.raises(RuntimeError, match="can_allocate"):
         m.allocate_slots("b", 5, hit=hit)
-    assert not m.has_request("b") and m.num_free_blocks == 3  # nothing changed
+    assert not m.has_seq("b") and m.num_free_blocks == 3  # nothing changed
     m.check_invariants()
 
 
@@ -274,7 +274,7 @@ def test_fork_without_a_free_block_is_refused():
     assert not m.can_fork("p")
     with pytest.raises(RuntimeError):
         m.fork("p", "q")
-    assert not m.has_request("q")
+    assert not m.has_seq("q")
 
 
 def test_events_are_numbered_and_cover_store_remove_clear():

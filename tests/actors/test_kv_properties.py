@@ -141,7 +141,7 @@ class Sim:
         self.m.check_invariants()
         self.replay_events()
         assert self.m.num_free_blocks == self.m.num_total_blocks  # every block free or cached-and-evictable
-        assert self.m.num_requests == 0
+        assert self.m.num_seqs == 0
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -110,7 +110,7 @@ class Harness:
                     self.finish[key] = d.finish_reason
 
     def assert_all_free(self):
-        assert self.kv.num_requests == 0
+        assert self.kv.num_seqs == 0
         assert self.kv.num_free_blocks == self.kv.num_total_blocks
         assert not self.policy.requests and not self.policy.seqs
 

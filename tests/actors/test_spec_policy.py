@@ -66,7 +66,7 @@ class SpecHarness(Harness):
         while req is not None:
             req = self.policy.on_kv(apply_kv_step(self.kv, req))
         for seq in self.policy.running:  # after the trims: both sides agree on every table
-            if self.kv.has_request(str(seq.seq_id)) and seq.block_table:
+            if self.kv.has_seq(str(seq.seq_id)) and seq.block_table:
                 assert seq.block_table == self.kv.block_table(str(seq.seq_id)), seq
         plan = self.policy.plan()
         propose = self.policy.take_propose()

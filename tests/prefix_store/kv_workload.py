@@ -45,11 +45,11 @@ class KVWorkload:
         while True:
             hit = self.kv.get_computed_blocks(request)
             new = len(prompt) - hit.num_computed_tokens
-            if self.kv.can_allocate(request.request_id, new, hit=hit):
+            if self.kv.can_allocate(request.seq_id, new, hit=hit):
                 break
             self.kv.free(self._live.popleft())
-        self.kv.allocate_slots(request.request_id, new, hit=hit)
-        self._live.append(request.request_id)
+        self.kv.allocate_slots(request.seq_id, new, hit=hit)
+        self._live.append(request.seq_id)
         while len(self._live) > self._max_live:
             self.kv.free(self._live.popleft())
 

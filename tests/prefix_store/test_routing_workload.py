@@ -40,12 +40,12 @@ class SimEngine:
             self.kv.free(self.running.popleft())
         hit = self.kv.get_computed_blocks(request)
         new = len(request.token_ids) - hit.num_computed_tokens
-        while not self.kv.can_allocate(request.request_id, new, hit=hit):
+        while not self.kv.can_allocate(request.seq_id, new, hit=hit):
             self.kv.free(self.running.popleft())
             hit = self.kv.get_computed_blocks(request)
             new = len(request.token_ids) - hit.num_computed_tokens
-        self.kv.allocate_slots(request.request_id, new, hit=hit)
-        self.running.append(request.request_id)
+        self.kv.allocate_slots(request.seq_id, new, hit=hit)
+        self.running.append(request.seq_id)
         return hit.num_computed_tokens
 
 
