@@ -270,7 +270,7 @@ class SchedulingPolicy:
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
-            self._emit(seq, out.token_ids[:kept], logprobs, reason)
+            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason)
             if reason is not None:
                 self._retire(seq)
         return failures
@@ -415,7 +415,7 @@ class SchedulingPolicy:
         for seq in targets:
             if seq.status is not SeqStatus.FINISHED:
                 self._retire(seq)
-                self._emit(seq, [], None, reason, error)
+                self._queue_delta(seq, [], None, reason, error)
         if targets is req.seqs:
             self._end_unstarted(req, reason, error)
         return True
@@ -426,8 +426,8 @@ class SchedulingPolicy:
             self._outbox[req.reply_to].append(TokenDelta(req.request_id, index, [], None, reason,
                                                          len(req.prompt_token_ids), req.num_cached_tokens, error))
 
-    def _emit(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
-              error: str | None = None) -> None:
+    def _queue_delta(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
+                     error: str | None = None) -> None:
         req = seq.request
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,

@@ -54,7 +54,7 @@ class SchedulerActor(Actor):
         if self._interrupted:
             self._interrupted = False
             self._step_failed(RuntimeError("the scheduler restarted while its step ran"))
-            self._emit()
+            self._send_outputs()
             await self._maybe_step()
 
     async def on_stop(self) -> None:
@@ -71,11 +71,11 @@ class SchedulerActor(Actor):
                     self.policy.add(msg)
                 except ValueError as e:
                     self.context.log.warning("request refused", request_id=msg.request_id, error=str(e))
-                self._emit()
+                self._send_outputs()
                 await self._maybe_step()
             case AbortRequest(request_id=request_id, index=index):
                 self.policy.abort(request_id, index)
-                self._emit()
+                self._send_outputs()
             case _StepDone():
                 await self._on_step_done(msg)
             case GetStats():
@@ -95,7 +95,7 @@ class SchedulerActor(Actor):
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
             self.policy.fail_all(NOTHING_FITS)
-            self._emit()
+            self._send_outputs()
             return
         self._inflight = asyncio.create_task(self._run(plan, self.policy.take_propose(), started))
 
@@ -147,7 +147,7 @@ class SchedulerActor(Actor):
         self.step_s += wall
         if self.spec is not None and done.decode_shape is not None and done.error is None:
             self.spec.observe_step(*done.decode_shape, wall)   # what drafting costs on this machine
-        self._emit()
+        self._send_outputs()
         await self._maybe_step()
 
     def _step_failed(self, error: BaseException) -> None:
@@ -161,7 +161,7 @@ class SchedulerActor(Actor):
             self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
                                    error=failed.detail)
 
-    def _emit(self) -> None:
+    def _send_outputs(self) -> None:
         """Blocks of finished sequences go back (once no step computes them); deltas go out, one
         message per front end."""
         frees = self.policy.take_frees()
