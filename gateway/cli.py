@@ -15,7 +15,7 @@ from actors.engine_node import EngineNodeConfig
 from gateway.cluster import GatewayNodeConfig
 from gateway.config import GatewayConfig, ProcessConfig
 from gateway.engine_pool import PoolConfig
-from gateway.flags import add_flags
+from gateway.flags import HelpFormatter, add_flags
 from gateway.flags import parse_bytes  # noqa: F401  (the CLI's helpers, importable from here as before)
 from gateway.roles import RUNNERS, curl_line, engine_kwargs  # noqa: F401
 
@@ -36,7 +36,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     # A short usage line, so a bad flag's error is not lost under forty others.
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API",
                        usage="%(prog)s [options]  (matinee serve --help lists them)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       formatter_class=HelpFormatter,
                        epilog="Each flag's default can also be set as MATINEE_<FLAG> in the environment "
                               "(MATINEE_API_KEY, MATINEE_KV_CACHE_MEMORY=2GiB, ...).")
     for title, classes in SECTIONS:

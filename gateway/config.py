@@ -20,7 +20,8 @@ class ProcessConfig:
 class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "where the HTTP API listens"})
     port: int = field(default=8000, metadata={"help": "the HTTP API's port"})
-    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer KEY`"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require `Authorization: Bearer KEY` (default: $MATINEE_API_KEY, else none)", "secret": True})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the `model` name clients use (unset: derived from the model path)"})
     max_waiting: int = field(default=256, metadata={

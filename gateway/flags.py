@@ -88,16 +88,27 @@ def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except a secret's (`metadata["secret"]`): that default may come
+    from the environment, and --help output ends up in terminals, logs and bug reports."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if getattr(action, "secret", False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_flags(group, cls: type, environ: Mapping[str, str] | None = None) -> None:
     """One flag per help-carrying field of `cls`, on a parser or an argument group."""
     environ = os.environ if environ is None else environ
     for f in flag_fields(cls):
         if _type(f) == "bool":
-            group.add_argument(flag_name(f), action="store_true", default=_from_env(f, environ),
-                               help=f.metadata["help"])
+            action = group.add_argument(flag_name(f), action="store_true", default=_from_env(f, environ),
+                                        help=f.metadata["help"])
         else:
-            group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
-                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+            action = group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
+                                        choices=f.metadata.get("choices"), help=f.metadata["help"])
+        action.secret = f.metadata.get("secret", False)
 
 
 def values(cls: type, args: argparse.Namespace) -> dict[str, Any]:

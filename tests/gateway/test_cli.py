@@ -182,3 +182,12 @@ def test_the_role_runners_never_import_the_cli():
     import gateway.roles
 
     assert "gateway.cli" not in open(gateway.roles.__file__).read()
+
+
+def test_help_never_shows_the_api_key_from_the_environment():
+    parser = cli.build_parser({"MATINEE_API_KEY": "sk-do-not-print", "MATINEE_PORT": "9123"})
+    serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
+    text = serve.format_help()
+    assert "sk-do-not-print" not in text and "$MATINEE_API_KEY" in text
+    assert "9123" in text   # other defaults are still shown
+    assert parser.parse_args(["serve"]).api_key == "sk-do-not-print"
