@@ -236,13 +236,14 @@ class KVAdmitted(msgspec.Struct, array_like=True, gc=False):
 
 
 class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
-    fork_tables: list[list[int]]      # the child's block table per fork; [] when the pool had no room
-    grown: list[list[int]]            # new block ids per successful grow, in order
+    forked: list[bool]                # per fork: False when the pool had no room (the child starts over)
+    grown: list[list[int]]            # the whole block table per successful grow, in order
     grow_failed: bool                 # grows[len(grown)] did not fit; later grows were not tried
     admitted: list[KVAdmitted]        # a prefix of the admits, in order
     num_free_blocks: int
     queried_tokens: int = 0           # prefix-cache lookups done in this transaction
     hit_tokens: int = 0
+    num_table_blocks: int = 0         # blocks in every sequence's table after it (a shared one once per table)
 
 
 class KVUnwritten(msgspec.Struct, array_like=True, gc=False):

@@ -21,16 +21,16 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
     for trim in msg.trims:  # a sequence freed since its verification holds nothing to trim
         if kv.has_seq(str(trim.seq_id)):
             kv.trim(str(trim.seq_id), trim.num_tokens)
-    fork_tables, unforked = [], set()
+    forked, unforked = [], set()
     for fork in msg.forks:
         parent, child = str(fork.parent_seq_id), str(fork.child_seq_id)
         if kv.has_seq(parent) and kv.can_fork(parent):
             kv.fork(parent, child)
             # Keep only whole shared blocks: the child recomputes the partial one, so no KV copy.
             kv.trim(child, fork.num_tokens)
-            fork_tables.append(kv.block_table(child))
+            forked.append(True)
         else:
-            fork_tables.append([])
+            forked.append(False)
             unforked.add(fork.child_seq_id)
     _free(kv, msg.frees)
     for grow in msg.grows:  # all of them: tokens are facts, even for grows not reached below
@@ -47,9 +47,9 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if not kv.can_allocate(seq_id, grow.num_new_tokens, num_lookahead_tokens=lookahead):
             grow_failed = True
             break
-        before, start = len(kv.block_table(seq_id)), kv.num_computed_tokens(seq_id)
+        start = kv.num_computed_tokens(seq_id)
         kv.allocate_slots(seq_id, grow.num_new_tokens, num_lookahead_tokens=lookahead)
-        grown.append(kv.block_table(seq_id)[before:])
+        grown.append(kv.block_table(seq_id))
         _note_writes(writers, kv, grow.seq_id, start)
     admitted, budget = [], msg.token_budget
     stats_before = kv.stats
@@ -69,9 +69,9 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         _note_writes(writers, kv, admit.seq_id, hit.num_computed_tokens)
         budget -= num_new
     stats = kv.stats
-    return KVStepResult(fork_tables, grown, grow_failed, admitted, kv.num_free_blocks,
+    return KVStepResult(forked, grown, grow_failed, admitted, kv.num_free_blocks,
                         stats.queried_tokens - stats_before.queried_tokens,
-                        stats.hit_tokens - stats_before.hit_tokens)
+                        stats.hit_tokens - stats_before.hit_tokens, kv.num_table_blocks)
 
 
 def _note_writes(writers: dict[int, int], kv: KVCacheManager, seq_id: int, start: int) -> None:

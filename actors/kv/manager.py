@@ -203,6 +203,11 @@ class KVCacheManager:
         return len(self._seqs)
 
     @property
+    def num_table_blocks(self) -> int:
+        """Blocks in all sequences' tables, a shared block counted once per table."""
+        return sum(len(seq.blocks) for seq in self._seqs.values())
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks not held by any sequence (including cached ones waiting for eviction)."""
         return self._pool.num_free

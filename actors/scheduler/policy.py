@@ -69,6 +69,8 @@ class _Step:
     admits: list[Sequence] = field(default_factory=list)
     fork_children: list[Sequence] = field(default_factory=list)
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)    # seq id -> its block table, from the KV manager
+    num_table_blocks: int = 0                                     # blocks in all tables after the transaction
     readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
 
 
@@ -171,17 +173,16 @@ class SchedulingPolicy:
     def on_kv(self, res: KVStepResult) -> KVStep | None:
         """Apply a transaction's result; returns a retry transaction after a preemption, else None."""
         step = self._step
-        for child, table in zip(step.fork_children, res.fork_tables):
-            if table:
-                child.block_table = list(table)
-            else:  # no room to fork: the sample is computed from scratch (or from the prefix cache)
+        for child, forked in zip(step.fork_children, res.forked):
+            if not forked:  # no room to fork: the sample is computed from scratch (or from the prefix cache)
                 self._requeue(child)
         step.fork_children = []
-        for (seq, n), blocks in zip(step.grows, res.grown):
+        for (seq, n), table in zip(step.grows, res.grown):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # requeued above; the transaction skipped it
-            seq.block_table.extend(blocks)
+            step.tables[seq.seq_id] = table
             step.scheduled.append((seq, n))
+        step.num_table_blocks = res.num_table_blocks
         self.counters.prefix_queried_tokens += res.queried_tokens
         self.counters.prefix_hit_tokens += res.hit_tokens
         if res.grow_failed:
@@ -198,7 +199,7 @@ class SchedulingPolicy:
             for writer in adm.reads_from:
                 step.readers.setdefault(writer, []).append(seq.seq_id)
             self.waiting.remove(seq)
-            seq.block_table = list(adm.block_table)
+            step.tables[seq.seq_id] = adm.block_table
             seq.num_computed = adm.num_cached_tokens
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=_key)
@@ -209,12 +210,13 @@ class SchedulingPolicy:
 
     def plan(self) -> StepPlan:
         seqs, new, drafts, starts = [], [], [], {}
+        tables = self._step.tables
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if not seq.known_to_worker:
                 seq.known_to_worker = True
                 new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed))
-            scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table),
+            scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
             if self.spec is not None:
@@ -222,13 +224,13 @@ class SchedulingPolicy:
                                          seq.spec_k if scheduled.sample else 0))
             seq.num_computed = end
             starts[seq.seq_id] = start
-        readers, self._step = self._step.readers, _Step()
+        readers, num_table_blocks, self._step = self._step.readers, self._step.num_table_blocks, _Step()
         if not seqs:  # nothing runs: keep the releases for the next real step
             return StepPlan(self._step_id, [], [], [])
         self._in_flight = InFlightStep(starts, readers)
         self._step_id += 1
         self.counters.steps += 1
-        self.counters.kv_slots_allocated += sum(len(s.block_table) for s in self.running) * self.cfg.block_size
+        self.counters.kv_slots_allocated += num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
         if self.spec is not None:
@@ -312,8 +314,6 @@ class SchedulingPolicy:
         if running:  # accepted drafts have their KV; the emitted correction or bonus token not yet
             seq.num_computed += accepted
             self._trims.append(KVTrim(seq.seq_id, seq.num_computed))
-            # The KV manager returns the blocks wholly past the kept positions; so does our table.
-            del seq.block_table[-(-seq.num_computed // self.cfg.block_size):]
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -335,7 +335,6 @@ class SchedulingPolicy:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
-        seq.block_table = []
         bisect.insort(self.waiting, seq, key=_key)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:

@@ -43,7 +43,7 @@ class RequestState:
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
-                 "block_table", "status", "known_to_worker", "sort_key", "kv_known", "spec_k")
+                 "status", "known_to_worker", "sort_key", "kv_known", "spec_k")
 
     def __init__(self, seq_id: int, request: RequestState, index: int):
         self.seq_id = seq_id
@@ -52,7 +52,6 @@ class Sequence:
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed = 0             # tokens whose KV is in the cache (or being written this step)
-        self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.known_to_worker = False      # the worker holds its sampler state
         # Lower sorts first: the most important, then the oldest request, then sample order.
@@ -91,4 +90,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request.request_id}#{self.index}, id={self.seq_id}, {self.status.value}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed}, blocks={self.block_table})")
+                f"tokens={self.num_tokens}, computed={self.num_computed})")

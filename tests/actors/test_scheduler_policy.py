@@ -167,6 +167,33 @@ def test_preemption_by_recompute_keeps_outputs_exact():
     h.assert_all_free()
 
 
+def test_every_plan_carries_the_kv_managers_block_tables():
+    """Through preemptions and n > 1 forks, the policy keeps no tables of its own: each planned
+    table is the manager's, as it stands after the step's transaction."""
+    h = Harness(num_blocks=40, block_size=4, budget=64, max_model_len=160)
+    planned = 0
+    plan = h.policy.plan
+
+    def checked_plan():
+        nonlocal planned
+        out = plan()
+        for s in out.seqs:
+            assert s.block_table == h.kv.block_table(str(s.seq_id)), s
+            planned += 1
+        return out
+
+    h.policy.plan = checked_plan
+    ps = prompts(8, 1, 60, seed=4)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, max_tokens=20, n=2 if i % 3 == 0 else 1, seed=i)
+    h.run()
+    assert h.policy.counters.preemptions > 0 and planned > 0
+    for i, p in enumerate(ps):
+        for j in range(2 if i % 3 == 0 else 1):
+            assert h.outputs[(f"r{i}", j)] == reference(p, 20, i + j)
+    h.assert_all_free()
+
+
 def test_priority_is_ignored_unless_priority_scheduling_is_on():
     """As in vLLM: first come, first served by default; a client's priority orders nothing."""
     for enabled, order in ((False, ["early", "late-urgent"]), (True, ["late-urgent", "early"])):
@@ -216,7 +243,7 @@ def test_n_samples_share_prompt_blocks():
     h.submit("multi", prompt, n=3, seed=11, max_tokens=6)
     h.step()
     h.step()
-    tables = [s.block_table for s in h.policy.running]
+    tables = [h.kv.block_table(str(s.seq_id)) for s in h.policy.running]
     assert len(tables) == 3
     assert tables[1][:5] == tables[0][:5] == tables[2][:5]
     h.run()

@@ -3,7 +3,7 @@
 The fake target reads every token through the block tables (drafts included, written in the same
 step) and keeps drafts while they equal its own next token, so a stale block table, a lost
 rollback or a wrong position shows up as a wrong output. Outputs must equal plain decoding,
-the policy's block tables must equal the manager's, and every block must come back.
+the plan's block tables must equal the manager's, and every block must come back.
 """
 from __future__ import annotations
 
@@ -65,10 +65,9 @@ class SpecHarness(Harness):
         req = self.policy.schedule()
         while req is not None:
             req = self.policy.on_kv(apply_kv_step(self.kv, req))
-        for seq in self.policy.running:  # after the trims: both sides agree on every table
-            if self.kv.has_seq(str(seq.seq_id)) and seq.block_table:
-                assert seq.block_table == self.kv.block_table(str(seq.seq_id)), seq
         plan = self.policy.plan()
+        for s in plan.seqs:  # after the trims: the plan carries the manager's own tables
+            assert s.block_table == self.kv.block_table(str(s.seq_id)), s
         propose = self.policy.take_propose()
         wanted = {d.seq_id: d.num_spec for d in propose.seqs if d.num_spec} if propose is not None else {}
         assert (propose is None) == (not wanted) or len(propose.seqs) >= self.policy._draft_feed.max_queued
