@@ -1,11 +1,13 @@
-"""Matinee's actor runtime: actors, refs, supervision, death watch, timers, TCP remoting, registry.
+"""Matinee's actor runtime: actors, refs, supervision, death watch, timers, pipe-to-self, TCP
+remoting, registry.
 
 A general framework: it never imports the serving stack built on it."""
 from runtime.actor import Actor, ActorContext, Timer
 from runtime.errors import ActorDead, AskTimeout, Escalated, RemoteError
 from runtime.log import bound, configure_logging, get_logger
 from runtime.loop import run
-from runtime.messages import Terminated
+from runtime.messages import Piped, Terminated
+from runtime.pipe import Pipe
 from runtime.protocol import register_messages
 from runtime.ref import ActorRef
 from runtime.registry import InMemoryRegistry, Registry
@@ -16,6 +18,6 @@ register_messages(Terminated)
 
 __all__ = [
     "Actor", "ActorContext", "ActorDead", "ActorRef", "ActorSystem", "AskTimeout", "Escalated",
-    "InMemoryRegistry", "Registry", "RemoteError", "Supervision", "Terminated", "Timer",
+    "InMemoryRegistry", "Pipe", "Piped", "Registry", "RemoteError", "Supervision", "Terminated", "Timer",
     "bound", "configure_logging", "get_logger", "register_messages", "run",
 ]

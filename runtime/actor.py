@@ -3,8 +3,11 @@
 An actor owns its state; its receive() runs one message at a time, so it never needs a lock."""
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from runtime.messages import Piped
+from runtime.pipe import Pipe
 from runtime.ref import ActorRef
 
 if TYPE_CHECKING:
@@ -20,13 +23,17 @@ class Actor:
     context: ActorContext
 
     async def on_start(self) -> None:
-        pass
+        """Runs before the first message, and again after each restart (then once on_stop has
+        run). If it raises, the actor has failed: its supervision restarts, stops or escalates."""
 
     async def receive(self, msg: Any) -> Any:
+        """Runs for each message, one at a time. An exception goes to the asker of an ask; after a
+        tell it fails the actor (supervision decides). Await nothing slow here: pipe it to self."""
         raise TypeError(f"{type(self).__name__} does not handle {type(msg).__name__}")
 
     async def on_stop(self) -> None:
-        pass
+        """Runs when the actor stops and before a restart, after its children stopped and its
+        pipes were cancelled (none will deliver). An exception is logged and changes nothing."""
 
 
 class Timer:
@@ -114,6 +121,13 @@ class ActorContext:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         return Timer(self._cell, msg, interval_s, interval_s)
+
+    def pipe_to_self(self, awaitable: Awaitable[Any],
+                     wrap: Callable[[Any, BaseException | None], Any] = Piped) -> Pipe:
+        """Await `awaitable` in a task this actor owns; when it finishes, `wrap(result, error)`
+        (a `Piped` by default) arrives in this actor's mailbox, in order with other messages.
+        A stop or a restart cancels the task and drops an outcome not yet received."""
+        return Pipe(self._cell, awaitable, wrap)
 
     def stop(self) -> None:
         """Stop this actor after the current message (children first, then on_stop)."""

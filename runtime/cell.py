@@ -16,6 +16,7 @@ from runtime.supervision import RestartTracker, Supervision
 
 if TYPE_CHECKING:
     from runtime.actor import Timer
+    from runtime.pipe import Pipe
     from runtime.system import ActorSystem
 
 
@@ -52,6 +53,7 @@ class ActorCell:
         self.watchers: dict[object, Callable[[Terminated], None]] = {}
         self.watching: set[Any] = set()
         self.timers: set[Timer] = set()
+        self.pipes: set[Pipe] = set()   # running, or their outcome not yet received
         self.escalation: BaseException | None = None
         self.ref = LocalRef(self)
         self.log = system.log.bind(actor=path)
@@ -82,6 +84,10 @@ class ActorCell:
             self.waiter = None
             if not w.done():
                 w.set_result(None)
+
+    def post_piped(self, pipe: Pipe) -> None:
+        """A pipe finished: its outcome joins the mailbox, in order with everything else."""
+        self.put(Signal("piped", pipe))
 
     def _dead_letter(self, item: Any) -> None:
         self.system.dead_letters += 1
@@ -152,7 +158,16 @@ class ActorCell:
                     receive = self.actor.receive
 
     async def _on_signal(self, sig: Signal) -> None:
-        if sig.kind == "escalated":
+        if sig.kind == "piped":
+            pipe = sig.arg
+            self.pipes.discard(pipe)
+            if pipe.cancelled:  # cancelled after it posted, or by a restart: never delivered
+                return
+            try:
+                await self.actor.receive(pipe.message())
+            except Exception as exc:
+                await self._fail(exc)
+        elif sig.kind == "escalated":
             child_path, cause = sig.arg
             await self._fail(Escalated(child_path, cause))
 
@@ -172,6 +187,7 @@ class ActorCell:
             return
         self.log.warning("restarting actor", backoff_s=delay, restarts=self.restarts.recent_failures)
         await self._stop_children()
+        await self._cancel_pipes()
         await self._call_on_stop()
         if delay > 0:
             self.wake = self.loop.create_future()
@@ -194,6 +210,16 @@ class ActorCell:
         except Exception as exc:
             self.log.error("on_stop failed", error=repr(exc), exc_info=exc)
 
+    async def _cancel_pipes(self) -> None:
+        """The incarnation ends (restart or stop): every pipe is cancelled and awaited, and an
+        outcome already in the mailbox is dropped, so nothing of this incarnation arrives later."""
+        pipes = list(self.pipes)
+        for pipe in pipes:
+            pipe.cancel()
+        running = [pipe.task for pipe in pipes if not pipe.done]
+        if running:
+            await asyncio.wait(running)
+
     async def _stop_children(self) -> None:
         kids = list(self.children.values())
         if not kids:
@@ -207,6 +233,7 @@ class ActorCell:
             t.cancel()
         try:
             await self._stop_children()
+            await self._cancel_pipes()
             await self._call_on_stop()
         finally:
             self.dead = True
