@@ -181,11 +181,11 @@ class WorkerInfo(msgspec.Struct, tag=True):
 
 
 class KVGrow(msgspec.Struct, array_like=True, gc=False):
-    """A running sequence needs slots for `num_new_tokens` more positions; `new_token_ids` are the
-    tokens it gained since the manager last heard of it (the manager hashes blocks as they fill)."""
+    """A running sequence needs slots for `num_new_tokens` more positions. `token_ids` are all its
+    tokens so far: the manager records those past the ones it holds (it hashes blocks as they fill)."""
 
     seq_id: int
-    new_token_ids: list[int]
+    token_ids: list[int]
     num_new_tokens: int
     num_lookahead_tokens: int = 0     # slots for drafted tokens, rolled back by a KVTrim after verification
 

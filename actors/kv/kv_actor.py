@@ -34,8 +34,11 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
             unforked.add(fork.child_seq_id)
     _free(kv, msg.frees)
     for grow in msg.grows:  # all of them: tokens are facts, even for grows not reached below
-        if grow.new_token_ids and grow.seq_id not in unforked:
-            kv.append_token_ids(str(grow.seq_id), grow.new_token_ids)
+        if grow.seq_id not in unforked:
+            seq_id = str(grow.seq_id)
+            known = kv.num_tokens(seq_id)
+            if len(grow.token_ids) > known:
+                kv.append_token_ids(seq_id, grow.token_ids[known:])
     grown, grow_failed = [], False
     writers: dict[int, int] = {}  # block id -> the sequence whose KV this step writes into it
     for grow in msg.grows:

@@ -192,6 +192,10 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return [block.block_id for block in self._seq(seq_id).blocks]
 
+    def num_tokens(self, seq_id: str) -> int:
+        """Tokens the manager knows of the sequence: its prompt and the outputs appended so far."""
+        return len(self._seq(seq_id).token_ids)
+
     def num_computed_tokens(self, seq_id: str) -> int:
         return self._seq(seq_id).num_computed
 

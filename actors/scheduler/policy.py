@@ -322,12 +322,9 @@ class SchedulingPolicy:
         return seq
 
     def _grow_msg(self, seq: Sequence, n: int) -> KVGrow:
-        new_tokens = seq.token_ids[seq.kv_known:]
-        seq.kv_known = seq.num_tokens
-        return KVGrow(seq.seq_id, new_tokens, n, seq.spec_k)
+        return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
-        seq.kv_known = seq.num_tokens
         return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt)
 
     def _requeue(self, seq: Sequence) -> None:
@@ -364,7 +361,6 @@ class SchedulingPolicy:
                 continue
             child.status = SeqStatus.RUNNING
             child.num_computed = shared
-            child.kv_known = shared
             self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
             bisect.insort(self.running, child, key=_key)
 

@@ -43,7 +43,7 @@ class RequestState:
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
-                 "status", "known_to_worker", "sort_key", "kv_known", "spec_k")
+                 "status", "known_to_worker", "sort_key", "spec_k")
 
     def __init__(self, seq_id: int, request: RequestState, index: int):
         self.seq_id = seq_id
@@ -56,7 +56,6 @@ class Sequence:
         self.known_to_worker = False      # the worker holds its sampler state
         # Lower sorts first: the most important, then the oldest request, then sample order.
         self.sort_key = (request.priority, request.arrival, index)
-        self.kv_known = 0                 # leading tokens the KV manager has been told of
         self.spec_k = 0                   # tokens to draft in the step being planned (lookahead slots)
 
     @property

@@ -252,6 +252,22 @@ def test_n_samples_share_prompt_blocks():
     h.assert_all_free()
 
 
+def test_a_forked_samples_blocks_are_cached_under_its_own_tokens():
+    """A later prompt that continues sample 1's text hits every full block sample 1 computed,
+    past the prompt blocks it shared: the manager hashed the sample's own tokens."""
+    h = Harness(block_size=4, budget=256)
+    prompt = list(range(10, 33))  # 23 tokens: 5 full blocks shared by the samples
+    h.submit("multi", prompt, n=2, seed=11, max_tokens=12)
+    h.run()
+    text = prompt + h.outputs[("multi", 1)]   # 35 tokens, the last one never computed
+    hits_before = h.policy.counters.prefix_hit_tokens
+    h.submit("continue", text, max_tokens=3)
+    h.run()
+    assert h.policy.counters.prefix_hit_tokens - hits_before == 32
+    assert h.outputs[("continue", 0)] == reference(text, 3)
+    h.assert_all_free()
+
+
 def test_abort_frees_blocks_at_once_and_ends_the_stream():
     h = Harness(block_size=4, budget=256)
     h.submit("a", list(range(40)), max_tokens=50)
