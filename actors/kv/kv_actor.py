@@ -18,16 +18,18 @@ from runtime import Actor
 def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
     """Trims (speculative rollback), forks, frees, grows in order (stopping at the first that does not fit), then admissions while
     the token budget and the pool allow. A grow that did not fit changes nothing."""
+    for fork in msg.forks:  # checked before anything changes: the worker copies no KV for a fork
+        if fork.num_tokens % kv.block_size:
+            raise ValueError(f"fork of {fork.num_tokens} positions is not on a block boundary")
     for trim in msg.trims:  # a sequence freed since its verification holds nothing to trim
         if kv.has_seq(str(trim.seq_id)):
             kv.trim(str(trim.seq_id), trim.num_tokens)
     forked, unforked = [], set()
     for fork in msg.forks:
         parent, child = str(fork.parent_seq_id), str(fork.child_seq_id)
-        if kv.has_seq(parent) and kv.can_fork(parent):
-            kv.fork(parent, child)
-            # Keep only whole shared blocks: the child recomputes the partial one, so no KV copy.
-            kv.trim(child, fork.num_tokens)
+        # Only whole shared blocks: the child recomputes the partial one, so no KV copy.
+        if kv.has_seq(parent) and kv.can_fork(parent, fork.num_tokens):
+            kv.fork(parent, child, fork.num_tokens)
             forked.append(True)
         else:
             forked.append(False)

@@ -380,3 +380,20 @@ def test_fork_at_a_block_boundary_below_the_computed_length_needs_no_free_block(
     m.free("q")
     m.check_invariants()
     assert m.num_free_blocks == 3
+
+
+def test_a_steps_fork_shares_whole_blocks_only_even_in_a_full_pool():
+    """A sample forks at the prompt's last block boundary: no fresh block is taken (not even for
+    a moment), so a pool with nothing free still forks, and a fork off a boundary is refused first."""
+    from actors.kv.kv_actor import apply_kv_step
+    from actors.messages import KVFork, KVStep
+
+    m = make(num_blocks=3)
+    admit(m, "0", range(10))  # 3 blocks, none free
+    res = apply_kv_step(m, KVStep([], [KVFork(0, 1, 8)], [], [], 0))
+    assert res.forked == [True] and m.num_free_blocks == 0
+    assert m.block_table("1") == m.block_table("0")[:2] and m.num_computed_tokens("1") == 8
+    with pytest.raises(ValueError):
+        apply_kv_step(m, KVStep([], [KVFork(0, 2, 9)], [], [], 0))
+    assert not m.has_seq("2")
+    m.check_invariants()
