@@ -1,9 +1,12 @@
 """The scheduler actor: admits requests, runs one step at a time, streams TokenDeltas back.
 
-A step is: schedule (one KV transaction), run (the worker's forward, awaited in a task this actor
-owns, so Submit and Abort keep arriving meanwhile), update, emit. It never polls: with no work
-it simply waits for the next message. A failed step ends its requests with finish_reason "error",
-never "abort", and the engine goes on.
+One step, in order (step() is piped to self, so Submit and Abort keep arriving during the forward):
+
+    step()        schedule -> KV transaction -> draft -> forward      (mailbox held until the plan)
+    _on_step()    update -> emit -> next step                          (in mailbox order)
+
+It never polls: with no work it simply waits for the next message. A failed step ends its requests
+with finish_reason "error", never "abort", and the engine goes on.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from actors.draft.controller import SpecController
@@ -19,19 +21,9 @@ from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, StepPlan, StepResult, SubmitRequest,
                              TokenDeltas)
 from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
-from runtime import Actor, ActorDead, ActorRef
+from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
 
 NOTHING_FITS = "the request does not fit in the engine's KV cache"
-
-
-@dataclass
-class _StepDone:
-    """Posted to itself when the worker answers; never leaves this actor."""
-
-    result: StepResult | None
-    error: BaseException | None
-    started: float
-    decode_shape: tuple[int, int] | None = None   # (sequences, drafted tokens) of a pure-decode step
 
 
 class SchedulerActor(Actor):
@@ -43,14 +35,16 @@ class SchedulerActor(Actor):
         self.worker = worker
         self.draft = draft
         self.step_timeout_s = step_timeout_s
-        self._inflight: asyncio.Task | None = None
+        self._step: Pipe | None = None   # the step in flight, until its outcome is handled
+        self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
         self.step_listeners: list[Callable[[], None]] = []   # in-process hooks, see Engine.on_step
 
     async def on_start(self) -> None:
-        """After a restart (the same instance, its requests kept): the step the stop cancelled fails
-        as a failed step does, so its requests end with "error" and the next step can start."""
+        """At the start, and after a restart (the same instance, its requests kept): the step the
+        restart cancelled fails as a failed step does, so its requests end with "error" and the
+        next step can start. A KV or worker failure here fails that next step, not this hook."""
         if self._interrupted:
             self._interrupted = False
             self._step_failed(RuntimeError("the scheduler restarted while its step ran"))
@@ -58,11 +52,9 @@ class SchedulerActor(Actor):
             await self._maybe_step()
 
     async def on_stop(self) -> None:
-        """On a restart and at shutdown. A step still running is cancelled; one that has answered
-        left its _StepDone in the mailbox, which the restarted scheduler handles as usual."""
-        if self._inflight is not None and not self._inflight.done():
-            self._inflight.cancel()
-            self._inflight, self._interrupted = None, True
+        """On a restart and at shutdown, after the runtime cancelled the step's pipe: nothing of
+        that step comes back, not even an outcome already in the mailbox. Cannot fail."""
+        self._interrupted, self._step = self._step is not None, None
 
     async def receive(self, msg: Any) -> Any:
         match msg:
@@ -76,8 +68,8 @@ class SchedulerActor(Actor):
             case AbortRequest(request_id=request_id, index=index):
                 self.policy.abort(request_id, index)
                 self._send_outputs()
-            case _StepDone():
-                await self._on_step_done(msg)
+            case Piped(result=outcome, error=error):
+                await self._on_step(outcome, error)
             case GetStats():
                 return await self._stats()
             case _:
@@ -85,21 +77,50 @@ class SchedulerActor(Actor):
         return None
 
     async def _maybe_step(self) -> None:
-        """Schedule and launch the next step, unless one is running or there is nothing to do."""
-        if self._inflight is not None or not self.policy.has_work():
+        """Start the next step, unless one is in flight or there is nothing to do. The mailbox waits
+        until the step is planned: a Submit or an Abort must not land inside its KV transaction."""
+        if self._step is not None or not self.policy.has_work():
             return
-        started = time.perf_counter()
-        plan = await self._schedule()
+        self._started = time.perf_counter()
+        planned = asyncio.get_running_loop().create_future()
+        self._step = self.context.pipe_to_self(self.step(planned))
+        await planned
+
+    async def step(self, planned: asyncio.Future) -> tuple[StepPlan, StepResult] | None:
+        """One step up to the worker's answer; its outcome comes back as a Piped message."""
+        try:
+            plan, propose = await self._schedule_kv()
+        finally:
+            planned.set_result(None)   # Submit and Abort flow again, during the draft and the forward
+        if plan is None:
+            return None
+        await self._draft(plan, propose)
+        return plan, await self._forward(plan)
+
+    async def _on_step(self, outcome: tuple[StepPlan, StepResult] | None, error: BaseException | None) -> None:
+        """The step's outcome, after every Abort that came during its forward: update -> emit -> next."""
+        self._step = None
+        if error is not None:
+            self._step_failed(error)
+            self.step_s += time.perf_counter() - self._started
+        elif outcome is not None:
+            self._update(*outcome)
+        self._send_outputs()
+        await self._maybe_step()
+
+    async def _schedule_kv(self) -> tuple[StepPlan | None, Propose | None]:
+        """The plan and the draft worker's message; a step that only preempted schedules again, and
+        when still nothing fits, the queue fails (the plan is None)."""
+        plan = await self._kv_transaction()
         if not plan.seqs:  # a step that only preempted: the next pass admits from the queue
-            plan = await self._schedule()
+            plan = await self._kv_transaction()
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
             self.policy.fail_all(NOTHING_FITS)
-            self._send_outputs()
-            return
-        self._inflight = asyncio.create_task(self._run(plan, self.policy.take_propose(), started))
+            return None, None
+        return plan, self.policy.take_propose()
 
-    async def _schedule(self) -> StepPlan:
+    async def _kv_transaction(self) -> StepPlan:
         """One KV transaction per step; another only after a preemption."""
         kv_step = self.policy.schedule()
         while kv_step is not None:
@@ -108,18 +129,11 @@ class SchedulerActor(Actor):
             listener()
         return self.policy.plan()
 
-    async def _run(self, plan: StepPlan, propose: Propose | None, started: float) -> None:
-        try:
-            if propose is not None:
-                await self._draft(plan, propose)
-            result, error = await self.worker.ask(plan, timeout=self.step_timeout_s), None
-        except Exception as e:  # the worker failed the step: its requests end, the engine goes on
-            result, error = None, e
-        self.context.self_ref.tell(_StepDone(result, error, started, _decode_shape(plan)))
-
-    async def _draft(self, plan: StepPlan, propose: Propose) -> None:
+    async def _draft(self, plan: StepPlan, propose: Propose | None) -> None:
         """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
         tokens (it keeps every sequence's history), without waiting."""
+        if propose is None:
+            return
         if not any(d.num_spec for d in propose.seqs):
             self.draft.tell(propose)
             return
@@ -135,31 +149,28 @@ class SchedulerActor(Actor):
                 seq.spec_token_ids, seq.spec_probs = p.token_ids, p.probs
         self.draft_s += proposals.draft_s
 
-    async def _on_step_done(self, done: _StepDone) -> None:
-        self._inflight = None
-        if done.error is not None:
-            self._step_failed(done.error)
-        else:
-            self._update(done.result)
-            self.forward_s += done.result.forward_s
-            self.compute_s += done.result.compute_s
-        wall = time.perf_counter() - done.started
-        self.step_s += wall
-        if self.spec is not None and done.decode_shape is not None and done.error is None:
-            self.spec.observe_step(*done.decode_shape, wall)   # what drafting costs on this machine
-        self._send_outputs()
-        await self._maybe_step()
+    async def _forward(self, plan: StepPlan) -> StepResult:
+        """The worker computes the step; if it fails or times out, the step fails for all."""
+        return await self.worker.ask(plan, timeout=self.step_timeout_s)
 
     def _step_failed(self, error: BaseException) -> None:
         """The step failed for all: every request ends with "error"; the next step starts afresh."""
         self.context.log.error("step failed", error=repr(error), exc_info=error)
         self.policy.fail_all(_step_error(error))
 
-    def _update(self, result: StepResult) -> None:
-        failures = self.policy.update(result)
-        for failed in failures:
+    def _update(self, plan: StepPlan, result: StepResult) -> None:
+        """The step's tokens go into the sequences; its timings into the stats and, for a pure
+        decode, into what the speculative controller knows drafting costs on this machine."""
+        shape = _decode_shape(plan)
+        for failed in self.policy.update(result):
             self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
                                    error=failed.detail)
+        self.forward_s += result.forward_s
+        self.compute_s += result.compute_s
+        wall = time.perf_counter() - self._started
+        self.step_s += wall
+        if self.spec is not None and shape is not None:
+            self.spec.observe_step(*shape, wall)
 
     def _send_outputs(self) -> None:
         """Blocks of finished sequences go back (once no step computes them); deltas go out, one
