@@ -169,9 +169,8 @@ class _Unhandled:
     """A message the scheduler does not handle: it fails, and its supervisor restarts it."""
 
 
-@pytest.mark.parametrize("engine", [None], ids=["plain"], indirect=True)
-async def test_a_scheduler_restarted_during_its_step_serves_the_next_requests(engine, monkeypatch):
-    eng, sink, ref, folder = engine
+def held_forward(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The worker's forward waits for `release`; `entered` is set once a step reached it."""
     execute, entered, release = ModelRunner.execute, threading.Event(), threading.Event()
 
     def held_execute(self, batch, *args):
@@ -180,6 +179,13 @@ async def test_a_scheduler_restarted_during_its_step_serves_the_next_requests(en
         return execute(self, batch, *args)
 
     monkeypatch.setattr(ModelRunner, "execute", held_execute)
+    return entered, release
+
+
+@pytest.mark.parametrize("engine", [None], ids=["plain"], indirect=True)
+async def test_a_scheduler_restarted_during_its_step_serves_the_next_requests(engine, monkeypatch):
+    eng, sink, ref, folder = engine
+    entered, release = held_forward(monkeypatch)
     eng.scheduler.tell(SubmitRequest("during", GOOD[0], GREEDY, ref))
     assert await asyncio.to_thread(entered.wait, 30)
     eng.scheduler.tell(_Unhandled())          # restarts the scheduler while its step runs

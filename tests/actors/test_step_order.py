@@ -3,44 +3,15 @@ arriving, and an Abort that came during the forward is applied before that step'
 from __future__ import annotations
 
 import asyncio
-import threading
 
-import pytest
-
-from actors.config import EngineConfig
-from actors.engine import start_engine
 from actors.messages import AbortRequest, GetStats, SubmitRequest
-from actors.worker.model_runner import ModelRunner
-from runtime import ActorSystem
-from tests.actors.test_engine import Sink
+from tests.actors.test_engine_failures import engine, held_forward  # noqa: F401 (a fixture)
 from tests.actors.test_llm_parity import GREEDY, hf_greedy, prompts
 
 
-@pytest.fixture
-async def engine(tiny_model_dir):
-    folder = tiny_model_dir("llama")
-    system = ActorSystem("step-order")
-    await system.start()
-    cfg = EngineConfig(model=folder, dtype="float32", num_threads=1, block_size=16, num_blocks=96,
-                       max_num_batched_tokens=256)
-    eng = await start_engine(cfg, system)
-    sink = Sink()
-    ref = await system.spawn(sink, name="sink")
-    yield eng, sink, ref, folder
-    await eng.stop()
-    await system.shutdown()
-
-
-async def test_submit_and_abort_during_the_forward_apply_before_its_outputs(engine, monkeypatch):
+async def test_submit_and_abort_during_the_forward_apply_before_its_outputs(engine, monkeypatch):  # noqa: F811
     eng, sink, ref, folder = engine
-    execute, entered, release = ModelRunner.execute, threading.Event(), threading.Event()
-
-    def held_execute(self, batch, *args):
-        entered.set()
-        release.wait(30)
-        return execute(self, batch, *args)
-
-    monkeypatch.setattr(ModelRunner, "execute", held_execute)
+    entered, release = held_forward(monkeypatch)
     held, later = prompts(2, (16, 40))
     eng.scheduler.tell(SubmitRequest("held", held, GREEDY, ref))
     assert await asyncio.to_thread(entered.wait, 30)
