@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any
 
 from actors.config import EngineConfig
@@ -18,7 +17,6 @@ from actors.draft.draft_link import AttachNow, DraftLink
 from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
 from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
-from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
 from actors.messages import GetWorkerInfo, WorkerInfo
 from actors.scheduler.policy import PolicyConfig
@@ -44,15 +42,9 @@ class Engine:
     num_blocks: int
     max_model_len: int
     eos_token_ids: frozenset[int]
-    kv_manager: KVCacheManager        # in-process only: read it on this loop (events, snapshot)
     scheduler_actor: SchedulerActor
     owns_system: bool = False
     draft: ActorRef | None = None     # the draft worker, with speculative decoding
-
-    def on_step(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` on the event loop after each step's KV transaction (say, to publish the
-        KV manager's new events to the prefix index). It must be quick and never raise."""
-        self.scheduler_actor.step_listeners.append(callback)
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
@@ -111,7 +103,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             await system.shutdown()
         raise
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, kv_actor.kv, scheduler_actor, owns, draft)
+                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft)
 
 
 async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,

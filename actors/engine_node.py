@@ -12,13 +12,15 @@ import contextlib
 import signal
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from actors.config import EngineConfig
-from actors.messages import AbortRequest, EngineInfo, GetEngineInfo, GetStats, SubmitRefused, SubmitRequest
+from actors.messages import (AbortRequest, EngineInfo, GetEngineInfo, GetStats, KVEventsWaiting, SubmitRefused,
+                             SubmitRequest, SubscribeKVEvents)
 from runtime import Actor, ActorRef, ActorSystem, get_logger
 
 log = get_logger(component="engine-node")
@@ -97,6 +99,21 @@ class EngineFront(Actor):
         return None
 
 
+class _IndexWaker(Actor):
+    """Hears from the KV actor that events are waiting and wakes the prefix index's publisher,
+    which then asks for them."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self.wake = wake
+
+    async def receive(self, msg: Any) -> Any:
+        match msg:
+            case KVEventsWaiting():
+                self.wake()
+                return None
+        return await super().receive(msg)
+
+
 async def start_node_system(node: EngineNodeConfig, name: str, stop: asyncio.Event) -> ActorSystem:
     """A cluster node's actor system, listening on the node's address and registered through Redis;
     SIGTERM and SIGINT set `stop`."""
@@ -118,6 +135,7 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
                           stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
     from actors.engine import start_engine   # deferred: torch and the model code
+    from actors.kv.kv_actor import KVActorEvents
     from prefix_store import IndexPublisher, RedisPrefixStore
 
     stop = stop or asyncio.Event()
@@ -125,10 +143,11 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     engine = await start_engine(engine_config, system, name="engine")
     store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace,
                                       ttl_s=node.index_ttl_s)
-    # The publisher reads the KV manager in this process, between two steps, and wakes after each.
-    publisher = IndexPublisher(store, node.engine_id, engine.kv_manager)
+    # The publisher asks the KV actor for its events, woken whenever a transaction recorded some.
+    publisher = IndexPublisher(store, node.engine_id, KVActorEvents(engine.kv))
     await publisher.start()   # drops whatever a previous run left under this id
-    engine.on_step(publisher.notify)
+    waker = await system.spawn(_IndexWaker(publisher.notify), name="engine-index-waker")
+    engine.kv.tell(SubscribeKVEvents(waker))
     tasks = [asyncio.create_task(publisher.run())]
     info = EngineInfo(node.engine_id, engine.max_model_len, engine_config.block_size,
                       engine_config.model or "", priority_scheduling=engine_config.scheduling_policy == "priority")

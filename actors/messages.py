@@ -278,6 +278,26 @@ class KVEvents(msgspec.Struct, tag=True):
     next_seq: int = 0                 # sequence number the next event will carry
 
 
+class GetKVSnapshot(msgspec.Struct, tag=True):
+    """Ask the KV manager for every block hash it caches now (a prefix index that lost the stream)."""
+
+
+class KVSnapshot(msgspec.Struct, tag=True):
+    next_seq: int                     # the first event the snapshot does not cover
+    block_hashes: list[bytes]
+
+
+class SubscribeKVEvents(msgspec.Struct, tag=True):
+    """`subscriber` is told KVEventsWaiting after each KV transaction that recorded events; it drains
+    them with DrainKVEvents, so they stay in order in the manager's log until then."""
+
+    subscriber: ActorRef
+
+
+class KVEventsWaiting(msgspec.Struct, tag=True):
+    pass
+
+
 # ---- cluster: a gateway and an engine node in different processes ------------------------------------
 
 

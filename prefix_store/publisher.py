@@ -1,7 +1,7 @@
 """Engine side of the index: keeps the store in step with the engine's KV manager.
 
-After each step the engine calls `notify()`; the `run()` loop drains the KV manager's events
-and applies them in one round trip, republishes a snapshot when the store saw a gap (or lost
+When the KV manager has recorded events, `notify()` wakes the `run()` loop; it drains them and
+applies them in one round trip, republishes a snapshot when the store saw a gap (or lost
 track of the engine), and heartbeats while idle. It never raises into the engine: a failing
 index only costs routing quality, so errors are logged and repaired by the next snapshot.
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -21,14 +22,20 @@ from prefix_store.hashing import BlockHash
 from prefix_store.store import PrefixStore
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 class KVEventSource(Protocol):
-    """What `actors.kv.KVCacheManager` offers the index (both calls are synchronous)."""
+    """What the KV manager offers the index: `actors.kv.KVCacheManager` answers at once (read in its
+    own process, as tests do), the engine's KV actor through asks (`actors.kv.kv_actor.KVActorEvents`)."""
 
-    def take_events(self) -> list[KVEvent]: ...
+    def take_events(self) -> list[KVEvent] | Awaitable[list[KVEvent]]: ...
 
-    def snapshot(self) -> tuple[int, list[BlockHash]]: ...
+    def snapshot(self) -> tuple[int, list[BlockHash]] | Awaitable[tuple[int, list[BlockHash]]]: ...
+
+
+async def _answer(reply: T | Awaitable[T]) -> T:
+    return await reply if inspect.isawaitable(reply) else reply
 
 
 class IndexPublisher:
@@ -67,7 +74,7 @@ class IndexPublisher:
         await self.publish()
 
     def notify(self) -> None:
-        """Events are waiting (call after each engine step); cheap and synchronous."""
+        """Events are waiting (the KV actor said so); cheap and synchronous."""
         self._wake.set()
 
     async def run(self) -> None:
@@ -81,8 +88,13 @@ class IndexPublisher:
 
     async def publish(self) -> None:
         """One sync: the drained events, or a snapshot when needed, or a heartbeat when due."""
-        # Drain before any await: a snapshot taken below must cover every drained event.
-        events = self.source.take_events()
+        # Drain first: a snapshot taken below, later, covers every drained event.
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                events = await _answer(self.source.take_events())
+        except Exception as exc:  # whatever the KV manager drained for us is lost: resync later
+            self._failed(exc)
+            return
         now = self._clock()
         if self._need_snapshot and now < self._retry_at:
             return  # the coming snapshot covers the events just dropped
@@ -93,16 +105,19 @@ class IndexPublisher:
                 async with asyncio.timeout(self.timeout_s):
                     self._need_snapshot = not await self._send(events)
             if self._need_snapshot:
-                next_seq, hashes = self.source.snapshot()
                 async with asyncio.timeout(self.snapshot_timeout_s):
+                    next_seq, hashes = await _answer(self.source.snapshot())
                     await self.store.publish_snapshot(self.engine_id, hashes, next_seq)
                 self._need_snapshot = False
                 self.snapshots += 1
             self._last_refresh = self._clock()
         except Exception as exc:  # the drained events are lost: resync with a snapshot later
-            self._need_snapshot = True
-            self._retry_at = self._clock() + self.heartbeat_s
-            log.warning("prefix index publish failed", engine_id=self.engine_id, error=repr(exc))
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self._need_snapshot = True
+        self._retry_at = self._clock() + self.heartbeat_s
+        log.warning("prefix index publish failed", engine_id=self.engine_id, error=repr(exc))
 
     async def _send(self, events: list[KVEvent]) -> bool:
         """Events, or a heartbeat without them; False when the store lost track of us."""

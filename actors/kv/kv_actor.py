@@ -10,9 +10,11 @@ from typing import Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
-from actors.messages import (DrainKVEvents, GetKVStats, KVAdmitted, KVEvents, KVFree, KVStats, KVStep,
-                             KVStepResult)
-from runtime import Actor
+from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVEvents, KVEventsWaiting, KVFree,
+                             KVSnapshot, KVStats, KVStep, KVStepResult, SubscribeKVEvents)
+from prefix_store.events import KVEvent
+from prefix_store.hashing import BlockHash
+from runtime import Actor, ActorRef
 
 
 def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
@@ -105,18 +107,51 @@ class KVManagerActor(Actor):
     def __init__(self, config: KVCacheConfig):
         self.config = config
         self.kv = KVCacheManager(config)
+        self._subscribers: list[ActorRef] = []
 
     async def receive(self, msg: Any) -> Any:
         match msg:
             case KVStep():
-                return apply_kv_step(self.kv, msg)
+                before = self.kv.next_event_seq
+                result = apply_kv_step(self.kv, msg)
+                self._events_recorded(before)
+                return result
             case KVFree():
+                before = self.kv.next_event_seq
                 apply_kv_free(self.kv, msg)
+                self._events_recorded(before)
                 return None
             case GetKVStats():
                 return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)
             case DrainKVEvents():
-                events = self.kv.take_events()
-                next_seq, _ = self.kv.snapshot() if not events else (events[-1].seq + 1, None)
-                return KVEvents(events, next_seq)
+                return KVEvents(self.kv.take_events(), self.kv.next_event_seq)
+            case GetKVSnapshot():
+                next_seq, hashes = self.kv.snapshot()
+                return KVSnapshot(next_seq, hashes)
+            case SubscribeKVEvents(subscriber=subscriber):
+                self._subscribers.append(subscriber)
+                return None
         return await super().receive(msg)
+
+    def _events_recorded(self, before: int) -> None:
+        """Subscribers hear of a transaction's events; the events wait in the log for their drain."""
+        if self.kv.next_event_seq != before:
+            for subscriber in self._subscribers:
+                subscriber.tell(KVEventsWaiting())
+
+
+class KVActorEvents:
+    """The KV actor's events as the prefix index's publisher reads them (`prefix_store.KVEventSource`):
+    each read is one ask, answered between two of the actor's transactions."""
+
+    def __init__(self, kv: ActorRef, timeout_s: float = 10.0) -> None:
+        self.kv = kv
+        self.timeout_s = timeout_s
+
+    async def take_events(self) -> list[KVEvent]:
+        drained: KVEvents = await self.kv.ask(DrainKVEvents(), timeout=self.timeout_s)
+        return drained.events
+
+    async def snapshot(self) -> tuple[int, list[BlockHash]]:
+        snap: KVSnapshot = await self.kv.ask(GetKVSnapshot(), timeout=self.timeout_s)
+        return snap.next_seq, snap.block_hashes

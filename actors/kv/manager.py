@@ -236,11 +236,15 @@ class KVCacheManager:
         """Drain the recorded block stored / removed / cleared events, oldest first."""
         return self._events.take() if self._events is not None else []
 
+    @property
+    def next_event_seq(self) -> int:
+        """The sequence number the next recorded event will carry (0 while none are recorded)."""
+        return self._events.next_seq if self._events is not None else 0
+
     def snapshot(self) -> tuple[int, list[BlockHash]]:
         """(sequence number of the next event, hashes cached now): a consumer that saw a gap
         replaces its view with these hashes and applies only events from that number on."""
-        next_seq = self._events.next_seq if self._events is not None else 0
-        return next_seq, self._pool.cached_hashes()
+        return self.next_event_seq, self._pool.cached_hashes()
 
     def check_invariants(self) -> None:
         """Raise RuntimeError when the bookkeeping is inconsistent (tests and debugging)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from actors.draft.controller import SpecController
@@ -39,7 +38,6 @@ class SchedulerActor(Actor):
         self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
-        self.step_listeners: list[Callable[[], None]] = []   # in-process hooks, see Engine.on_step
 
     async def on_start(self) -> None:
         """At the start, and after a restart (the same instance, its requests kept): the step the
@@ -125,8 +123,6 @@ class SchedulerActor(Actor):
         kv_step = self.policy.schedule()
         while kv_step is not None:
             kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
-        for listener in self.step_listeners:
-            listener()
         return self.policy.plan()
 
     async def _draft(self, plan: StepPlan, propose: Propose | None) -> None:

@@ -14,7 +14,9 @@ import pytest
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.worker.model_runner import ModelRunner
-from actors.messages import AbortRequest, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages import (AbortRequest, DrainKVEvents, GetKVSnapshot, GetKVStats, GetStats, KVEventsWaiting,
+                             SamplingParams, SubmitRequest, SubscribeKVEvents, TokenDeltas)
+from prefix_store import BlockStored
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts
 
@@ -141,13 +143,29 @@ async def test_unknown_abort_and_duplicate_ids_are_harmless(engine):
     assert sink.errors[("empty", 0)] == "the prompt is empty"
 
 
-async def test_step_hook_and_kv_events_for_the_prefix_index(engine):
+class KVListener(Actor):
+    def __init__(self):
+        self.heard = asyncio.Event()
+
+    async def receive(self, msg):
+        assert isinstance(msg, KVEventsWaiting)
+        self.heard.set()
+
+
+async def test_kv_events_for_the_prefix_index_come_through_the_kv_actor(engine):
+    """A subscriber hears that events are waiting; drained, they say which blocks were cached, and
+    a snapshot taken after them starts where they end."""
     eng, sink, ref = engine
-    calls = []
-    eng.on_step(lambda: calls.append(len(eng.kv_manager.take_events())))
-    eng.kv_manager.take_events()
+    listener = KVListener()
+    eng.kv.tell(SubscribeKVEvents(await eng.system.spawn(listener, name="kv-listener")))
+    await eng.kv.ask(DrainKVEvents())
     p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     eng.scheduler.tell(SubmitRequest("indexed", list(range(4, 54)), p, ref))  # 50 tokens: 3 full blocks
     await sink.wait(lambda: ("indexed", 0) in sink.finish)
-    assert calls and sum(calls) >= 1
-    assert eng.kv_manager.num_cached_blocks == 3
+    await asyncio.wait_for(listener.heard.wait(), 10)
+    drained = await eng.kv.ask(DrainKVEvents())
+    stored = [h for e in drained.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert len(stored) == 3 and drained.next_seq == drained.events[-1].seq + 1
+    snapshot = await eng.kv.ask(GetKVSnapshot())
+    assert snapshot.next_seq == drained.next_seq and sorted(snapshot.block_hashes) == sorted(stored)
+    assert (await eng.kv.ask(GetKVStats())).num_cached_blocks == 3

@@ -112,3 +112,28 @@ async def test_an_engine_that_lapsed_is_restored_by_its_next_beat():
     await publisher.publish()  # no events: a heartbeat, refused, so a snapshot follows
     assert publisher.snapshots == 2
     await assert_index_matches(store, "e", work)
+
+
+async def test_published_through_the_kv_actor_the_index_follows_the_cache_and_its_gaps(store):
+    """The engine's publisher reads the KV actor only through its messages (drain, snapshot): the
+    index still equals the cache, and a gap in the stream is repaired by a snapshot."""
+    from actors.kv.kv_actor import KVActorEvents, KVManagerActor
+    from runtime import ActorSystem
+
+    work = KVWorkload(seed=11, max_events=4)
+    actor = KVManagerActor(work.kv.config)
+    actor.kv = work.kv  # the workload drives the manager the actor owns, on the same loop
+    system = ActorSystem("publisher-test")
+    await system.start()
+    try:
+        publisher = IndexPublisher(store, "e", KVActorEvents(await system.spawn(actor, name="kv")))
+        await publisher.start()
+        work.run(1)
+        await publisher.publish()
+        await assert_index_matches(store, "e", work)
+        work.run(10)  # more events than the log keeps: a gap
+        await publisher.publish()
+        assert publisher.snapshots == 2
+        await assert_index_matches(store, "e", work)
+    finally:
+        await system.shutdown()
