@@ -1,7 +1,9 @@
 """The KV manager actor: a thin shell that turns messages into calls on the pure KVCacheManager.
 
-`apply_kv_step` runs one scheduler step's transaction (frees, forks, grows, admits) with the
-manager's check-then-change calls, so a step costs one round trip whatever its batch size.
+`apply_kv_step` runs one scheduler step's transaction (trims, forks, frees, grows, admits) with the
+manager's check-then-change calls and returns the block table of each sequence it scheduled, so a
+step costs one round trip whatever its batch size. The manager's events leave only as messages
+(`KVActorEvents` reads them for the prefix index).
 """
 
 from __future__ import annotations

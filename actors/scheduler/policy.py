@@ -3,8 +3,9 @@
 A plain synchronous class. Each step: `schedule()` returns one KV transaction (running sequences
 first, in priority order, then waiting ones as prefill chunks under the token budget); `on_kv()`
 applies its result and, when the pool ran out, preempts the least important, newest sequence and
-returns a retry; `plan()` turns the step into the worker's StepPlan; `update()` takes the sampled
-tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
+returns a retry; `plan()` turns the step into the worker's StepPlan, with the block tables the
+KV manager returned (the policy keeps none); `update()` takes the sampled tokens, stops
+sequences and queues the TokenDeltas for their front ends. It never awaits.
 """
 
 from __future__ import annotations
