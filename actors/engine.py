@@ -19,7 +19,7 @@ from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.structs import KVCacheConfig
 from actors.messages import GetWorkerInfo, WorkerInfo
-from actors.scheduler.policy import PolicyConfig
+from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.tokenizer import Tokenizer, load_tokenizer
 from actors.worker.model_config import ModelConfig
@@ -87,13 +87,13 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         tokenizer = await tokenizer_task
         worker_actor.runner.tokenizer = tokenizer   # a draft's vocabulary check reads it: not loaded twice
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-        policy = PolicyConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
                               max_model_len, eos, config.scheduling_policy == "priority")
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
             spawned.append(draft)
-        scheduler_actor = SchedulerActor(policy, kv, worker, config.step_timeout_s, draft, spec)
+        scheduler_actor = SchedulerActor(scheduler_config, kv, worker, config.step_timeout_s, draft, spec)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()

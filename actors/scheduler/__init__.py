@@ -1,6 +1,6 @@
-"""Continuous batching: the pure scheduling policy and the scheduler actor around it."""
+"""Continuous batching: the pure scheduler and the actor around it."""
 
-from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
+from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from actors.scheduler.scheduler_actor import SchedulerActor
 
-__all__ = ["PolicyConfig", "SchedulerActor", "SchedulingPolicy"]
+__all__ = ["SchedulerConfig", "SchedulerActor", "Scheduler"]

@@ -4,7 +4,7 @@ The draft worker keeps every sequence's token history, but needs it only when it
 which no sequence drafts (speculation switched off for poor acceptance, or a batch too large to
 gain) used to cost a message and a thread hop on the draft side; now its tokens wait here and go
 with the next step that drafts, in order, so the draft's history is the same as if each had gone
-at once. A plain synchronous class: the scheduling policy owns one.
+at once. A plain synchronous class: the scheduler owns one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step the worker is computing, as the policy remembers it until the step's outcome.
+"""The step the worker is computing, as the scheduler remembers it until the step's outcome.
 
 A failure must forget exactly the KV it left unwritten: each sequence's KV length before the step,
 and which sequences took prefix hits on blocks another one writes in it. Plain data, no decisions.

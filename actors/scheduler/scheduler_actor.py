@@ -19,17 +19,17 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, StepPlan, StepResult, SubmitRequest,
                              TokenDeltas)
-from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
+from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
 
 NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
 
 class SchedulerActor(Actor):
-    def __init__(self, cfg: PolicyConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
+    def __init__(self, cfg: SchedulerConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
                  draft: ActorRef | None = None, spec: SpecController | None = None):
-        self.policy = SchedulingPolicy(cfg, spec if draft is not None else None)
-        self.spec = self.policy.spec
+        self.scheduler = Scheduler(cfg, spec if draft is not None else None)
+        self.spec = self.scheduler.spec
         self.kv = kv
         self.worker = worker
         self.draft = draft
@@ -58,13 +58,13 @@ class SchedulerActor(Actor):
         match msg:
             case SubmitRequest():
                 try:
-                    self.policy.add(msg)
+                    self.scheduler.add(msg)
                 except ValueError as e:
                     self.context.log.warning("request refused", request_id=msg.request_id, error=str(e))
                 self._send_outputs()
                 await self._maybe_step()
             case AbortRequest(request_id=request_id, index=index):
-                self.policy.abort(request_id, index)
+                self.scheduler.abort(request_id, index)
                 self._send_outputs()
             case Piped(result=outcome, error=error):
                 await self._on_step(outcome, error)
@@ -77,7 +77,7 @@ class SchedulerActor(Actor):
     async def _maybe_step(self) -> None:
         """Start the next step, unless one is in flight or there is nothing to do. The mailbox waits
         until the step is planned: a Submit or an Abort must not land inside its KV transaction."""
-        if self._step is not None or not self.policy.has_work():
+        if self._step is not None or not self.scheduler.has_work():
             return
         self._started = time.perf_counter()
         planned = asyncio.get_running_loop().create_future()
@@ -114,16 +114,16 @@ class SchedulerActor(Actor):
             plan = await self._kv_transaction()
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
-            self.policy.fail_all(NOTHING_FITS)
+            self.scheduler.fail_all(NOTHING_FITS)
             return None, None
-        return plan, self.policy.take_propose()
+        return plan, self.scheduler.take_propose()
 
     async def _kv_transaction(self) -> StepPlan:
         """One KV transaction per step; another only after a preemption."""
-        kv_step = self.policy.schedule()
+        kv_step = self.scheduler.schedule()
         while kv_step is not None:
-            kv_step = self.policy.on_kv(await self.kv.ask(kv_step))
-        return self.policy.plan()
+            kv_step = self.scheduler.on_kv(await self.kv.ask(kv_step))
+        return self.scheduler.plan()
 
     async def _draft(self, plan: StepPlan, propose: Propose | None) -> None:
         """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
@@ -152,13 +152,13 @@ class SchedulerActor(Actor):
     def _step_failed(self, error: BaseException) -> None:
         """The step failed for all: every request ends with "error"; the next step starts afresh."""
         self.context.log.error("step failed", error=repr(error), exc_info=error)
-        self.policy.fail_all(_step_error(error))
+        self.scheduler.fail_all(_step_error(error))
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
         """The step's tokens go into the sequences; its timings into the stats and, for a pure
         decode, into what the speculative controller knows drafting costs on this machine."""
         shape = _decode_shape(plan)
-        for failed in self.policy.update(result):
+        for failed in self.scheduler.update(result):
             self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
                                    error=failed.detail)
         self.forward_s += result.forward_s
@@ -171,19 +171,19 @@ class SchedulerActor(Actor):
     def _send_outputs(self) -> None:
         """Blocks of finished sequences go back (once no step computes them); deltas go out, one
         message per front end."""
-        frees = self.policy.take_frees()
+        frees = self.scheduler.take_frees()
         if frees is not None:
             self.kv.tell(frees)
         if self.draft is not None:
-            released = self.policy.take_draft_released()
+            released = self.scheduler.take_draft_released()
             if released:
                 self.draft.tell(Propose(0, [], [], released))
-        for reply_to, deltas in self.policy.take_deltas().items():
+        for reply_to, deltas in self.scheduler.take_deltas().items():
             reply_to.tell(TokenDeltas(deltas))
 
     async def _stats(self) -> EngineStats:
         kv = await self.kv.ask(GetKVStats())
-        p, c = self.policy, self.policy.counters
+        p, c = self.scheduler, self.scheduler.counters
         running = {s.request.request_id for s in p.running}
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),

@@ -18,14 +18,14 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages import GetStats, SamplingParams, SeqOutput, StepPlan, SubmitRequest
-from actors.scheduler.policy import EMPTY_PROMPT, SEQUENCE_FAILED
+from actors.scheduler.scheduler import EMPTY_PROMPT, SEQUENCE_FAILED
 from actors.worker.model_runner import ModelRunner
 from actors.worker.sampler import Sampler
 from runtime import ActorSystem
 from tests.actors.conftest import TINY_VOCAB
 from tests.actors.test_engine import Sink
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts
-from tests.actors.test_scheduler_policy import Harness, reference
+from tests.actors.test_scheduler import Harness, reference
 from tests.actors.test_spec_engine import repetitive
 
 POISON = 3
@@ -242,7 +242,7 @@ async def run_salted(eng, sink, ref, batch: dict[str, tuple[list[int], str]]) ->
 
 
 class FailingModel:
-    """The policy test's paged fake, except that the sequences in `victims` fail, as the worker
+    """The scheduler test's paged fake, except that the sequences in `victims` fail, as the worker
     reports a sequence it traced a step's failure to: their KV slots get garbage, and the rest of
     the batch runs again without them."""
 
@@ -260,7 +260,7 @@ class FailingModel:
         return result
 
     def fail(self, h, request_id):
-        self.victims.add(h.policy.requests[request_id].seqs[0].seq_id)
+        self.victims.add(h.scheduler.requests[request_id].seqs[0].seq_id)
 
 
 def test_a_failed_sample_ends_alone_and_its_siblings_go_on():
@@ -269,9 +269,9 @@ def test_a_failed_sample_ends_alone_and_its_siblings_go_on():
     prompt = list(range(10, 30))
     h.submit("multi", prompt, n=3, max_tokens=6, seed=1)
     h.submit("other", list(range(40, 50)), max_tokens=6)
-    while len(h.policy.requests["multi"].seqs) < 3:
+    while len(h.scheduler.requests["multi"].seqs) < 3:
         h.step()
-    model.victims.add(h.policy.requests["multi"].seqs[1].seq_id)
+    model.victims.add(h.scheduler.requests["multi"].seqs[1].seq_id)
     h.run()
     assert h.finish[("multi", 1)] == "error"
     assert h.finish[("multi", 0)] == h.finish[("multi", 2)] == h.finish[("other", 0)] == "length"
@@ -284,7 +284,7 @@ def test_a_leader_failing_before_its_samples_start_ends_them_all():
     h = Harness()
     h.model = model = FailingModel(h.model)
     h.submit("multi", list(range(10, 30)), n=2, max_tokens=6, seed=1)
-    model.victims.add(h.policy.requests["multi"].seqs[0].seq_id)
+    model.victims.add(h.scheduler.requests["multi"].seqs[0].seq_id)
     h.run()
     assert h.finish[("multi", 0)] == h.finish[("multi", 1)] == "error"  # no sample waits forever
     h.assert_all_free()
@@ -304,10 +304,10 @@ def test_a_sequence_failing_in_decode_keeps_the_blocks_earlier_steps_wrote():
     assert h.finish[("a", 0)] == "error"
     h.assert_all_free()
     resumed = PROMPT + reference(PROMPT, 3) + [5]
-    hits = h.policy.counters.prefix_hit_tokens
+    hits = h.scheduler.counters.prefix_hit_tokens
     h.submit("again", resumed, max_tokens=4)
     h.run()
-    assert h.policy.counters.prefix_hit_tokens - hits == 20  # blocks 0-4, not the failed step's block 5
+    assert h.scheduler.counters.prefix_hit_tokens - hits == 20  # blocks 0-4, not the failed step's block 5
     assert h.outputs[("again", 0)] == reference(resumed, 4)
 
 
@@ -330,12 +330,12 @@ def test_a_sequence_aborted_during_its_failed_step_forgets_what_it_never_wrote()
     h.model = model = FailingModel(h.model)
     h.submit("a", PROMPT, max_tokens=4)
     model.fail(h, "a")
-    kv_step = h.policy.schedule()
-    h.policy.on_kv(apply_kv_step(h.kv, kv_step))
-    plan = h.policy.plan()
+    kv_step = h.scheduler.schedule()
+    h.scheduler.on_kv(apply_kv_step(h.kv, kv_step))
+    plan = h.scheduler.plan()
     h.abort("a")  # while the worker computes the step: its blocks go back at once
     assert h.finish[("a", 0)] == "abort" and h.kv.num_seqs == 0
-    h.policy.update(model.run(plan))
+    h.scheduler.update(model.run(plan))
     h._collect()
     h.submit("again", PROMPT, max_tokens=4)
     h.run()
@@ -350,7 +350,7 @@ def test_failing_every_request_and_an_empty_prompt_say_error_not_abort():
     h.submit("running", [1, 2, 3], max_tokens=20)
     h.submit("waiting", [4, 5, 6], max_tokens=20, n=2)
     h.step()
-    h.policy.fail_all("internal error")
+    h.scheduler.fail_all("internal error")
     h._collect()
     assert {h.finish[k] for k in [("running", 0), ("waiting", 0), ("waiting", 1)]} == {"error"}
     h.assert_all_free()

@@ -1,10 +1,10 @@
-"""The scheduling policy: which sequences run in the next step and how many tokens each computes.
+"""The scheduler: which sequences run in the next step and how many tokens each computes.
 
 A plain synchronous class. Each step: `schedule()` returns one KV transaction (running sequences
 first, in priority order, then waiting ones as prefill chunks under the token budget); `on_kv()`
 applies its result and, when the pool ran out, preempts the least important, newest sequence and
 returns a retry; `plan()` turns the step into the worker's StepPlan, with the block tables the
-KV manager returned (the policy keeps none); `update()` takes the sampled tokens, stops
+KV manager returned (the scheduler keeps none); `update()` takes the sampled tokens, stops
 sequences and queues the TokenDeltas for their front ends. It never awaits.
 """
 
@@ -38,7 +38,7 @@ class SeqFailure(NamedTuple):
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
+class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
@@ -75,8 +75,8 @@ class _Step:
     readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
 
 
-class SchedulingPolicy:
-    def __init__(self, cfg: PolicyConfig, spec: SpecController | None = None):
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, spec: SpecController | None = None):
         self.cfg = cfg
         self.spec = spec                       # speculative decoding: k per decoding sequence
         self.requests: dict[str, RequestState] = {}

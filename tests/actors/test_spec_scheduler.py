@@ -1,4 +1,4 @@
-"""Speculative steps in the scheduling policy, against the real KV manager and a paged fake model.
+"""Speculative steps in the scheduler, against the real KV manager and a paged fake model.
 
 The fake target reads every token through the block tables (drafts included, written in the same
 step) and keeps drafts while they equal its own next token, so a stale block table, a lost
@@ -14,8 +14,8 @@ from actors.draft.messages import Propose
 from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages import SeqOutput, StepPlan, StepResult
-from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
-from tests.actors.test_scheduler_policy import EOS, Harness, PagedFake, next_token, prompts, reference
+from actors.scheduler.scheduler import SchedulerConfig, Scheduler
+from tests.actors.test_scheduler import EOS, Harness, PagedFake, next_token, prompts, reference
 
 
 class SpecFake(PagedFake):
@@ -46,9 +46,9 @@ class SpecFake(PagedFake):
 class SpecHarness(Harness):
     def __init__(self, *, wrong: float = 0.3, adaptive: bool = False, **kw):
         super().__init__(**kw)
-        cfg = self.policy.cfg
+        cfg = self.scheduler.cfg
         self.controller = SpecController(4, adaptive=adaptive, probe_interval=4)
-        self.policy = SchedulingPolicy(PolicyConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size,
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size,
                                                     cfg.max_model_len, cfg.eos_token_ids), self.controller)
         self.model = SpecFake(len(self.kv._pool.blocks), cfg.block_size)
         self.rng = random.Random(0)
@@ -62,25 +62,25 @@ class SpecHarness(Harness):
         assert not self.listener.seqs and not self.listener._gone
 
     def step(self) -> StepPlan:
-        req = self.policy.schedule()
+        req = self.scheduler.schedule()
         while req is not None:
-            req = self.policy.on_kv(apply_kv_step(self.kv, req))
-        plan = self.policy.plan()
+            req = self.scheduler.on_kv(apply_kv_step(self.kv, req))
+        plan = self.scheduler.plan()
         for s in plan.seqs:  # after the trims: the plan carries the manager's own tables
             assert s.block_table == self.kv.block_table(str(s.seq_id)), s
-        propose = self.policy.take_propose()
+        propose = self.scheduler.take_propose()
         wanted = {d.seq_id: d.num_spec for d in propose.seqs if d.num_spec} if propose is not None else {}
-        assert (propose is None) == (not wanted) or len(propose.seqs) >= self.policy._draft_feed.max_queued
+        assert (propose is None) == (not wanted) or len(propose.seqs) >= self.scheduler._draft_feed.max_queued
         if propose is not None:
             # A draft worker that hears only these messages still holds each drafting sequence's
             # whole history when it drafts: the held-back steps came with this one, in order.
             for d, held in self.listener.apply(propose):
                 if d.num_spec:
                     end = d.start_pos + len(d.token_ids)
-                    assert held.history == self.policy.seqs[d.seq_id].token_ids[:end]
+                    assert held.history == self.scheduler.seqs[d.seq_id].token_ids[:end]
         for s in plan.seqs:
             if s.seq_id in wanted:
-                seq = self.policy.seqs[s.seq_id]
+                seq = self.scheduler.seqs[s.seq_id]
                 ctx, drafts = list(seq.token_ids), []
                 for _ in range(wanted[s.seq_id]):
                     tok = next_token(ctx, seq.seed)
@@ -93,8 +93,8 @@ class SpecHarness(Harness):
                 self.listener.seqs[s.seq_id].history.extend(drafts)   # as a proposer keeps its own
         self.plans.append(plan)
         self.held_back += propose is None and any(s.sample for s in plan.seqs)
-        self.policy.update(self.model.run(plan))
-        self.listener.apply(Propose(0, [], [], self.policy.take_draft_released()))   # as the actor's emit does
+        self.scheduler.update(self.model.run(plan))
+        self.listener.apply(Propose(0, [], [], self.scheduler.take_draft_released()))   # as the actor's emit does
         self._collect()
         self.kv.check_invariants()
         return plan
@@ -108,7 +108,7 @@ def test_speculative_outputs_equal_plain_decoding_and_blocks_come_back():
     h.run()
     for i, p in enumerate(batch):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 25)
-    c = h.policy.counters
+    c = h.scheduler.counters
     assert h.drafted == c.spec_draft_tokens > 0
     assert 0 < c.spec_accepted_tokens < c.spec_draft_tokens
     h.assert_all_free()
@@ -124,7 +124,7 @@ def test_steps_without_drafts_send_the_draft_worker_nothing_and_lose_no_history(
     h.run()
     for i, p in enumerate(batch):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 40)
-    assert h.held_back > 20 and h.policy.counters.spec_num_drafts > 0
+    assert h.held_back > 20 and h.scheduler.counters.spec_num_drafts > 0
     h.assert_all_free()
 
 
@@ -135,7 +135,7 @@ def test_a_sequence_that_ends_before_the_draft_heard_of_it_is_never_mentioned():
     h.submit("short", p, max_tokens=3, ignore_eos=True)
     h.run()
     assert h.outputs[("short", 0)] == reference(p, 3)
-    assert h.policy.counters.spec_num_drafts == 0
+    assert h.scheduler.counters.spec_num_drafts == 0
     h.assert_all_free()
 
 
@@ -169,7 +169,7 @@ def test_preemption_and_aborts_with_drafts_in_flight():
     h.abort("r1")
     h.abort("r6")
     h.run()
-    assert h.policy.counters.preemptions > 0
+    assert h.scheduler.counters.preemptions > 0
     for i, p in enumerate(batch):
         if i not in (1, 6):
             assert h.outputs[(f"r{i}", 0)] == reference(p, 30, seed=i)

@@ -1,4 +1,4 @@
-"""The scheduling policy with the real KV manager and a paged fake model, no event loop.
+"""The scheduler with the real KV manager and a paged fake model, no event loop.
 
 The fake model writes each computed token into a paged "cache" through the plan's block tables
 and draws the next token from the whole context it reads back through them, so any wrong block
@@ -12,7 +12,7 @@ from actors.kv.kv_actor import apply_kv_free, apply_kv_step
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
 from actors.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult, SubmitRequest
-from actors.scheduler.policy import PolicyConfig, SchedulingPolicy
+from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 
 VOCAB = 1000
 EOS = 999
@@ -62,7 +62,7 @@ class Harness:
     def __init__(self, num_blocks=256, block_size=4, budget=64, max_seqs=16, max_model_len=512,
                  prefix_caching=True):
         self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, prefix_caching))
-        self.policy = SchedulingPolicy(PolicyConfig(max_seqs, budget, block_size, max_model_len, frozenset({EOS}),
+        self.scheduler = Scheduler(SchedulerConfig(max_seqs, budget, block_size, max_model_len, frozenset({EOS}),
                                                     priority_scheduling=True))
         self.model = PagedFake(num_blocks, block_size)
         self.outputs: dict[tuple[str, int], list[int]] = {}
@@ -71,36 +71,36 @@ class Harness:
 
     def submit(self, rid, prompt, priority=0, **params):
         params.setdefault("max_tokens", 8)
-        self.policy.add(SubmitRequest(rid, prompt, SamplingParams(**params), "client", priority))
+        self.scheduler.add(SubmitRequest(rid, prompt, SamplingParams(**params), "client", priority))
         self._collect()
 
     def step(self) -> StepPlan:
-        req = self.policy.schedule()
+        req = self.scheduler.schedule()
         while req is not None:
-            req = self.policy.on_kv(apply_kv_step(self.kv, req))
-        plan = self.policy.plan()
+            req = self.scheduler.on_kv(apply_kv_step(self.kv, req))
+        plan = self.scheduler.plan()
         self.plans.append(plan)
-        self.policy.update(self.model.run(plan))
+        self.scheduler.update(self.model.run(plan))
         self._collect()
         self.kv.check_invariants()
         return plan
 
     def abort(self, rid):
-        self.policy.abort(rid)
+        self.scheduler.abort(rid)
         self._collect()
 
     def run(self, max_steps=10_000):
         for _ in range(max_steps):
-            if not self.policy.has_work():
+            if not self.scheduler.has_work():
                 return
             self.step()
         raise AssertionError("did not finish")
 
     def _collect(self):
-        frees = self.policy.take_frees()
+        frees = self.scheduler.take_frees()
         if frees is not None:
             apply_kv_free(self.kv, frees)
-        for ref, deltas in self.policy.take_deltas().items():
+        for ref, deltas in self.scheduler.take_deltas().items():
             assert ref == "client"
             for d in deltas:
                 key = (d.request_id, d.index)
@@ -112,7 +112,7 @@ class Harness:
     def assert_all_free(self):
         assert self.kv.num_seqs == 0
         assert self.kv.num_free_blocks == self.kv.num_total_blocks
-        assert not self.policy.requests and not self.policy.seqs
+        assert not self.scheduler.requests and not self.scheduler.seqs
 
 
 def prompts(n, lo=1, hi=300, seed=1):
@@ -161,18 +161,18 @@ def test_preemption_by_recompute_keeps_outputs_exact():
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, max_tokens=30)
     h.run()
-    assert h.policy.counters.preemptions > 0
+    assert h.scheduler.counters.preemptions > 0
     for i, p in enumerate(ps):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 30)
     h.assert_all_free()
 
 
 def test_every_plan_carries_the_kv_managers_block_tables():
-    """Through preemptions and n > 1 forks, the policy keeps no tables of its own: each planned
+    """Through preemptions and n > 1 forks, the scheduler keeps no tables of its own: each planned
     table is the manager's, as it stands after the step's transaction."""
     h = Harness(num_blocks=40, block_size=4, budget=64, max_model_len=160)
     planned = 0
-    plan = h.policy.plan
+    plan = h.scheduler.plan
 
     def checked_plan():
         nonlocal planned
@@ -182,12 +182,12 @@ def test_every_plan_carries_the_kv_managers_block_tables():
             planned += 1
         return out
 
-    h.policy.plan = checked_plan
+    h.scheduler.plan = checked_plan
     ps = prompts(8, 1, 60, seed=4)
     for i, p in enumerate(ps):
         h.submit(f"r{i}", p, max_tokens=20, n=2 if i % 3 == 0 else 1, seed=i)
     h.run()
-    assert h.policy.counters.preemptions > 0 and planned > 0
+    assert h.scheduler.counters.preemptions > 0 and planned > 0
     for i, p in enumerate(ps):
         for j in range(2 if i % 3 == 0 else 1):
             assert h.outputs[(f"r{i}", j)] == reference(p, 20, i + j)
@@ -197,10 +197,10 @@ def test_every_plan_carries_the_kv_managers_block_tables():
 def test_priority_is_ignored_unless_priority_scheduling_is_on():
     """As in vLLM: first come, first served by default; a client's priority orders nothing."""
     for enabled, order in ((False, ["early", "late-urgent"]), (True, ["late-urgent", "early"])):
-        policy = SchedulingPolicy(PolicyConfig(4, 64, 4, 512, priority_scheduling=enabled))
-        policy.add(SubmitRequest("early", [1, 2, 3], SamplingParams(), "client", 0))
-        policy.add(SubmitRequest("late-urgent", [4, 5, 6], SamplingParams(), "client", -5))
-        assert [s.request.request_id for s in policy.waiting] == order
+        scheduler = Scheduler(SchedulerConfig(4, 64, 4, 512, priority_scheduling=enabled))
+        scheduler.add(SubmitRequest("early", [1, 2, 3], SamplingParams(), "client", 0))
+        scheduler.add(SubmitRequest("late-urgent", [4, 5, 6], SamplingParams(), "client", -5))
+        assert [s.request.request_id for s in scheduler.waiting] == order
 
 
 def test_preemption_picks_lowest_priority_then_newest():
@@ -209,12 +209,12 @@ def test_preemption_picks_lowest_priority_then_newest():
     h.submit("batch", [2] * 8, priority=5, max_tokens=30)
     h.submit("important-new", [3] * 8, priority=0, max_tokens=30)
     h.step()
-    seq_of = {s.request.request_id: s for s in h.policy.seqs.values()}
+    seq_of = {s.request.request_id: s for s in h.scheduler.seqs.values()}
     victims = []
     while not victims:
-        running = {s.request.request_id for s in h.policy.running}
+        running = {s.request.request_id for s in h.scheduler.running}
         h.step()
-        victims = [r for r in running if seq_of[r] in h.policy.waiting]
+        victims = [r for r in running if seq_of[r] in h.scheduler.waiting]
     assert victims[0] == "batch"
     h.run()
     for rid, tok in (("important-old", 1), ("batch", 2), ("important-new", 3)):
@@ -231,7 +231,7 @@ def test_prefix_cache_hits_skip_prefill():
     h.submit("second", system + [5, 6, 7], max_tokens=4)
     h.run()
     computed_second = sum(len(s.token_ids) for p in h.plans for s in p.seqs) - computed_before
-    assert h.policy.counters.prefix_hit_tokens == 64
+    assert h.scheduler.counters.prefix_hit_tokens == 64
     assert computed_second == 3 + 3  # the 3 new prompt tokens, then 3 decodes
     assert h.outputs[("second", 0)] == reference(system + [5, 6, 7], 4)
     h.assert_all_free()
@@ -243,7 +243,7 @@ def test_n_samples_share_prompt_blocks():
     h.submit("multi", prompt, n=3, seed=11, max_tokens=6)
     h.step()
     h.step()
-    tables = [h.kv.block_table(str(s.seq_id)) for s in h.policy.running]
+    tables = [h.kv.block_table(str(s.seq_id)) for s in h.scheduler.running]
     assert len(tables) == 3
     assert tables[1][:5] == tables[0][:5] == tables[2][:5]
     h.run()
@@ -260,10 +260,10 @@ def test_a_forked_samples_blocks_are_cached_under_its_own_tokens():
     h.submit("multi", prompt, n=2, seed=11, max_tokens=12)
     h.run()
     text = prompt + h.outputs[("multi", 1)]   # 35 tokens, the last one never computed
-    hits_before = h.policy.counters.prefix_hit_tokens
+    hits_before = h.scheduler.counters.prefix_hit_tokens
     h.submit("continue", text, max_tokens=3)
     h.run()
-    assert h.policy.counters.prefix_hit_tokens - hits_before == 32
+    assert h.scheduler.counters.prefix_hit_tokens - hits_before == 32
     assert h.outputs[("continue", 0)] == reference(text, 3)
     h.assert_all_free()
 
@@ -322,7 +322,7 @@ def test_eos_unless_ignored():
         pytest.skip("no prompt reaches the fake EOS")
     eos = reference(prompt, 2)[1]
     h = Harness()
-    h.policy.cfg = PolicyConfig(16, 64, 4, 512, frozenset({eos}))
+    h.scheduler.cfg = SchedulerConfig(16, 64, 4, 512, frozenset({eos}))
     h.submit("stops", prompt, max_tokens=10)
     h.submit("ignores", prompt, max_tokens=10, ignore_eos=True)
     h.run()
@@ -334,7 +334,7 @@ def test_max_num_seqs_caps_the_batch():
     h = Harness(max_seqs=3, budget=512)
     for i in range(7):
         h.submit(f"r{i}", [i + 1] * 5, max_tokens=6)
-    while h.policy.has_work():
+    while h.scheduler.has_work():
         plan = h.step()
         assert len(plan.seqs) <= 3
     for i in range(7):
@@ -347,9 +347,9 @@ def test_abort_one_sample_keeps_the_others():
     prompt = list(range(10, 30))
     h.submit("multi", prompt, n=3, seed=5, max_tokens=12)
     h.step()  # prompt computed, sample 0 drew its first token; samples 1 and 2 are forked
-    h.policy.abort("multi", 0)  # the parent goes before its forks are applied
+    h.scheduler.abort("multi", 0)  # the parent goes before its forks are applied
     h.step()
-    h.policy.abort("multi", 2)
+    h.scheduler.abort("multi", 2)
     h._collect()
     h.run()
     assert h.finish[("multi", 0)] == "abort" and h.finish[("multi", 2)] == "abort"
