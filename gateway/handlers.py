@@ -47,13 +47,20 @@ async def read_body(request: web.Request) -> bytes:
                        code="request_timeout", headers={"Connection": "close"}) from None
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
+async def _accept(request: web.Request, type_: type, validate):
+    """The body decoded and checked, and the engine that will serve it: the generation routes'
+    common start, before anything is tokenized."""
     state = request.app[STATE]
-    req = protocol.decode(await read_body(request), protocol.ChatRequest)
-    protocol.validate_chat(req)
+    req = protocol.decode(await read_body(request), type_)
+    validate(req)
     client, engine = state.require_engine()
     state.check_model(req.model)
+    return state, req, client, engine
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
     prompt = await render_chat(engine.tokenizer, req.messages, True)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -68,11 +75,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state = request.app[STATE]
-    req = protocol.decode(await read_body(request), protocol.CompletionRequest)
-    protocol.validate_completion(req)
-    client, engine = state.require_engine()
-    state.check_model(req.model)
+    state, req, client, engine = await _accept(request, protocol.CompletionRequest,
+                                               protocol.validate_completion)
     tok = engine.tokenizer
     prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p)
                for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]

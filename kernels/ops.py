@@ -56,16 +56,13 @@ def _triton_ops() -> Ops:
     # reads TRITON_INTERPRET then, so it must be set before the first Triton backend is built.
     from kernels import activation_triton, kv_write_triton, paged_attention_triton, rms_norm_triton, rope_triton
 
-    return Ops(
-        backend="triton",
-        linear=linear.linear,
-        rms_norm=rms_norm_triton.rms_norm,
-        fused_add_rms_norm=rms_norm_triton.fused_add_rms_norm,
-        rotary_embedding=rope_triton.rotary_embedding,
-        silu_and_mul=activation_triton.silu_and_mul,
-        write_kv=kv_write_triton.write_kv,
-        paged_attention=paged_attention_triton.paged_attention,
-    )
+    return replace(TORCH_OPS, backend="triton",
+                   rms_norm=rms_norm_triton.rms_norm,
+                   fused_add_rms_norm=rms_norm_triton.fused_add_rms_norm,
+                   rotary_embedding=rope_triton.rotary_embedding,
+                   silu_and_mul=activation_triton.silu_and_mul,
+                   write_kv=kv_write_triton.write_kv,
+                   paged_attention=paged_attention_triton.paged_attention)
 
 
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:

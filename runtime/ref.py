@@ -104,18 +104,14 @@ class LocalRef(ActorRef):
         return id(self._cell)
 
 
-class RemoteRef(ActorRef):
-    """Ref to an actor on another node; frames go through the system's remoting layer."""
+class _ByAddress(ActorRef):
+    """A ref that is its (node, path) address, not a handle on a cell of this process."""
 
-    __slots__ = ("_remoting", "_node", "_path", "_conn", "_cls", "_prefix")
+    __slots__ = ("_node", "_path")
 
-    def __init__(self, remoting: Remoting, node: str, path: str):
-        self._remoting = remoting
+    def __init__(self, node: str, path: str):
         self._node = node
         self._path = path
-        self._conn: Any = None
-        self._cls: type | None = None      # the last message class and its frame prefix
-        self._prefix = b""
 
     @property
     def path(self) -> str:
@@ -124,6 +120,19 @@ class RemoteRef(ActorRef):
     @property
     def node(self) -> str:
         return self._node
+
+
+class RemoteRef(_ByAddress):
+    """Ref to an actor on another node; frames go through the system's remoting layer."""
+
+    __slots__ = ("_remoting", "_conn", "_cls", "_prefix")
+
+    def __init__(self, remoting: Remoting, node: str, path: str):
+        super().__init__(node, path)
+        self._remoting = remoting
+        self._conn: Any = None
+        self._cls: type | None = None      # the last message class and its frame prefix
+        self._prefix = b""
 
     @property
     def is_alive(self) -> bool:
@@ -152,22 +161,10 @@ class RemoteRef(ActorRef):
         return hash((self._node, self._path))
 
 
-class DeadRef(ActorRef):
+class DeadRef(_ByAddress):
     """Ref to an actor that no longer exists (e.g. a decoded ref to an unknown local path)."""
 
-    __slots__ = ("_node", "_path")
-
-    def __init__(self, node: str, path: str):
-        self._node = node
-        self._path = path
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    @property
-    def node(self) -> str:
-        return self._node
+    __slots__ = ()
 
     @property
     def is_alive(self) -> bool:
