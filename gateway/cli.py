@@ -1,4 +1,5 @@
-"""`matinee`, the console script: `matinee serve` runs the OpenAI-compatible server.
+"""`matinee`, the console script: `matinee serve` runs the OpenAI-compatible server; `matinee plan`
+says how much GPU memory a model, context and concurrency take (actors/memory_plan.py).
 
 With no arguments it serves the default model (SmolLM2) at 127.0.0.1:8000 with every actor in
 one process (`--role all`). Its flags come from the config classes' fields (gateway/flags.py).
@@ -6,10 +7,13 @@ one process (`--role all`). Its flags come from the config classes' fields (gate
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Mapping
 
 from actors.config import EngineConfig
+from actors.memory_plan import GB, DTYPE_BYTES, MemoryPlan, parse_size
+from actors.model_shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
 from actors.engine_node import EngineNodeConfig
 from gateway.cluster import GatewayNodeConfig
@@ -43,7 +47,55 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         group = s.add_argument_group(title) if title else s
         for cls in classes:
             add_flags(group, cls, environ)
+    _add_plan_parser(sub)
     return p
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="GPU memory for a model, context length and concurrency",
+                       description="Weights, KV cache and activation headroom in GB (10^9 bytes), and the "
+                                   "GPUs they need; with --fit, the concurrency that a given memory holds.")
+    p.add_argument("--model", help="config.json folder, .gguf file or preset: " + ", ".join(PRESETS)
+                   + " (unset: the default model)")
+    p.add_argument("--context-len", type=int, help="tokens per sequence (unset: the model's context)")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences resident at once")
+    p.add_argument("--weight-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE",
+                   help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16)")
+    p.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE", help="as --weight-dtype")
+    p.add_argument("--step-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens computed in one step, for the activation headroom (serve's "
+                        "--max-num-batched-tokens)")
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU: 80GB (10^9) or 80GiB (2^30)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs that --fit fills")
+    p.add_argument("--fit", action="store_true", help="also print the concurrency that --gpus GPUs hold")
+    p.add_argument("--json", action="store_true", help="one JSON object, byte counts unrounded")
+
+
+def plan(args: argparse.Namespace) -> int:
+    from actors.worker.model_source import default_model_path
+
+    shape = ModelShape.load(args.model or default_model_path())
+    gpu_memory = parse_size(args.gpu_memory)
+    p = MemoryPlan(shape, args.context_len or shape.max_context, args.concurrency, args.weight_dtype,
+                   args.kv_dtype, args.step_tokens)
+    out = p.as_dict(gpu_memory)
+    if args.fit:
+        out |= {"fit_gpus": args.gpus, "fit_concurrency": p.max_concurrency(args.gpus * gpu_memory)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    rows = [("model", f"{shape.name} ({shape.num_params / 1e9:.2f}B parameters)"),
+            ("context", f"{p.context_len} tokens x {p.concurrency} sequences"),
+            ("weights", f"{p.weight_bytes / GB:8.1f} GB  ({p.weight_dtype})"),
+            ("KV cache", f"{p.kv_bytes / GB:8.1f} GB  ({p.kv_dtype}, {p.kv_bytes_per_token:g} bytes/token)"),
+            ("activations", f"{p.activation_bytes / GB:8.1f} GB  ({p.step_tokens} tokens/step, logits)"),
+            ("total", f"{p.total_bytes / GB:8.1f} GB"),
+            ("GPUs", f"{out['gpus']} x {gpu_memory / GB:g} GB")]
+    if args.fit:
+        rows.append(("fits", f"{out['fit_concurrency']} sequences of {p.context_len} tokens "
+                             f"in {args.gpus} x {gpu_memory / GB:g} GB"))
+    print("\n".join(f"{k:<12} {v}" for k, v in rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except ValueError as e:
         return _config_error(e)
+    if args.command == "plan":
+        try:
+            return plan(args)
+        except ValueError as e:
+            return _config_error(e, "plan")
     configure_logging(args.log_level)
     try:
         serve = RUNNERS[args.role](args)
@@ -61,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     return serve()
 
 
-def _config_error(e: ValueError) -> int:
-    print(f"matinee serve: {e}", file=sys.stderr)
+def _config_error(e: ValueError, command: str = "serve") -> int:
+    print(f"matinee {command}: {e}", file=sys.stderr)
     return 2
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.memory_plan import kv_bytes_per_token
+
 
 class ModelLoadError(ValueError):
     """A model that cannot be loaded: missing path, unsupported architecture, missing tensor."""
@@ -62,8 +64,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """Bytes of K and V that one token occupies over all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_size
+        """Bytes of K and V that one token occupies over all layers (the planner's arithmetic)."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_size)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> "ModelConfig":

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from actors.memory_plan import blocks_that_fit
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
@@ -65,10 +66,11 @@ class ModelRunner:
         finally:
             weights.close()
 
-        self.kv_bytes_per_block = config.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        self.kv_bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)   # as `matinee plan` has it
+        self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
         if num_blocks is None:
             budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else int(kv_cache_memory)
-            num_blocks = budget // self.kv_bytes_per_block
+            num_blocks = blocks_that_fit(budget, self.kv_bytes_per_token, block_size)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds no block "
                                  f"(one block takes {self.kv_bytes_per_block} bytes)")

@@ -1,0 +1,138 @@
+"""Where a deployment's GPU memory goes: weights, KV cache, activation headroom; how many GPUs.
+
+Pure arithmetic on a model's shape (actors/model_shape.py), imported by the engine to size its KV
+pool and by `matinee plan` to answer "does it fit". The engine and the planner share
+`kv_bytes_per_token` and `blocks_that_fit`, so the two cannot disagree.
+
+Units: GB is 10^9 bytes, as in the serving chapter's figure (a 70B-class GQA model, 80 layers,
+8 KV heads, head dim 128, at 128K context, 8 requests, 16-bit: weights 140 GB, KV 343.6 GB,
+total about 484 GB, seven 80 GB GPUs). In 2^30 units its KV cache would read 320.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.model_shape import ModelShape
+
+GB = 10 ** 9
+GIB = 1 << 30
+
+# Bytes per value. int4 ignores its per-group scales (the chapter's "70B at 4 bits is ~35 GB").
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+               "int8": 1, "fp8": 1, "int4": 0.5}
+
+LOGIT_BYTES = 4    # the engine samples from float32 logits
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": GB, "tb": 10 ** 12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": GIB, "tib": 1 << 40}
+
+
+def dtype_bytes(name: str) -> float:
+    try:
+        return DTYPE_BYTES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r} (fp32, bf16, fp16, int8, fp8, int4)") from None
+
+
+def parse_size(text: str) -> int:
+    """'80GB' -> 80 * 10^9, '80GiB' -> 80 * 2^30, '1000' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 80GB or 80GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: float) -> float:
+    """K and V of one token over all layers: layers x KV heads x head dim x 2 x bytes."""
+    return num_layers * num_kv_heads * head_dim * 2 * dtype_size
+
+
+def blocks_that_fit(budget: int, bytes_per_token: int, block_size: int) -> int:
+    """KV pool blocks of `block_size` tokens that `budget` bytes hold (the engine's pool size)."""
+    return int(budget // (bytes_per_token * block_size))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One deployment: `concurrency` sequences of `context_len` tokens each, all resident at once.
+
+    Activation headroom is a stated simple rule (the chapter gives none; its total is weights +
+    KV): one step's working set, `step_tokens` tokens (the engine's max_num_batched_tokens) each
+    holding its residual and normed hidden states, q, k, v and the MLP's gate and up at the
+    activation precision (fp32 for fp32 weights, else 16-bit), plus float32 logits for one token
+    per sequence.
+    """
+    shape: ModelShape
+    context_len: int
+    concurrency: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    step_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
+        for name in ("context_len", "concurrency", "step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.shape.num_params * dtype_bytes(self.weight_dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        s = self.shape
+        return kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype_bytes(self.kv_dtype))
+
+    @property
+    def kv_bytes_per_sequence(self) -> float:
+        return self.kv_bytes_per_token * self.context_len
+
+    @property
+    def kv_bytes(self) -> float:
+        return self.kv_bytes_per_sequence * self.concurrency
+
+    @property
+    def activation_bytes(self) -> float:
+        return self._step_activation_bytes + self.concurrency * self._logit_bytes_per_sequence
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+    def gpus_needed(self, gpu_memory: int) -> int:
+        """GPUs of `gpu_memory` bytes each that hold the total, weights and KV split evenly."""
+        return max(1, math.ceil(self.total_bytes / gpu_memory))
+
+    def max_concurrency(self, memory: int) -> int:
+        """The most sequences of `context_len` tokens that `memory` bytes (all GPUs) hold; 0 if none."""
+        free = memory - self.weight_bytes - self._step_activation_bytes
+        per_sequence = self.kv_bytes_per_sequence + self._logit_bytes_per_sequence
+        return max(0, int(free // per_sequence))
+
+    def as_dict(self, gpu_memory: int) -> dict:
+        return {"model": self.shape.name, "context_len": self.context_len, "concurrency": self.concurrency,
+                "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype, "step_tokens": self.step_tokens,
+                "num_params": self.shape.num_params, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
+                "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes,
+                "gpu_memory": gpu_memory, "gpus": self.gpus_needed(gpu_memory)}
+
+    @property
+    def _activation_size(self) -> int:
+        return 4 if dtype_bytes(self.weight_dtype) == 4 else 2
+
+    @property
+    def _step_activation_bytes(self) -> float:
+        s = self.shape
+        values = 2 * s.hidden_size + s.num_heads * s.head_dim + 2 * s.num_kv_heads * s.head_dim \
+            + 2 * s.intermediate_size
+        return self.step_tokens * values * self._activation_size
+
+    @property
+    def _logit_bytes_per_sequence(self) -> float:
+        return self.shape.vocab_size * LOGIT_BYTES

@@ -1,0 +1,105 @@
+"""The few numbers of a model that size its memory, from a config.json, a GGUF file or a preset.
+
+No weights are read: a GGUF file's tensor table gives its exact parameter count, a config.json's
+shape gives it by arithmetic (`params_of`). Presets are well-known shapes, each from its source.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from actors.worker.model_config import ModelConfig, ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    max_context: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, num_params: int | None = None, name: str = "") -> "ModelShape":
+        return cls(name=name or cfg.name, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                   num_params=params_of(cfg) if num_params is None else num_params,
+                   max_context=cfg.max_position_embeddings)
+
+    @classmethod
+    def load(cls, model: str) -> "ModelShape":
+        """A preset's name, a folder with config.json (or one .gguf), or a .gguf file."""
+        if model.lower() in PRESETS:
+            return PRESETS[model.lower()]
+        if not os.path.exists(os.path.expanduser(model)):
+            raise ValueError(f"unknown model {model!r}: not a path, nor a preset ({', '.join(PRESETS)})")
+        from actors.worker.model_source import resolve_model_source
+
+        source = resolve_model_source(model)
+        if source.kind == "gguf":
+            return cls.from_gguf(source.path)
+        return cls.from_config_json(source.path)
+
+    @classmethod
+    def from_config_json(cls, folder: str) -> "ModelShape":
+        path = os.path.join(folder, "config.json")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        try:
+            cfg = ModelConfig.from_hf(raw)
+        except KeyError as e:
+            raise ModelLoadError(f"{path} lacks the key {e.args[0]!r}") from None
+        return cls.of(cfg, name=cfg.name or os.path.basename(os.path.normpath(folder)))
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "ModelShape":
+        """Metadata and the tensor table only; the parameter count is the tensors' element count."""
+        from actors.worker.gguf_file import GGUFFile
+
+        file = GGUFFile(path)
+        cfg = ModelConfig.from_gguf(file.metadata, set(file.tensors))
+        params = sum(math.prod(t.shape) for t in file.tensors.values() if t.name != "rope_freqs.weight")
+        return cls.of(cfg, num_params=params, name=cfg.name or os.path.basename(path))
+
+
+def params_of(cfg: ModelConfig) -> int:
+    """Parameters of a Llama/Qwen decoder: embeddings, per-layer attention, MLP and norms, head."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h
+    if cfg.attention_bias:
+        layer += q + 2 * kv
+    if cfg.o_proj_bias:
+        layer += h
+    if cfg.qk_norm:
+        layer += 2 * cfg.head_dim
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embeddings + cfg.num_layers * layer + h
+
+
+PRESETS = {
+    # The serving chapter's "70B-class GQA model": 80 layers, 8 KV heads, head dim 128, 70e9
+    # parameters (its 140 GB at 16-bit); the rest of the shape is Llama-3.1-70B's config.json.
+    "70b-gqa": ModelShape("70b-gqa", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                          hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+                          num_params=70 * 10 ** 9, max_context=131072),
+    # meta-llama/Meta-Llama-3-8B config.json (untied embeddings).
+    "llama-3-8b": ModelShape("llama-3-8b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                             num_params=8_030_261_248, max_context=8192),
+    # Qwen/Qwen2.5-0.5B config.json (tied embeddings, q/k/v biases).
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                               hidden_size=896, intermediate_size=4864, vocab_size=151936,
+                               num_params=494_032_768, max_context=32768),
+    # HuggingFaceTB/SmolLM2-135M config.json (tied embeddings): the default model's shape.
+    "smollm2-135m": ModelShape("smollm2-135m", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                               hidden_size=576, intermediate_size=1536, vocab_size=49152,
+                               num_params=134_515_008, max_context=8192),
+}
