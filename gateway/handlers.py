@@ -61,7 +61,9 @@ async def _accept(request: web.Request, type_: type, validate):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
-    prompt = await render_chat(engine.tokenizer, req.messages, True)
+    # The template sees reasoning_effort; one that has no use for it renders as before.
+    kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
+    prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top)
@@ -92,13 +94,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def render_chat(tokenizer, messages: list[protocol.ChatMessage],
-                      add_generation_prompt: bool) -> list[int]:
+                      add_generation_prompt: bool, **template_kwargs) -> list[int]:
     """The conversation through the model's chat template, as token ids (off the loop when long)."""
     msgs = [{"role": "system" if m.role == "developer" else m.role,
              "content": protocol.message_text(m)} for m in messages]
     try:
         return await off_loop(sum(len(m["content"]) for m in msgs),
-                              tokenizer.apply_chat_template, msgs, add_generation_prompt)
+                              tokenizer.apply_chat_template, msgs, add_generation_prompt,
+                              **template_kwargs)
     except Exception as e:   # a template that rejects this conversation (e.g. role order)
         raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
 

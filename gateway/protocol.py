@@ -1,7 +1,8 @@
 """OpenAI request bodies as msgspec Structs, and the checks that turn bad input into 400s.
 
-Types are enforced by msgspec while decoding (unknown fields ignored, as OpenAI does); ranges
-and cross-field rules are checked here, each error naming the offending `param`. Every number a
+Types are enforced by msgspec while decoding, and a field this server does not implement is a
+400 naming it (as vLLM and OpenAI do), never silently dropped; ranges and cross-field rules are
+checked here, each error naming the offending `param`. Every number a
 client sends is bounded here, so nothing out of range reaches the engine or the cluster wire.
 """
 from __future__ import annotations
@@ -20,24 +21,30 @@ MAX_PROMPTS = 128   # prompts in one completions request
 MAX_SEQUENCES = 128  # prompts x n: the sequences one request may put in the queue
 PRIORITY_RANGE = (-(2 ** 15), 2 ** 15 - 1)
 ROLES = ("system", "developer", "user", "assistant")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
-class ContentPart(msgspec.Struct):
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    """Every request struct: an unknown field is a 400, not a silently ignored option."""
+
+
+class ContentPart(_Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(_Body):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None   # accepted: our chunks carry no obfuscation padding
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(_Body, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -54,7 +61,8 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     priority: int | None = None
-    user: str | None = None
+    user: str | None = None               # accepted: an end-user id, not used
+    safety_identifier: str | None = None  # accepted: OpenAI's successor to `user`, not used
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -62,6 +70,8 @@ class ChatRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Accepted; the chat template decides whether it matters (none of ours reads it).
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -69,9 +79,10 @@ class CompletionRequest(_Common, kw_only=True):
     # since msgspec unions hold one array type at most.
     prompt: Any
     logprobs: int | None = None
+    best_of: int | None = None   # accepted only where it asks for nothing more than `n`
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -79,11 +90,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     tokens: list[int]
 
 
+_UNKNOWN = re.compile(r"unknown field `(.*?)`(?: - at `\$\.?(.*)`)?$")
 _AT = re.compile(r"- at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `(\w+)`")
 
@@ -96,6 +108,10 @@ def decode(body: bytes, type_: type) -> Any:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:
         msg = str(e)
+        if u := _UNKNOWN.search(msg):
+            param = f"{u.group(2)}.{u.group(1)}" if u.group(2) else u.group(1)
+            raise invalid(f"Unsupported parameter `{param}`: this server does not implement it.",
+                          param=param) from None
         m = _AT.search(msg) or _MISSING.search(msg)
         param = m.group(1) if m and m.group(1) else None
         raise invalid(f"Invalid request: {msg}", param=param) from None
@@ -147,6 +163,9 @@ def validate_common(req: _Common) -> None:
 def validate_chat(req: ChatRequest) -> None:
     validate_common(req)
     _range(req.max_completion_tokens, "max_completion_tokens", 1)
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise invalid(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORTS)}.",
+                      param="reasoning_effort")
     if not req.messages:
         raise invalid("`messages` must hold at least one message.", param="messages")
     for i, m in enumerate(req.messages):
@@ -175,6 +194,8 @@ def message_text(m: ChatMessage) -> str:
 def validate_completion(req: CompletionRequest) -> None:
     validate_common(req)
     _range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise invalid("`best_of` other than `n` is not supported.", param="best_of")
 
 
 def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:

@@ -162,6 +162,11 @@ def test_tokenize_detokenize(tiny_servers):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": "many"}, "max_tokens"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "none"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),
 ])
 def test_bad_requests_are_400_naming_param(client, kwargs, param):
     args = {"model": "tiny", "messages": MSG, **kwargs}
@@ -170,6 +175,19 @@ def test_bad_requests_are_400_naming_param(client, kwargs, param):
     err = e.value.body
     assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
     assert err["param"] == param and err["message"]
+
+
+def test_openai_client_requests_with_accepted_fields_are_served(client):
+    """What the openai client sends, with the accepted-but-unused fields, is not a 400."""
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_completion_tokens=2, n=2,
+                                       seed=1, user="u", safety_identifier="s",
+                                       reasoning_effort="low", stream=False)
+    assert len(r.choices) == 2
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, user="u", best_of=1)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None
 
 
 def test_context_length_exceeded(client, tiny_servers):
@@ -224,8 +242,7 @@ def _long_stream(base: str):
     prompt is new: one the prefix cache still held from an earlier call would skip the prefill (and
     with it the wait)."""
     first = next(_long_prompts)
-    body = {"model": "tiny", "prompt": [first] + [7] * 959, "max_tokens": 2, "stream": True,
-            "extra": "ignored"}
+    body = {"model": "tiny", "prompt": [first] + [7] * 959, "max_tokens": 2, "stream": True}
     return http.open_request("POST", base + "/v1/completions", json_body=body)
 
 

@@ -59,14 +59,71 @@ def test_chat_errors_name_the_param(fields, param):
     assert e.value.param is not None and e.value.param.startswith(param)
 
 
-def test_chat_accepts_openai_shapes_and_ignores_unknown_fields():
+def test_chat_accepts_openai_shapes():
     req = chat(messages=[{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"},
                                                       {"type": "text", "text": "b"}]}],
-               temperature=0, stop="x", stream=True, stream_options={"include_usage": True},
-               logprobs=True, top_logprobs=3, whatever={"nested": 1}, user="u", priority=-1)
+               temperature=0, stop="x", stream=True,
+               stream_options={"include_usage": True, "include_obfuscation": False},
+               logprobs=True, top_logprobs=3, user="u", safety_identifier="s", priority=-1,
+               reasoning_effort="low", seed=1, n=2)
     assert protocol.message_text(req.messages[1]) == "ab"
-    assert req.temperature == 0.0 and req.top_logprobs == 3
+    assert req.temperature == 0.0 and req.top_logprobs == 3 and req.reasoning_effort == "low"
+    assert completion(best_of=2, n=2).best_of == 2
+
+
+# Every field of openai's chat and completions create params that this server does not implement.
+UNSUPPORTED_CHAT = ["audio", "function_call", "functions", "metadata", "modalities", "moderation",
+                    "parallel_tool_calls", "prediction", "prompt_cache_key", "prompt_cache_options",
+                    "prompt_cache_retention", "response_format", "service_tier", "store",
+                    "tool_choice", "tools", "verbosity", "web_search_options",
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs", "zz"]
+UNSUPPORTED_COMPLETION = ["suffix", "echo", "response_format", "guided_json", "structured_outputs"]
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_a_400_naming_them(field):
+    with pytest.raises(APIError) as e:
+        chat(**{field: {"type": "json_object"}})
+    assert e.value.status == 400 and e.value.param == field and f"`{field}`" in e.value.message
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED_COMPLETION)
+def test_unsupported_completion_fields_are_a_400_naming_them(field):
+    with pytest.raises(APIError) as e:
+        completion(**{field: True})
+    assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+     "messages[0].content[0].x"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+])
+def test_unknown_nested_fields_name_their_path(body, param):
+    with pytest.raises(APIError) as e:
+        chat(**body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_tokenize_and_detokenize_reject_unknown_fields():
+    for body, type_ in ((b'{"prompt": "a", "zz": 1}', protocol.TokenizeRequest),
+                        (b'{"tokens": [1], "zz": 1}', protocol.DetokenizeRequest)):
+        with pytest.raises(APIError) as e:
+            protocol.decode(body, type_)
+        assert e.value.param == "zz"
+
+
+def test_best_of_beyond_n_and_bad_reasoning_effort_are_400s():
+    with pytest.raises(APIError) as e:
+        completion(best_of=3)
+    assert e.value.param == "best_of"
+    with pytest.raises(APIError) as e:
+        chat(reasoning_effort="extreme")
+    assert e.value.param == "reasoning_effort"
 
 
 def test_body_errors():
