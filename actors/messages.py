@@ -29,6 +29,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None   # None: none; k: the sampled token's logprob plus the top k
+    logit_bias: dict[int, float] = {}   # token id -> added to its logit before sampling
+    min_tokens: int = 0   # before this many output tokens, EOS and stop_token_ids are masked
+    # The EOS ids min_tokens holds off (vLLM's _all_stop_token_ids): the gateway fills them in.
+    eos_token_ids: list[int] = []
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -51,6 +56,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -65,7 +65,8 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._subs: dict[str, _Sub] = {}
         for p, ids in enumerate(prompts):
-            choices = [_Choice(SampleText(tokenizer, ids, stop)) for _ in range(params.n)]
+            choices = [_Choice(SampleText(tokenizer, ids, stop, params.skip_special_tokens))
+                       for _ in range(params.n)]
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             self._subs[rid] = _Sub(rid, p * params.n, choices, len(ids))
         self._prompts = prompts

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from actors.messages import SamplingParams
 from gateway.errors import invalid
-from gateway.protocol import MAX_SEQUENCES, _Common, stop_list
+from gateway.protocol import MAX_SEQUENCES, _Common, stop_list, token_ids_checked
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -40,6 +40,12 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
     if req.top_k is not None and req.top_k > vocab:
         raise invalid(f"`top_k` must be at most the vocabulary size ({vocab}), got {req.top_k}.",
                       param="top_k")
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    token_ids_checked(bias, vocab, "logit_bias")
+    token_ids_checked(req.stop_token_ids or (), vocab, "stop_token_ids")
+    if req.min_tokens and req.min_tokens > max_tokens:
+        raise invalid(f"`min_tokens` ({req.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                      param="min_tokens")
     if req.priority and not engine.priority_scheduling:
         raise invalid(f"Got priority {req.priority}, but priority scheduling is not enabled "
                       "(start the engine with --scheduling-policy priority).", param="priority")
@@ -58,6 +64,11 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             ignore_eos=bool(req.ignore_eos),
             seed=req.seed,
             logprobs=logprobs,
+            stop_token_ids=list(req.stop_token_ids or ()),
+            logit_bias=bias,
+            min_tokens=req.min_tokens or 0,
+            eos_token_ids=[] if req.ignore_eos else list(engine.tokenizer.eos_token_ids),
+            skip_special_tokens=req.skip_special_tokens is not False,
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed
         raise invalid(str(e)) from None

@@ -17,6 +17,7 @@ from gateway.errors import invalid
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 300   # entries, as OpenAI allows
 MAX_PROMPTS = 128   # prompts in one completions request
 MAX_SEQUENCES = 128  # prompts x n: the sequences one request may put in the queue
 PRIORITY_RANGE = (-(2 ** 15), 2 ** 15 - 1)
@@ -61,6 +62,10 @@ class _Common(_Body, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     priority: int | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as JSON keys are strings) -> bias
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
     user: str | None = None               # accepted: an end-user id, not used
     safety_identifier: str | None = None  # accepted: OpenAI's successor to `user`, not used
 
@@ -158,6 +163,25 @@ def validate_common(req: _Common) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     stop_list(req.stop)
+    _range(req.min_tokens, "min_tokens", 0)
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP:
+        raise invalid(f"At most {MAX_STOP} stop_token_ids are allowed.", param="stop_token_ids")
+    if req.logit_bias:
+        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"At most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got "
+                          f"{len(req.logit_bias)}.", param="logit_bias")
+        for key, bias in req.logit_bias.items():
+            if not re.fullmatch(r"\d{1,10}", key):
+                raise invalid(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
+            _range(bias, f"logit_bias.{key}", -100.0, 100.0)
+
+
+def token_ids_checked(ids, vocab_size: int, param: str) -> None:
+    """Token ids a request names (logit_bias keys, stop_token_ids) against the vocabulary."""
+    for t in ids:
+        if not 0 <= int(t) < vocab_size:
+            raise invalid(f"Token id {t} in `{param}` is outside the vocabulary [0, {vocab_size}).",
+                          param=param)
 
 
 def validate_chat(req: ChatRequest) -> None:

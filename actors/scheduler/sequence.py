@@ -79,6 +79,8 @@ class Sequence:
         """Add one generated token; returns the finish reason when it ends the sequence."""
         self.token_ids.append(token_id)
         params = self.request.params
+        if self.num_output_tokens < params.min_tokens:   # as vLLM: only the length ends it before
+            return "length" if self.num_output_tokens >= self.request.max_output else None
         if not params.ignore_eos and token_id in eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:

@@ -1,6 +1,7 @@
 """Token sampling from a batch of logits, with vLLM's semantics and order of operations.
 
-penalties (repetition over prompt+output, frequency and presence over output) -> greedy argmax,
+penalties (repetition over prompt+output, frequency and presence over output) -> logit_bias ->
+min_tokens (EOS and stop ids masked while the output is shorter) -> greedy argmax,
 or temperature -> min-p -> top-k -> top-p -> one draw. Logprobs are vLLM's default `raw_logprobs`:
 log_softmax of the model's unmodified logits. `processed_probs` returns the exact distribution a
 row is drawn from, so speculative decoding computes p and q with this same code.
@@ -43,6 +44,17 @@ class SamplingState:
         self.uses_penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                                or params.frequency_penalty != 0.0)
         self.num_logprobs: int | None = params.logprobs
+        bias = getattr(params, "logit_bias", None) or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None
+        self.min_tokens: int = getattr(params, "min_tokens", 0)
+        held = set(getattr(params, "stop_token_ids", ())) | set(getattr(params, "eos_token_ids", ()))
+        self.min_tokens_ids = torch.tensor(sorted(held), dtype=torch.long, device=device) \
+            if self.min_tokens and held else None
+
+    def holds_off_stops(self, num_extra: int = 0) -> bool:
+        """Whether EOS and stop ids are masked at the next position (`num_extra` drafted before it)."""
+        return self.min_tokens_ids is not None and len(self.output_token_ids) + num_extra < self.min_tokens
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
@@ -121,12 +133,20 @@ class Sampler:
 
     def _penalized(self, logits: torch.Tensor, states: Sequence[SamplingState],
                    extra_output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
-        """`logits` itself when no row has a penalty, else a scratch copy with them applied."""
-        if not any(s.uses_penalties for s in states):
+        """`logits` itself when no row changes them, else a scratch copy with the penalties, the
+        logit bias and the min_tokens mask applied (speculative verification reads the same)."""
+        extra = [len(e) for e in extra_output_ids] if extra_output_ids is not None else [0] * len(states)
+        biased = [i for i, s in enumerate(states) if s.bias_ids is not None]
+        held = [i for i, s in enumerate(states) if s.holds_off_stops(extra[i])]
+        if not any(s.uses_penalties for s in states) and not biased and not held:
             return logits
         work = self._buffer(0, logits.shape, logits.device)
         work.copy_(logits)
         apply_penalties_(work, states, extra_output_ids)
+        for i in biased:
+            work[i].index_add_(0, states[i].bias_ids, states[i].bias_values)
+        for i in held:
+            work[i, states[i].min_tokens_ids] = float("-inf")
         return work
 
     def _rows(self, src: torch.Tensor, rows: list[int], may_reuse: bool) -> torch.Tensor:

@@ -289,3 +289,22 @@ def test_works_with_the_engine_sampling_params():
     assert first.token_ids == again.token_ids and len(first.logprobs[0].top) == 2
     forked = SamplingState(params, [1, 2], seed=4)  # n > 1 copies get their own seed
     assert forked.generator.initial_seed() == 4
+
+
+def test_logit_bias_and_min_tokens_shape_the_draw():
+    """+100 makes a token the greedy choice, -100 removes the greedy one; min_tokens masks EOS and
+    stop ids until the output is long enough, in sample and in processed_probs alike."""
+    from actors.messages import SamplingParams as SP
+    from actors.worker.sampler import Sampler as S, SamplingState as St
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    s = S()
+    assert s.sample(logits, [St(SP(temperature=0, logit_bias={0: 100}), [1])]).token_ids == [0]
+    assert s.sample(logits, [St(SP(temperature=0, logit_bias={1: -100}), [1])]).token_ids == [3]
+    held = St(SP(temperature=0, min_tokens=2, eos_token_ids=[1], stop_token_ids=[3]), [1])
+    assert s.sample(logits, [held]).token_ids == [2]
+    assert s.processed_probs(logits, [held])[0].argmax() == 2
+    assert s.processed_probs(logits, [held], [[2, 2]])[0].argmax() == 1   # drafted tokens count
+    held.append([2, 2])
+    assert s.sample(logits, [held]).token_ids == [1]
+    random = St(SP(temperature=1.0, seed=0, min_tokens=5, eos_token_ids=[1]), [1])
+    assert all(s.sample(logits, [random]).token_ids != [1] for _ in range(50))

@@ -346,3 +346,33 @@ def test_stop_string_ends_one_of_two_samples(client):
         cut = text.find(stop)
         assert c.text == (text[:cut] if cut >= 0 else text)
         assert c.finish_reason == ("stop" if cut >= 0 else "length")
+
+
+def _ids(tiny_servers, text: str) -> list[int]:
+    return http.post(tiny_servers.main + "/tokenize", headers=AUTH,
+                     json_body={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids(client, tiny_servers):
+    kw = dict(model="tiny", prompt=[5, 6, 7, 8], temperature=0)
+    forced = client.completions.create(**kw, max_tokens=3, logit_bias={"9": 100},
+                                       extra_body={"ignore_eos": True})
+    assert _ids(tiny_servers, forced.choices[0].text) == [9, 9, 9]
+    greedy = client.completions.create(**kw, max_tokens=1, extra_body={"ignore_eos": True})
+    (g,) = _ids(tiny_servers, greedy.choices[0].text)
+    other = client.completions.create(**kw, max_tokens=1, logit_bias={str(g): -100},
+                                      extra_body={"ignore_eos": True})
+    assert other.choices[0].text != greedy.choices[0].text
+    # EOS (2) forced by its bias still cannot end the sample before min_tokens.
+    held = client.completions.create(**kw, max_tokens=8, logit_bias={"2": 100},
+                                     extra_body={"min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
+    stopped = client.completions.create(**kw, max_tokens=8, logit_bias={"9": 100},
+                                        extra_body={"stop_token_ids": [9], "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, max_tokens=2, logit_bias={"99999999": 1})
+    assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, max_tokens=2, logit_bias={"1": 101})
+    assert e.value.body["param"] == "logit_bias.1"
