@@ -5,12 +5,11 @@ shape gives it by arithmetic (`params_of`). Presets are well-known shapes, each 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.worker.model_config import ModelConfig, read_hf_config
 
 
 @dataclass(frozen=True)
@@ -50,13 +49,7 @@ class ModelShape:
 
     @classmethod
     def from_config_json(cls, folder: str) -> "ModelShape":
-        path = os.path.join(folder, "config.json")
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-        try:
-            cfg = ModelConfig.from_hf(raw)
-        except KeyError as e:
-            raise ModelLoadError(f"{path} lacks the key {e.args[0]!r}") from None
+        cfg = read_hf_config(folder)
         return cls.of(cfg, name=cfg.name or os.path.basename(os.path.normpath(folder)))
 
     @classmethod

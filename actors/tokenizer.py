@@ -84,7 +84,7 @@ def load_tokenizer(model: str | os.PathLike | ModelSource | None = None,
     eos: list[int] = []
     try:
         if source.kind == "hf":
-            from actors.worker.hf_weights import read_hf_config
+            from actors.worker.model_config import read_hf_config
 
             hf = AutoTokenizer.from_pretrained(source.path)
             try:

@@ -1,4 +1,4 @@
-"""Reads a Hugging Face checkpoint folder: config.json and (possibly sharded) safetensors.
+"""Reads a Hugging Face checkpoint folder's (possibly sharded) safetensors; its config.json is model_config's.
 
 Tensors are read lazily by name, so only what the model asks for is loaded and converted.
 Never imports transformers model classes.
@@ -6,23 +6,12 @@ Never imports transformers model classes.
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import torch
 from safetensors import safe_open
 
-from actors.worker.model_config import ModelConfig, ModelLoadError
-
-
-def read_hf_config(folder: str) -> ModelConfig:
-    cfg = _read_json(os.path.join(folder, "config.json"))
-    gen_path = os.path.join(folder, "generation_config.json")
-    gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
-    try:
-        return ModelConfig.from_hf(cfg, gen)
-    except KeyError as e:
-        raise ModelLoadError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
+from actors.worker.model_config import ModelLoadError, read_json
 
 
 class HFWeights:
@@ -32,7 +21,7 @@ class HFWeights:
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            weight_map = _read_json(index).get("weight_map", {})
+            weight_map = read_json(index).get("weight_map", {})
             self._file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
             for path in set(self._file_of.values()):
                 if not os.path.isfile(path):
@@ -66,13 +55,3 @@ class HFWeights:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ModelLoadError(f"missing file: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None

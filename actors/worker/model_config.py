@@ -5,6 +5,8 @@ reads only this, never the raw config. Anything we cannot run is refused here wi
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,3 +198,24 @@ def _as_ids(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
+
+
+def read_hf_config(folder: str) -> ModelConfig:
+    """A Hugging Face folder's config.json (and generation_config.json, for EOS ids)."""
+    cfg = read_json(os.path.join(folder, "config.json"))
+    gen_path = os.path.join(folder, "generation_config.json")
+    gen = read_json(gen_path) if os.path.isfile(gen_path) else None
+    try:
+        return ModelConfig.from_hf(cfg, gen)
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}/config.json lacks the key {e.args[0]!r}") from None
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None

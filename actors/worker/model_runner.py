@@ -15,7 +15,8 @@ from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
-from actors.worker.hf_weights import HFWeights, read_hf_config
+from actors.worker.hf_weights import HFWeights
+from actors.worker.model_config import read_hf_config
 from actors.worker.model import AttentionMetadata, DecoderModel
 from actors.worker.model_source import ModelSource, resolve_model_source
 from kernels import get_ops

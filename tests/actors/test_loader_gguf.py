@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.gguf_weights import GGUFWeights
-from actors.worker.hf_weights import read_hf_config
+from actors.worker.model_config import read_hf_config
 from actors.worker.model_config import ModelLoadError
 from actors.worker.model_runner import ModelRunner
 

@@ -59,7 +59,7 @@ def test_unsupported_configs_are_refused(change, message):
 def test_missing_key_is_named(tmp_path):
     import json
 
-    from actors.worker.hf_weights import read_hf_config
+    from actors.worker.model_config import read_hf_config
 
     cfg = dict(_BASE)
     del cfg["intermediate_size"]
