@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import time
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
@@ -22,20 +21,15 @@ from prefix_store.hashing import BlockHash
 from prefix_store.store import PrefixStore
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 
 class KVEventSource(Protocol):
-    """What the KV manager offers the index: `actors.kv.KVCacheManager` answers at once (read in its
-    own process, as tests do), the engine's KV actor through asks (`actors.kv.kv_actor.KVActorEvents`)."""
+    """What the KV manager offers the index; in an engine, the KV actor's answers to asks
+    (`actors.kv.kv_actor.KVActorEvents`)."""
 
-    def take_events(self) -> list[KVEvent] | Awaitable[list[KVEvent]]: ...
+    async def take_events(self) -> list[KVEvent]: ...
 
-    def snapshot(self) -> tuple[int, list[BlockHash]] | Awaitable[tuple[int, list[BlockHash]]]: ...
-
-
-async def _answer(reply: T | Awaitable[T]) -> T:
-    return await reply if inspect.isawaitable(reply) else reply
+    async def snapshot(self) -> tuple[int, list[BlockHash]]: ...
 
 
 class IndexPublisher:
@@ -91,7 +85,7 @@ class IndexPublisher:
         # Drain first: a snapshot taken below, later, covers every drained event.
         try:
             async with asyncio.timeout(self.timeout_s):
-                events = await _answer(self.source.take_events())
+                events = await self.source.take_events()
         except Exception as exc:  # whatever the KV manager drained for us is lost: resync later
             self._failed(exc)
             return
@@ -106,7 +100,7 @@ class IndexPublisher:
                     self._need_snapshot = not await self._send(events)
             if self._need_snapshot:
                 async with asyncio.timeout(self.snapshot_timeout_s):
-                    next_seq, hashes = await _answer(self.source.snapshot())
+                    next_seq, hashes = await self.source.snapshot()
                     await self.store.publish_snapshot(self.engine_id, hashes, next_seq)
                 self._need_snapshot = False
                 self.snapshots += 1

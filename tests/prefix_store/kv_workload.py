@@ -16,11 +16,26 @@ from prefix_store.hashing import hash_full_blocks
 BLOCK_SIZE = 4
 
 
+class ManagerEvents:
+    """A KV manager of this process as the publisher reads one (`prefix_store.KVEventSource`):
+    the engine's source asks its KV actor; this one answers from the manager itself."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+
+    async def take_events(self):
+        return self.kv.take_events()
+
+    async def snapshot(self):
+        return self.kv.snapshot()
+
+
 class KVWorkload:
     def __init__(self, seed: int, num_blocks: int = 40, max_live: int = 3, max_events: int = 100_000):
         self.rng = random.Random(seed)
         self.kv = KVCacheManager(KVCacheConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                                max_events=max_events))
+        self.events = ManagerEvents(self.kv)
         # A few shared "system prompts" so requests hit each other's blocks.
         self.prefixes = [[self.rng.randrange(1000) for _ in range(self.rng.randrange(4, 20))]
                          for _ in range(4)]

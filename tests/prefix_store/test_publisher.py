@@ -18,7 +18,7 @@ async def assert_index_matches(store, engine_id, work: KVWorkload):
 
 async def test_published_steps_keep_the_index_equal_to_the_cache(store):
     work = KVWorkload(seed=5)
-    publisher = IndexPublisher(store, "e", work.kv)
+    publisher = IndexPublisher(store, "e", work.events)
     await publisher.start()
     assert await store.live_engines() == ["e"]
     for _ in range(5):
@@ -30,7 +30,7 @@ async def test_published_steps_keep_the_index_equal_to_the_cache(store):
 
 async def test_dropped_events_are_repaired_by_a_snapshot(store):
     work = KVWorkload(seed=6, max_events=4)  # the KV manager keeps few undrained events
-    publisher = IndexPublisher(store, "e", work.kv)
+    publisher = IndexPublisher(store, "e", work.events)
     await publisher.start()
     work.run(2)
     await publisher.publish()
@@ -42,7 +42,7 @@ async def test_dropped_events_are_repaired_by_a_snapshot(store):
 
 async def test_a_restarted_engine_leaves_no_stale_entries(store):
     old = KVWorkload(seed=7)
-    publisher = IndexPublisher(store, "e", old.kv)
+    publisher = IndexPublisher(store, "e", old.events)
     await publisher.start()
     old.run(4)
     await publisher.publish()
@@ -50,14 +50,14 @@ async def test_a_restarted_engine_leaves_no_stale_entries(store):
     assert held and all([(await store.match(p))["e"] > 0 for p in held])
 
     fresh = KVWorkload(seed=7)  # same engine id, empty cache, sequence numbers from 0 again
-    await IndexPublisher(store, "e", fresh.kv).start()
+    await IndexPublisher(store, "e", fresh.events).start()
     assert all([(await store.match(p))["e"] == 0 for p in held])
 
 
 async def test_a_redis_outage_never_raises_and_resyncs_after(private_redis):
     store = RedisPrefixStore.from_url(private_redis.url, namespace="t", ttl_s=10)
     work, clock = KVWorkload(seed=8), FakeClock()
-    publisher = IndexPublisher(store, "e", work.kv, timeout_s=0.3, clock=clock)
+    publisher = IndexPublisher(store, "e", work.events, timeout_s=0.3, clock=clock)
     await publisher.start()
     work.run(3)
     await publisher.publish()
@@ -79,8 +79,8 @@ async def test_a_redis_outage_never_raises_and_resyncs_after(private_redis):
 async def test_the_run_loop_publishes_when_notified_and_heartbeats_when_idle():
     store = InMemoryPrefixStore(ttl_s=0.6)
     work = KVWorkload(seed=9)
-    assert abs(IndexPublisher(store, "e", work.kv).heartbeat_s - 0.2) < 1e-9  # three per TTL
-    publisher = IndexPublisher(store, "e", work.kv, heartbeat_s=0.05)
+    assert abs(IndexPublisher(store, "e", work.events).heartbeat_s - 0.2) < 1e-9  # three per TTL
+    publisher = IndexPublisher(store, "e", work.events, heartbeat_s=0.05)
     await publisher.start()
     task = asyncio.create_task(publisher.run())
     try:
@@ -103,7 +103,7 @@ async def test_an_engine_that_lapsed_is_restored_by_its_next_beat():
     clock = FakeClock()
     store = InMemoryPrefixStore(ttl_s=1.0, clock=clock)
     work = KVWorkload(seed=10)
-    publisher = IndexPublisher(store, "e", work.kv, clock=clock)
+    publisher = IndexPublisher(store, "e", work.events, clock=clock)
     await publisher.start()
     work.run(3)
     await publisher.publish()

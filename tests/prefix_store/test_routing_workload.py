@@ -11,6 +11,7 @@ import pytest
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
+from tests.prefix_store.kv_workload import ManagerEvents
 from prefix_store import (EngineLoad, IndexPublisher, InMemoryPrefixStore, PrefixRouter, PromptHasher,
                           TenantSalts)
 
@@ -27,7 +28,7 @@ class SimEngine:
     def __init__(self, engine_id: str, store):
         self.engine_id = engine_id
         self.kv = KVCacheManager(KVCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK))
-        self.publisher = IndexPublisher(store, engine_id, self.kv)
+        self.publisher = IndexPublisher(store, engine_id, ManagerEvents(self.kv))
         self.running: deque[str] = deque()
 
     def load(self) -> EngineLoad:
