@@ -31,7 +31,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None   # None: none; k: the sampled token's logprob plus the top k
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before sampling
     min_tokens: int = 0   # before this many output tokens, EOS and stop_token_ids are masked
-    # The EOS ids min_tokens holds off (vLLM's _all_stop_token_ids): the gateway fills them in.
+    # The EOS ids min_tokens holds off (vLLM's _all_stop_token_ids): the engine's scheduler fills
+    # them in with every EOS id it stops on, so a client never needs to know them.
     eos_token_ids: list[int] = []
     skip_special_tokens: bool = True
 

@@ -67,7 +67,6 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             stop_token_ids=list(req.stop_token_ids or ()),
             logit_bias=bias,
             min_tokens=req.min_tokens or 0,
-            eos_token_ids=[] if req.ignore_eos else list(engine.tokenizer.eos_token_ids),
             skip_special_tokens=req.skip_special_tokens is not False,
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed

@@ -15,6 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import msgspec
+
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVStep, KVStepResult, KVTrim, KVUnwritten,
@@ -107,7 +109,10 @@ class Scheduler:
             raise ValueError(f"request id {msg.request_id!r} is already in the engine")
         self._arrivals += 1
         priority = msg.priority if self.cfg.priority_scheduling else 0
-        req = RequestState(msg.request_id, list(msg.prompt_token_ids), msg.params, msg.reply_to,
+        params = msg.params
+        if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
+            params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
+        req = RequestState(msg.request_id, list(msg.prompt_token_ids), params, msg.reply_to,
                            priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
         if not msg.prompt_token_ids:  # bad input the front end should have refused
             self._end_unstarted(req, "error", EMPTY_PROMPT)

@@ -44,11 +44,11 @@ class SamplingState:
         self.uses_penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                                or params.frequency_penalty != 0.0)
         self.num_logprobs: int | None = params.logprobs
-        bias = getattr(params, "logit_bias", None) or {}
+        bias = params.logit_bias
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None
-        self.min_tokens: int = getattr(params, "min_tokens", 0)
-        held = set(getattr(params, "stop_token_ids", ())) | set(getattr(params, "eos_token_ids", ()))
+        self.min_tokens: int = params.min_tokens
+        held = set(params.stop_token_ids) | set(params.eos_token_ids)
         self.min_tokens_ids = torch.tensor(sorted(held), dtype=torch.long, device=device) \
             if self.min_tokens and held else None
 

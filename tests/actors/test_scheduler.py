@@ -355,3 +355,15 @@ def test_abort_one_sample_keeps_the_others():
     assert h.finish[("multi", 0)] == "abort" and h.finish[("multi", 2)] == "abort"
     assert h.outputs[("multi", 1)] == reference(prompt, 12, 6)
     h.assert_all_free()
+
+
+def test_min_tokens_holds_off_every_eos_id_the_engine_stops_on():
+    """The sampler masks the engine's own EOS ids (model and tokenizer), whoever submitted the
+    request: a front end never has to know them."""
+    h = Harness()
+    h.submit("held", [1, 2, 3], min_tokens=2)
+    h.submit("free", [4, 5, 6], min_tokens=2, ignore_eos=True)
+    h.submit("plain", [7, 8, 9])
+    params = {rid: h.scheduler.requests[rid].params for rid in ("held", "free", "plain")}
+    assert params["held"].eos_token_ids == [EOS]
+    assert params["free"].eos_token_ids == [] and params["plain"].eos_token_ids == []
