@@ -1,32 +1,108 @@
-/* Paged attention for short query runs (decode tokens, speculative verification) on the CPU.
+/* Paged attention for query runs (decode tokens, speculative verification, prefill chunks) on the CPU.
  *
  * Each sequence reads its keys and values in place through the block table: no
  * gathered copy of the context, no padding to the batch's longest sequence. Every query row is
  * computed alone (scores, max, exp, sum, weighted values), so a row's result never depends on
  * the rest of the batch. Query row i of a sequence with q_len new tokens and seq_len tokens in all
  * sees keys [0, seq_len - q_len + i]. Built by cpu_native.py; the reference is paged_attention.py.
+ *
+ * Two kernels from one source: matinee_paged_attention (float32) and matinee_paged_attention_bf16
+ * (q, caches and out in bfloat16). Both compute in float32 registers; bf16 -> f32 is a shift and
+ * f32 -> bf16 rounds to nearest even with integer ops, so AVX2 and FMA are all either needs.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* o += w * v over n floats. */
-static inline void axpy(float *restrict o, const float *restrict v, float w, long n) {
-    __m256 wv = _mm256_set1_ps(w);
-    long n8 = n & ~7L;
-    for (long i = 0; i < n8; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
-    for (long i = n8; i < n; i++) o[i] += w * v[i];
+typedef unsigned short bf16;
+
+#define QUERY_TILE 16       /* new tokens per work item: a longer chunk is cut into tiles */
+#define PREFETCH_SLOTS 16   /* how many slots ahead of the one being read the next rows are fetched */
+
+/* Element access for either dtype. Each kernel passes a constant is_bf16, so the branches fold. */
+static inline __m256 load8(const void *p, long i, int is_bf16) {
+    if (is_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const bf16 *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* Scores of up to 4 query rows against one key: the key is read once, and the rows' sums are
- * independent chains. Each row is summed in the same order as dot() would, so a row's result does
- * not depend on which rows share its group. */
-static inline void dot4(const float *const *qs, int n, const float *key, long D, float *s) {
+static inline float load1(const void *p, long i, int is_bf16) {
+    if (is_bf16) {
+        unsigned bits = (unsigned)((const bf16 *)p)[i] << 16;
+        float x;
+        memcpy(&x, &bits, sizeof x);
+        return x;
+    }
+    return ((const float *)p)[i];
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 does (NaN -> 0x7fc0). */
+static inline bf16 to_bf16(float x) {
+    unsigned bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0x7fc0;
+    return (bf16)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline void store_bf16(bf16 *dst, const float *src, long n) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
+    long n8 = n & ~7L;
+    for (long i = 0; i < n8; i += 8) {
+        __m256 x = _mm256_loadu_ps(src + i);
+        __m256i bits = _mm256_castps_si256(x);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
+        r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        /* Pack within each 128-bit lane, then take the two lanes' low halves. */
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(packed));
+    }
+    for (long i = n8; i < n; i++) dst[i] = to_bf16(src[i]);
+}
+
+static inline void prefetch_row(const void *cache, long offset, long n, int is_bf16) {
+    const char *row = (const char *)cache + offset * (is_bf16 ? 2 : 4);
+    long bytes = n * (is_bf16 ? 2 : 4);
+    for (long b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
+}
+
+/* e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, and
+ * eight at a time where glibc's expf took as long as the rest of a decode row. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);   /* keeps NaN, which max_ps returns from x */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* Scores of up to 4 query rows against the key at cache[key]: the key is read once, and the rows'
+ * sums are independent chains. Each row is summed in the same order whatever its group, so a row's
+ * result does not depend on which rows share it. */
+static inline void dot4(const float *const *qs, int n, const void *cache, long key, long D, float *s, int is_bf16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long d8 = D & ~7L;
     for (long d = 0; d < d8; d += 8) {
-        __m256 k = _mm256_loadu_ps(key + d);
+        __m256 k = load8(cache, key + d, is_bf16);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[0] + d), k, a0);
         if (n > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[1] + d), k, a1);
         if (n > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qs[2] + d), k, a2);
@@ -34,13 +110,66 @@ static inline void dot4(const float *const *qs, int n, const float *key, long D,
     }
     __m256 acc[4] = {a0, a1, a2, a3};
     for (int r = 0; r < n; r++) {
-        __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-        x = _mm_add_ss(x, _mm_movehdup_ps(x));
-        float total = _mm_cvtss_f32(x);
-        for (long d = d8; d < D; d++) total += qs[r][d] * key[d];
+        float total = hsum(acc[r]);
+        for (long d = d8; d < D; d++) total += qs[r][d] * load1(cache, key + d, is_bf16);
         s[r] = total;
     }
+}
+
+/* o[D] += sum over k < n of w[k] * cache[value + k * stride, ...+D), k in order: n values of one
+ * block, the running sums held in registers across them. */
+static inline void weighted_sum(float *restrict o, const float *w, long n, const void *cache, long value, long stride,
+                                long D, int is_bf16) {
+    long d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
+        __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
+        for (long k = 0; k < n; k++) {
+            __m256 wk = _mm256_set1_ps(w[k]);
+            long v = value + k * stride + d;
+            a0 = _mm256_fmadd_ps(wk, load8(cache, v, is_bf16), a0);
+            a1 = _mm256_fmadd_ps(wk, load8(cache, v + 8, is_bf16), a1);
+            a2 = _mm256_fmadd_ps(wk, load8(cache, v + 16, is_bf16), a2);
+            a3 = _mm256_fmadd_ps(wk, load8(cache, v + 24, is_bf16), a3);
+        }
+        _mm256_storeu_ps(o + d, a0), _mm256_storeu_ps(o + d + 8, a1);
+        _mm256_storeu_ps(o + d + 16, a2), _mm256_storeu_ps(o + d + 24, a3);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a = _mm256_loadu_ps(o + d);
+        for (long k = 0; k < n; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[k]), load8(cache, value + k * stride + d, is_bf16), a);
+        _mm256_storeu_ps(o + d, a);
+    }
+    for (; d < D; d++) {
+        float a = o[d];
+        for (long k = 0; k < n; k++) a = fmaf(w[k], load1(cache, value + k * stride + d, is_bf16), a);
+        o[d] = a;
+    }
+}
+
+/* Softmax of a row of n scores, in place. */
+static inline void softmax(float *p, long n) {
+    long n8 = n & ~7L;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (long t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
+    float m[8], max = -INFINITY;
+    _mm256_storeu_ps(m, mv);
+    for (int x = 0; x < 8; x++) max = m[x] > max ? m[x] : max;
+    for (long t = n8; t < n; t++) max = p[t] > max ? p[t] : max;
+    __m256 sv = _mm256_setzero_ps(), maxv = _mm256_set1_ps(max);
+    for (long t = 0; t < n8; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), maxv));
+        _mm256_storeu_ps(p + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (long t = n8; t < n; t++) {
+        p[t] = expf(p[t] - max);
+        sum += p[t];
+    }
+    __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (long t = 0; t < n8; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv));
+    for (long t = n8; t < n; t++) p[t] *= 1.f / sum;
 }
 
 /* The metadata the kernel follows blindly, checked once per call (a few hundred integers, against
@@ -59,82 +188,134 @@ static int check_metadata(const int *block_tables, const int *query_start_loc, c
     return 0;
 }
 
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int *block_tables, *query_start_loc, *seq_lens;
+    void *out;
+    long Hq, Hk, D, block_size, table_width;
+    float scale;
+} Problem;
+
+/* New tokens [i0, i0 + QUERY_TILE) of sequence b; 0, or -1 when its scratch cannot be had.
+ *
+ * The tile's rows are (new token, query head), token-major. A slot's keys for every KV head lie
+ * side by side, so the keys, then the values, are read as one stream; each key serves every row
+ * that sees it. (Walking one KV head's keys at a time instead measured twice slower: 256 of every
+ * 768 bytes, a stride the prefetcher serves badly.) Blocks are scattered, so the rows
+ * PREFETCH_SLOTS ahead are fetched by hand. */
+static inline __attribute__((always_inline)) int attend(const Problem *pb, long b, long i0, int is_bf16) {
+    long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
+    long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
+    long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
+    long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE;
+    /* Tile token i sees keys [0, past + i]; the tile reads keys [0, span). */
+    long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq;
+    const int *table = pb->block_tables + b * pb->table_width;
+    float *p = malloc(sizeof(float) * (rows * span + (is_bf16 ? 2 * rows * D : 0)));
+    long *slot = malloc(sizeof(long) * span);
+    if (p == NULL || slot == NULL) {
+        free(p), free(slot);
+        return -1;
+    }
+    /* Slot t's row (every KV head) starts at slot[t] in either cache: the table is walked a block
+     * at a time, with no division per token, once for both passes. */
+    for (long t0 = 0, t = 0; t0 < span; t0 += block_size) {
+        long base = (long)table[t0 / block_size] * block_size;
+        for (long j = 0; j < block_size && t < span; j++, t++) slot[t] = (base + j) * slot_stride;
+    }
+    /* Row r = token * Hq + head: q and out rows are consecutive in memory. bf16 queries are widened
+     * once, and bf16 outputs summed in float32 before one rounding. */
+    long row0 = (first + i0) * Hq * D;
+    const float *qf = (const float *)pb->q + row0;
+    float *acc = (float *)pb->out + row0;
+    if (is_bf16) {
+        float *wide = p + rows * span;
+        acc = wide + rows * D;
+        for (long i = 0; i < rows * D; i++) wide[i] = load1(pb->q, row0 + i, 1);
+        qf = wide;
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    for (long t = 0; t < span; t++) {
+        if (t + PREFETCH_SLOTS < span) prefetch_row(pb->k_cache, slot[t + PREFETCH_SLOTS], slot_stride, is_bf16);
+        for (long i = t > past ? t - past : 0; i < n; i++)
+            for (long h = 0; h < pb->Hk; h++) {
+                long key = slot[t] + h * D;
+                const float *qs[4];
+                float s[4];
+                for (long g0 = 0; g0 < group; g0 += 4) {
+                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
+                    for (int x = 0; x < m; x++) qs[x] = qf + (i * Hq + h * group + g0 + x) * D;
+                    dot4(qs, m, pb->k_cache, key, D, s, is_bf16);
+                    for (int x = 0; x < m; x++) p[(i * Hq + h * group + g0 + x) * span + t] = s[x] * pb->scale;
+                }
+            }
+    }
+    for (long r = 0; r < rows; r++) softmax(p + r * span, past + r / Hq + 1);
+    /* Values a block at a time (slots [t0, t1) are consecutive in memory), each row's sums in registers. */
+    for (long t0 = 0; t0 < span; t0 += block_size) {
+        long t1 = t0 + block_size < span ? t0 + block_size : span;
+        for (long t = t0; t < t1 && t + PREFETCH_SLOTS < span; t++)
+            prefetch_row(pb->v_cache, slot[t + PREFETCH_SLOTS], slot_stride, is_bf16);
+        for (long i = t0 > past ? t0 - past : 0; i < n; i++) {
+            long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
+            for (long head = 0; head < Hq; head++) {
+                long r = i * Hq + head;
+                weighted_sum(acc + r * D, p + r * span + t0, seen, pb->v_cache, slot[t0] + (head / group) * D,
+                             slot_stride, D, is_bf16);
+            }
+        }
+    }
+    if (is_bf16) store_bf16((bf16 *)pb->out + row0, acc, rows * D);
+    free(slot);
+    free(p);
+    return 0;
+}
+
+/* Checks the metadata, then attends every (sequence, query tile) in parallel. */
+static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int is_bf16) {
+    int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
+                             pb->table_width, num_blocks);
+    if (bad) return bad;
+    long *tiles = malloc(sizeof(long) * (B + 1));   /* sequence b's tiles are [tiles[b], tiles[b + 1]) */
+    if (tiles == NULL) return -1;
+    tiles[0] = 0;
+    for (long b = 0; b < B; b++) {
+        long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
+        tiles[b + 1] = tiles[b] + (pb->seq_lens[b] > 0 ? (q_len + QUERY_TILE - 1) / QUERY_TILE : 0);
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && tiles[B] > 1)
+    for (long w = 0; w < tiles[B]; w++) {
+        long lo = 0, hi = B;   /* the sequence holding tile w: tiles[lo] <= w < tiles[lo + 1] */
+        while (hi - lo > 1) {
+            long mid = (lo + hi) / 2;
+            if (tiles[mid] <= w) lo = mid; else hi = mid;
+        }
+        long i0 = (w - tiles[lo]) * QUERY_TILE;
+        if (is_bf16 ? attend(pb, lo, i0, 1) : attend(pb, lo, i0, 0)) failed = 1;
+    }
+    free(tiles);
+    return failed ? -1 : 0;
+}
+
 /* q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, table_width];
  * query_start_loc: [B + 1]; seq_lens: [B]. Returns 0; -1 when a scratch buffer cannot be had; -2 or
- * -3 for inconsistent metadata (see check_metadata), before anything is read through it.
- *
- * One sequence at a time. Its rows are (new token, query head), token-major. A slot's keys for
- * every KV head lie side by side, so the sequence's keys, then its values, are read as one
- * stream; each key serves every row that sees it. (Walking one KV head's keys at a time instead
- * measured twice slower: 256 of every 768 bytes, a stride the prefetcher serves badly.) */
+ * -3 for inconsistent metadata (see check_metadata), before anything is read through it. */
 int matinee_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
                             const int *query_start_loc, const int *seq_lens, float *out, long B, long T,
                             long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
                             float scale, int threads) {
-    int bad = check_metadata(block_tables, query_start_loc, seq_lens, B, T, block_size, table_width, num_blocks);
-    if (bad) return bad;
-    long group = Hq / Hk;
-    long slot_stride = Hk * D;                /* floats between consecutive slots of one block */
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (long b = 0; b < B; b++) {
-        long seq_len = seq_lens[b];
-        long first = query_start_loc[b], q_len = query_start_loc[b + 1] - first;
-        long rows = q_len * Hq;
-        if (rows <= 0 || seq_len <= 0) continue;
-        const int *table = block_tables + b * table_width;
-        float *p = malloc(sizeof(float) * rows * seq_len);
-        long *slot = malloc(sizeof(long) * seq_len);
-        if (p == NULL || slot == NULL) {
-            failed = 1;
-            free(p), free(slot);
-            continue;
-        }
-        /* Slot t's row (every KV head) starts at slot[t] in either cache: the table is walked a block
-         * at a time, with no division per token, once for both passes. */
-        for (long t0 = 0, t = 0; t0 < seq_len; t0 += block_size) {
-            long base = (long)table[t0 / block_size] * block_size;
-            for (long j = 0; j < block_size && t < seq_len; j++, t++) slot[t] = (base + j) * slot_stride;
-        }
-        /* Row r = token * Hq + head: q and out rows are consecutive in memory. */
-        const float *qb = q + first * Hq * D;
-        float *ob = out + first * Hq * D;
-        for (long i = 0; i < rows * D; i++) ob[i] = 0.f;
-        /* New token i (0-based) sees keys [0, past + i]; key t is seen by tokens from t - past on. */
-        long past = seq_len - q_len;
-        for (long t = 0; t < seq_len; t++) {
-            for (long i = t > past ? t - past : 0; i < q_len; i++)
-                for (long h = 0; h < Hk; h++) {
-                    const float *key = k_cache + slot[t] + h * D;
-                    const float *qs[4];
-                    float s[4];
-                    for (long g0 = 0; g0 < group; g0 += 4) {
-                        int m = group - g0 < 4 ? (int)(group - g0) : 4;
-                        for (int x = 0; x < m; x++) qs[x] = qb + (i * Hq + h * group + g0 + x) * D;
-                        dot4(qs, m, key, D, s);
-                        for (int x = 0; x < m; x++) p[(i * Hq + h * group + g0 + x) * seq_len + t] = s[x] * scale;
-                    }
-                }
-        }
-        for (long r = 0; r < rows; r++) {
-            long visible = past + r / Hq + 1;
-            float *pr = p + r * seq_len, max = -INFINITY, sum = 0.f;
-            for (long t = 0; t < visible; t++) max = pr[t] > max ? pr[t] : max;
-            for (long t = 0; t < visible; t++) {
-                pr[t] = expf(pr[t] - max);
-                sum += pr[t];
-            }
-            float inv = 1.f / sum;
-            for (long t = 0; t < visible; t++) pr[t] *= inv;
-        }
-        for (long t = 0; t < seq_len; t++)
-            for (long i = t > past ? t - past : 0; i < q_len; i++)
-                for (long head = 0; head < Hq; head++) {
-                    long r = i * Hq + head;
-                    axpy(ob + r * D, v_cache + slot[t] + (head / group) * D, p[r * seq_len + t], D);
-                }
-        free(slot);
-        free(p);
-    }
-    return failed ? -1 : 0;
+    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D, block_size,
+                  table_width, scale};
+    return paged_attention(&pb, B, T, num_blocks, threads, 0);
+}
+
+/* The same in bfloat16: q, caches and out hold bf16 (torch.bfloat16's bits). */
+int matinee_paged_attention_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int *block_tables,
+                                 const int *query_start_loc, const int *seq_lens, bf16 *out, long B, long T,
+                                 long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
+                                 float scale, int threads) {
+    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D, block_size,
+                  table_width, scale};
+    return paged_attention(&pb, B, T, num_blocks, threads, 1);
 }

@@ -1,20 +1,33 @@
-"""Paged attention on the CPU for short query runs: paged_attention_cpu.c's launcher.
+"""Paged attention on the CPU for query runs: paged_attention_cpu.c's launcher.
 
-Decode tokens and speculative verifications (a few new tokens per sequence) read their context
-in place through the block table; the reference (paged_attention.py) gathers a padded copy of
-every sequence's context and runs SDPA over it, which took 40% of a SmolLM2 decode step at
+Decode tokens, speculative verifications and prefill chunks read their context in place through
+the block table, in float32 or bfloat16; the reference (paged_attention.py) gathers a padded copy
+of every sequence's context and runs SDPA over it, which took 40% of a SmolLM2 decode step at
 batch 7 (0.6k-token contexts) on the reference 2-core AMD EPYC. Longer prefill chunks, where
 SDPA's blocked kernel pays off, and other dtypes go to the reference.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernels import cpu_native
 from kernels.paged_attention import paged_attention as reference_paged_attention
 
-MAX_QUERY_LEN = 16     # longer chunks: the reference's blocked SDPA
+# Longer chunks: the reference's blocked SDPA.
+MAX_QUERY_LEN = {torch.float32: 16, torch.bfloat16: 16}
+_KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
+
+
+def _kernel(lib: ctypes.CDLL, dtype: torch.dtype):
+    fn = getattr(lib, _KERNELS[dtype])
+    if fn.argtypes is None:
+        # cpu_native declares the float32 kernel; both take the same arguments.
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+    return fn
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -22,8 +35,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q[T, Hq, D] -> out[T, Hq, D]; the kernels contract of paged_attention.py."""
     lib = cpu_native.library()
-    if (lib is None or max_query_len > MAX_QUERY_LEN or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or q.device.type != "cpu"):
+    if (lib is None or q.dtype not in _KERNELS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+            or max_query_len > MAX_QUERY_LEN[q.dtype] or q.device.type != "cpu"):
         return reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                          max_query_len, max_seq_len, scale)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -47,7 +60,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     # The kernel checks the rest of the metadata it follows (ranges, lengths, block ids) itself:
     # here that took ~30 small torch ops per layer, 4 ms of a 90 ms decode step.
-    status = lib.matinee_paged_attention(
+    status = _kernel(lib, q.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
         out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
         k_cache.shape[0], scale, torch.get_num_threads())

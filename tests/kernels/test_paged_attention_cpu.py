@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel (paged_attention_cpu.c) against a float64 oracle and the torch reference."""
+"""The CPU paged-attention kernels (paged_attention_cpu.c, float32 and bfloat16) against a float64 oracle
+and the torch reference."""
 
 import pytest
 import torch
@@ -16,9 +17,17 @@ CASES = {
 }
 
 
+# A bf16 output is the float64 result rounded once: at most half a bf16 ulp (2**-8 of the value)
+# away, plus float32 arithmetic's error.
+BF16_RTOL, BF16_ATOL = 2**-8 * 1.01, 1e-5
+
+
 def _assert_matches_oracle(batch):
     out = paged_attention(*batch.args())
-    assert out.shape == batch.q.shape and out.dtype == torch.float32
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    if out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), naive_attention(batch), atol=BF16_ATOL, rtol=BF16_RTOL)
+        return
     torch.testing.assert_close(out, naive_attention(batch).float(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, TORCH.paged_attention(*batch.args()), atol=2e-5, rtol=2e-5)
 
@@ -35,9 +44,33 @@ def test_block_sizes(poisoned_empty, block_size):
     _assert_matches_oracle(make_batch(CASES["verify"], 8, 2, head_dim=64, block_size=block_size))
 
 
-def test_a_rows_result_does_not_depend_on_the_batch():
+MIXED = [(1, 1), (16, 16), (3, 19), (1, 300), (9, 40), (16, 81), (2, 33), (5, 5), (1, 70)]   # query lens 1..16
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("head_dim", [5, 33, 64])
+def test_bf16_matches_oracle(poisoned_empty, block_size, heads, head_dim):
+    _assert_matches_oracle(make_batch(MIXED, *heads, head_dim=head_dim, block_size=block_size,
+                                      dtype=torch.bfloat16, seed=block_size))
+
+
+def test_bf16_and_float32_run_the_kernels(monkeypatch):
+    """Each dtype reaches its own kernel through the launcher, not the reference."""
+    batch = make_batch(MIXED, 9, 3, head_dim=64, block_size=16)
+    expected = paged_attention(*batch.args())
+    monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention", None)
+    torch.testing.assert_close(expected, naive_attention(batch).float(), atol=2e-5, rtol=2e-5)
+    batch.q, batch.k_cache, batch.v_cache = (t.bfloat16() for t in (batch.q, batch.k_cache, batch.v_cache))
+    out = paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_batch(dtype):
     shapes = CASES["decode"] + CASES["verify"]
-    whole = make_batch(shapes, 9, 3, head_dim=64, block_size=16, seed=3)
+    whole = make_batch(shapes, 9, 3, head_dim=64, block_size=16, seed=3, dtype=dtype)
     out = paged_attention(*whole.args())
     starts = whole.query_start_loc.tolist()
     for b in range(len(shapes)):
@@ -51,8 +84,9 @@ def test_a_rows_result_does_not_depend_on_the_batch():
         assert torch.equal(paged_attention(*alone_args), out[starts[b]:starts[b + 1]])
 
 
-def test_threads_give_the_same_bits():
-    batch = make_batch(CASES["decode"] + CASES["verify"], 9, 3, head_dim=64, block_size=16, seed=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_give_the_same_bits(dtype):
+    batch = make_batch(CASES["decode"] + CASES["verify"], 9, 3, head_dim=64, block_size=16, seed=4, dtype=dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -64,37 +98,40 @@ def test_threads_give_the_same_bits():
     assert torch.equal(one, two)
 
 
-def test_long_chunks_and_other_dtypes_use_the_reference():
-    long = make_batch([(MAX_QUERY_LEN + 4, 40), (1, 12)], 8, 2, head_dim=64, block_size=16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_and_other_dtypes_use_the_reference(dtype):
+    long = make_batch([(MAX_QUERY_LEN[dtype] + 4, 40), (1, 12)], 8, 2, head_dim=64, block_size=16, dtype=dtype)
     assert torch.equal(paged_attention(*long.args()), TORCH.paged_attention(*long.args()))
     half = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16, dtype=torch.float16)
     assert torch.equal(paged_attention(*half.args()), TORCH.paged_attention(*half.args()))
 
 
-def test_block_ids_past_int32_offsets():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_ids_past_int32_offsets(dtype):
     """block_id * block stride exceeds 2**31 elements: the kernel's offsets are 64-bit. Only the
     used blocks of the big caches are written, so the OS commits just the pages touched."""
     block_size, heads, head_dim = 16, 1, 16
     per_block = block_size * heads * head_dim
     num_blocks = 2**31 // per_block + 64
-    batch = make_batch([(1, 40), (3, 20)], 4, heads, head_dim=head_dim, block_size=block_size)
-    expected = TORCH.paged_attention(*batch.args())
+    batch = make_batch([(1, 40), (3, 20)], 4, heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    expected = paged_attention(*batch.args())
     used = batch.block_tables.unique().long()
     far = num_blocks - 1 - torch.arange(used.numel())
     remap = torch.zeros(batch.k_cache.shape[0], dtype=torch.int64)
     remap[used] = far
-    big_k = torch.empty((num_blocks, block_size, heads, head_dim))
+    big_k = torch.empty((num_blocks, block_size, heads, head_dim), dtype=dtype)
     big_v = torch.empty_like(big_k)
     big_k[far] = batch.k_cache[used]
     big_v[far] = batch.v_cache[used]
     batch.block_tables = remap[batch.block_tables.long()].to(torch.int32)
     assert int(batch.block_tables.max()) * per_block > 2**31
     batch.k_cache, batch.v_cache = big_k, big_v
-    torch.testing.assert_close(paged_attention(*batch.args()), expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(paged_attention(*batch.args()), expected)   # the same rows, read from far away
 
 
-def test_inconsistent_metadata_is_refused():
-    batch = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inconsistent_metadata_is_refused(dtype):
+    batch = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16, dtype=dtype)
     args = list(batch.args())
     args[4] = batch.seq_lens + 100                     # past the block tables
     with pytest.raises(ValueError, match="disagree"):
@@ -108,7 +145,7 @@ def test_inconsistent_metadata_is_refused():
     args[3][0, -1] = -1                                # even in a table row's unused tail
     with pytest.raises(ValueError, match="out of range"):
         paged_attention(*args)
-    verify = make_batch([(3, 19), (1, 5)], 8, 2, head_dim=64, block_size=16)
+    verify = make_batch([(3, 19), (1, 5)], 8, 2, head_dim=64, block_size=16, dtype=dtype)
     args = list(verify.args())
     args[4] = torch.tensor([2, 5], dtype=torch.int32)  # 3 new tokens in a sequence of 2
     with pytest.raises(ValueError, match="disagree"):
