@@ -1,10 +1,13 @@
-"""Offline throughput: Matinee against transformers' static `generate` and its continuous batching.
+"""Offline throughput: Matinee against transformers' static `generate`, its continuous batching and
+vLLM's offline `LLM.generate`.
 
 `python -m bench.engine --json` runs one skewed workload (about 90% short outputs, 10% long ones,
-varied prompt lengths, EOS ignored) on SmolLM2 in float32 on the CPU through Matinee's whole
-engine, through transformers' padded static `generate` (batches of 16) and through transformers'
-continuous-batching manager (what `generate_batch` drives, fed each request's own length), then
-Matinee again in bfloat16. Figures are ratios against the peers of the same run.
+varied prompt lengths, EOS ignored; `--workload chat` for a uniform chat-like mix) on SmolLM2 in
+float32 on the CPU through Matinee's whole engine, through transformers' padded static `generate`
+(batches of 16) and through transformers' continuous-batching manager (what `generate_batch` drives,
+fed each request's own length), then Matinee again in bfloat16, then vLLM's CPU build in bfloat16
+and float32, each in a process of its own after the others have finished (bench/peers.py). Figures
+are ratios against the peers of the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
+
+from bench import peers  # noqa: E402
 
 
 @dataclass
@@ -43,6 +48,17 @@ def make_workload(n: int, vocab: int, seed: int, scale: float) -> Workload:
         lens.append(max(1, round((rng.randint(256, 512) if long else rng.randint(16, 64)) * scale)))
         prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 256))])
     return Workload(prompts, lens)
+
+
+def make_chat_workload(n: int, vocab: int, seed: int, scale: float) -> Workload:
+    """A chat-like offline mix: prompts of 40-400 tokens, outputs of 8-256, uniform and seeded."""
+    rng = random.Random(seed)
+    lens = [max(1, round(rng.randint(8, 256) * scale)) for _ in range(n)]
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(40, 400))] for _ in range(n)]
+    return Workload(prompts, lens)
+
+
+WORKLOADS = {"skewed": (make_workload, 64), "chat": (make_chat_workload, 48)}
 
 
 def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, windows: int = 3) -> float:
@@ -149,21 +165,57 @@ def run_hf_batch(hf, wl: Workload, budget: int) -> dict:
     return {"tok_s": produced / wall, "wall_s": wall, "produced": produced}
 
 
+PEERS = ("hf_static", "hf_batch", "bf16", "vllm_bf16", "vllm_f32")
+VLLM_DTYPES = {"bfloat16": "vllm_bf16", "float32": "vllm_f32"}
+
+
+def vllm_job(wl: Workload, dtype: str, model: str, budget: int) -> dict:
+    """bench/vllm_offline.py's input: the same prompts, lengths and batch limits Matinee gets."""
+    return {"model": model, "dtype": dtype, "max_model_len": 2048, "max_num_seqs": len(wl.prompts),
+            "max_num_batched_tokens": budget, "prompts": wl.prompts, "max_tokens": wl.output_lens}
+
+
+def vllm_ratios(out: dict) -> dict:
+    """Matinee's tok/s (float32, and bfloat16 when it ran the whole workload) over vLLM's best dtype."""
+    runs = {key: out[f"{key}_tok_s"] for key in VLLM_DTYPES.values() if f"{key}_tok_s" in out}
+    if not runs:
+        return {}
+    best = max(runs, key=runs.get)
+    ratios = {"vllm_best": best, "vllm_best_tok_s": runs[best],
+              "speedup_vs_vllm": out["matinee_tok_s"] / runs[best]}
+    if "matinee_bf16_tok_s" in out and "bf16_num_requests" not in out:
+        ratios["bf16_speedup_vs_vllm"] = out["matinee_bf16_tok_s"] / runs[best]
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (else a table)")
     ap.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--workload", choices=WORKLOADS, default="skewed",
+                    help="skewed: 90%% outputs of 16-64 tokens, 10%% of 256-512, prompts 16-256; "
+                         "chat: prompts 40-400, outputs 8-256")
+    ap.add_argument("--num-requests", type=int, default=None, help="default: 64 (skewed), 48 (chat)")
     ap.add_argument("--output-scale", type=float, default=1.0, help="scale every output length (quick runs)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--budget", type=int, default=1024, help="max tokens per step, for Matinee and transformers")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip", default="", help="comma list of: hf_static, hf_batch, bf16")
+    ap.add_argument("--skip", default="", help="comma list of: " + ", ".join(PEERS))
+    ap.add_argument("--vllm-python", default=peers.VLLM_PYTHON, help="the interpreter of vLLM's venv")
+    ap.add_argument("--vllm-model", default=peers.VLLM_MODEL, help="HF folder of the same weights, for vLLM")
+    ap.add_argument("--vllm-omp-bind", default=peers.VLLM_OMP_BIND,
+                    help="VLLM_CPU_OMP_THREADS_BIND: auto (one core here) or a core list such as 0-1")
     ap.add_argument("--bf16-requests", type=int, default=None,
                     help="run bfloat16 on the first N requests only (a CPU without bf16 units is slow at it)")
     ap.add_argument("--bf16-scale", type=float, default=None, help="output scale of the bfloat16 run")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - set(PEERS):
+        ap.error(f"--skip: unknown {sorted(skip - set(PEERS))}; choose from {', '.join(PEERS)}")
+    vllm_dtypes = [d for d, key in VLLM_DTYPES.items() if key not in skip]
+    if vllm_dtypes and not os.path.exists(args.vllm_python):
+        ap.error(f"{args.vllm_python} not found (build it with setup_vllm_cpu.sh) or --skip vllm_bf16,vllm_f32")
+    make, default_n = WORKLOADS[args.workload]
 
     from actors.config import default_model_path
     from actors.tokenizer import load_tokenizer
@@ -176,11 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
     # Process-wide, before any peer runs: every peer gets the same allocator settings.
     allocator_tuned = keep_freed_memory()
     vocab = load_tokenizer(model).vocab_size
-    wl = make_workload(args.num_requests, vocab, args.seed, args.output_scale)
+    wl = make(args.num_requests or default_n, vocab, args.seed, args.output_scale)
     def log(*a):  # progress on stderr; stdout carries only the result
         print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
 
-    out = {"model": os.path.basename(model), "num_requests": len(wl.prompts), "output_tokens": wl.output_tokens,
+    out = {"model": os.path.basename(model), "workload": args.workload, "num_requests": len(wl.prompts), "output_tokens": wl.output_tokens,
            "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
            "output_scale": args.output_scale, "allocator_tuned": allocator_tuned}
     out["fp32_matmul_gflops"] = matmul_gflops(torch.float32)
@@ -209,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "bf16" not in skip:
         sub = wl
         if args.bf16_requests or args.bf16_scale:
-            sub = make_workload(args.bf16_requests or args.num_requests, vocab, args.seed,
+            sub = make(args.bf16_requests or len(wl.prompts), vocab, args.seed,
                                 args.bf16_scale or args.output_scale)
             out.update(bf16_num_requests=len(sub.prompts), bf16_output_tokens=sub.output_tokens)
             same = run_matinee(model, sub, "float32", threads, args.budget)  # the fp32 peer on that subset
@@ -218,6 +270,16 @@ def main(argv: list[str] | None = None) -> dict:
         log("matinee bf16", b16)
         ref = out.get("matinee_fp32_subset_tok_s", m["tok_s"])
         out.update(matinee_bf16_tok_s=b16["tok_s"], bf16_speedup=b16["tok_s"] / ref)
+    for dtype in vllm_dtypes:
+        key = VLLM_DTYPES[dtype]
+        v = peers.run_vllm_offline(vllm_job(wl, dtype, args.vllm_model, args.budget), args.vllm_omp_bind,
+                                   args.vllm_python, log_path=f"/tmp/bench-engine-{key}.log")
+        log(key, v)
+        if v["tokens"] != wl.output_tokens:
+            raise RuntimeError(f"vLLM produced {v['tokens']} tokens, expected {wl.output_tokens}")
+        out.update({f"{key}_tok_s": v["tok_s"], f"{key}_wall_s": v["seconds"], f"{key}_startup_s": v["startup_s"],
+                    "vllm_omp_bind": args.vllm_omp_bind})
+    out.update(vllm_ratios(out))
     print(json.dumps(out, indent=None if args.json else 2))
     return out
 

@@ -36,10 +36,15 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, req: Request,
+async def send(session: aiohttp.ClientSession, base: str, model: str, req: Request,
                headers: dict, ignore_eos: bool) -> Result:
-    body = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens,
+    """One streaming request: a completion of `req.prompt_ids` if set, else a chat completion."""
+    body = {"model": model, "max_tokens": req.max_tokens,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
+    if req.prompt_ids is not None:
+        url, body["prompt"] = f"{base}/v1/completions", req.prompt_ids
+    else:
+        url, body["messages"] = f"{base}/v1/chat/completions", req.messages
     if ignore_eos:
         body["ignore_eos"] = True
     res = Result()
@@ -68,7 +73,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, req: Reques
                         res.output_tokens = obj["usage"].get("completion_tokens", 0)
                         res.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
                     for ch in obj.get("choices") or []:
-                        if (ch.get("delta") or {}).get("content"):
+                        if (ch.get("delta") or {}).get("content") or ch.get("text"):
                             now = time.perf_counter()
                             if chunks == 0:
                                 res.ttft = now - start
@@ -99,7 +104,7 @@ def percentiles(xs: list[float]) -> dict:
     return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
-async def run_load(url: str, model: str, reqs: list[Request], *, rate: float | None,
+async def run_load(base: str, model: str, reqs: list[Request], *, rate: float | None,
                    concurrency: int | None, headers: dict, ignore_eos: bool, seed: int,
                    slo_ttft: float, slo_tpot: float) -> dict:
     rng = random.Random(seed)
@@ -111,9 +116,9 @@ async def run_load(url: str, model: str, reqs: list[Request], *, rate: float | N
 
         async def one(r: Request) -> Result:
             if sem is None:
-                return await send(session, url, model, r, headers, ignore_eos)
+                return await send(session, base, model, r, headers, ignore_eos)
             async with sem:
-                return await send(session, url, model, r, headers, ignore_eos)
+                return await send(session, base, model, r, headers, ignore_eos)
 
         start = time.perf_counter()
         tasks = []
@@ -201,7 +206,7 @@ async def amain(args: argparse.Namespace) -> dict:
               [("concurrency", c) for c in (args.concurrency or [8])])
     runs = []
     for kind, level in levels:
-        run = await run_load(f"{base}/v1/chat/completions", model, reqs,
+        run = await run_load(base, model, reqs,
                              rate=level if kind == "rate" else None,
                              concurrency=level if kind == "concurrency" else None,
                              headers=headers, ignore_eos=not args.no_ignore_eos, seed=args.seed,

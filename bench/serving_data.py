@@ -1,7 +1,9 @@
 """Synthetic workloads for the serving benchmark: random lengths, shared system prompts, long-prompt mix.
 
 Prompts are made of common English words drawn with a seeded RNG (about 1.3 tokens per word on
-BPE tokenizers), so any OpenAI-compatible server sees the same text without a tokenizer here.
+BPE tokenizers), so any OpenAI-compatible server sees the same text without a tokenizer here;
+`random-ids` prompts are exactly `input_len` random token ids instead, sent to /v1/completions, so
+two servers see the same tokens whatever their chat templates.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ _WORDS = (
     "nothing night end why called didn't eyes find going look asked later knew point next city"
 ).split()
 
-DATASETS = ("random", "shared-prefix", "long-mix")
+DATASETS = ("random", "shared-prefix", "long-mix", "random-ids")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Request:
     messages: list[dict]
     max_tokens: int
     prompt_words: int
+    prompt_ids: list[int] | None = None   # set: a /v1/completions request with these tokens
 
 
 def _text(rng: random.Random, n_words: int) -> str:
@@ -44,8 +47,9 @@ def _span(rng: random.Random, mean: int, ratio: float) -> int:
 
 def make_requests(dataset: str, num: int, *, input_len: int = 128, output_len: int = 64,
                   range_ratio: float = 0.5, num_prefixes: int = 8, prefix_len: int = 512,
-                  seed: int = 0) -> list[Request]:
-    """`input_len`, `prefix_len` are in words; `output_len` in tokens (max_tokens)."""
+                  seed: int = 0, vocab_size: int = 49152) -> list[Request]:
+    """`input_len`, `prefix_len` are in words (in tokens for random-ids, whose ids avoid the first
+    and last tenth of `vocab_size`, where special tokens live); `output_len` in tokens (max_tokens)."""
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
     if num < 1:
@@ -66,6 +70,12 @@ def make_requests(dataset: str, num: int, *, input_len: int = 128, output_len: i
             out.append(Request([{"role": "system", "content": sys_prompt},
                                 {"role": "user", "content": _text(rng, q)}],
                                _span(rng, output_len, range_ratio), prefix_len + q))
+    elif dataset == "random-ids":
+        lo, hi = vocab_size // 10, vocab_size - vocab_size // 10
+        for _ in range(num):
+            n = _span(rng, input_len, range_ratio)
+            out.append(Request([], _span(rng, output_len, range_ratio), n,
+                               [rng.randrange(lo, hi) for _ in range(n)]))
     else:   # long-mix: 90% short prompts, 10% prompts 8x as long
         for _ in range(num):
             mean = input_len * 8 if rng.random() < 0.1 else input_len

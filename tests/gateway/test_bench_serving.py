@@ -1,5 +1,6 @@
 """The serving load generator against a live gateway: it completes, measures, writes JSON and PNG."""
 import json
+import os
 
 from bench import serving
 from bench.serving_data import make_requests
@@ -45,3 +46,120 @@ def test_best_rate_under_slo_picks_highest_holding_run():
     result = {"runs": [run(1.0, 0.05), run(2.0, 0.09), run(3.0, 0.2), run(2.5, 0.05, failed=1)]}
     assert best_rate(result, 0.1)["req_s"] == 2.0
     assert best_rate({"runs": [run(1.0, 0.5)]}, 0.1) is None
+
+
+def test_random_ids_are_exact_token_prompts():
+    reqs = make_requests("random-ids", 5, input_len=256, output_len=128, range_ratio=0.0, seed=3,
+                         vocab_size=1000)
+    assert reqs == make_requests("random-ids", 5, input_len=256, output_len=128, range_ratio=0.0, seed=3,
+                                 vocab_size=1000)
+    assert all(len(r.prompt_ids) == 256 and r.max_tokens == 128 for r in reqs)
+    assert all(100 <= i < 900 for r in reqs for i in r.prompt_ids)
+
+
+def test_serving_peers_sweep_against_live_gateway(tiny_servers):
+    import asyncio
+
+    from bench import serving_peers
+
+    args = serving_peers.build_parser().parse_args(
+        ["--concurrency", "1,3", "--input-len", "8", "--output-len", "4", "--min-requests", "2",
+         "--vocab-size", "384"])
+    runs = asyncio.run(serving_peers.sweep(tiny_servers.main, "tiny", args, {"Authorization": f"Bearer {API_KEY}"}))
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    assert [r["completed"] for r in runs] == [2, 6] and all(r["failed"] == 0 for r in runs), runs
+    for s in map(serving_peers.summary, runs):
+        assert s["mean_prompt_tokens"] == 8 and s["mean_output_tokens"] == 4
+        assert s["output_tok_s"] > 0 and 0 < s["ttft_p50_s"] <= s["ttft_p90_s"]
+        assert 0 < s["itl_p50_s"] <= s["itl_p90_s"]
+
+
+def _run(level, tok_s, ttft, itl):
+    pct = lambda x: {"p50": x, "p90": None if x is None else 2 * x}   # noqa: E731
+    return {"concurrency": level, "completed": 8, "failed": 0, "mean_output_tokens": 128,
+            "mean_prompt_tokens": 256, "output_tok_s": tok_s, "ttft_s": pct(ttft), "itl_s": pct(itl)}
+
+
+def test_serving_peers_ratios_are_matinee_over_vllm_per_level():
+    from bench.serving_peers import compare, ratios
+
+    ours = [_run(1, 30.0, 0.2, 0.03), _run(8, 120.0, 0.5, None)]
+    theirs = [_run(1, 20.0, 0.4, 0.06), _run(8, 60.0, 1.0, 0.1)]
+    r = ratios(ours, theirs)
+    assert r[0] == {"concurrency": 1, "output_tok_s": 1.5, "ttft_p50_s": 0.5, "ttft_p90_s": 0.5,
+                    "itl_p50_s": 0.5, "itl_p90_s": 0.5}
+    assert r[1]["output_tok_s"] == 2.0 and r[1]["itl_p50_s"] is None
+    results = {"matinee-float32": {"runs": ours}, "matinee-bfloat16": {"runs": ours}, "vllm-bfloat16": {"runs": theirs}}
+    assert set(compare(results)) == {"matinee-float32/vllm-bfloat16", "matinee-bfloat16/vllm-bfloat16"}
+    import pytest
+    with pytest.raises(ValueError, match="levels differ"):
+        ratios([_run(1, 1.0, 1.0, 1.0)], [_run(8, 1.0, 1.0, 1.0)])
+
+
+def test_serving_peers_runs_each_server_in_turn_with_its_flags(tmp_path):
+    from bench import peers, serving_peers
+
+    args = serving_peers.build_parser().parse_args(
+        ["--peers", "vllm", "--concurrency", "1,8,32", "--dtype", "float32,bfloat16",
+         "--vllm-dtype", "bfloat16,float32", "--threads", "2", "--log-dir", str(tmp_path)])
+    assert args.concurrency == [1, 8, 32]
+    assert [len(serving_peers.level_requests(c, args)) for c in args.concurrency] == [8, 16, 64]
+    srvs = serving_peers.servers(args)
+    assert [s.label for s in srvs] == ["matinee-float32", "matinee-bfloat16", "vllm-bfloat16", "vllm-float32"]
+    m, v = srvs[1], srvs[3]
+    assert m.cmd[1:4] == ["-m", "gateway.cli", "serve"] and m.ready_url.endswith("/ready")
+    assert m.cmd[m.cmd.index("--dtype") + 1] == "bfloat16" and m.cmd[m.cmd.index("--num-threads") + 1] == "2"
+    assert m.cmd[m.cmd.index("--port") + 1] == str(m.port)
+    assert v.cmd[:3] == [peers.VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
+    assert v.cmd[v.cmd.index("--dtype") + 1] == "float32" and v.cmd[v.cmd.index("--model") + 1] == peers.VLLM_MODEL
+    assert v.ready_url == f"http://127.0.0.1:{v.port}/health"
+    assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == peers.VLLM_OMP_BIND and v.env["HF_HUB_OFFLINE"] == "1"
+    only = serving_peers.build_parser().parse_args(["--peers", "none"])
+    assert [s.label for s in serving_peers.servers(only)] == ["matinee-auto"]
+    import pytest
+    for bad in (["--concurrency", "0,8"], ["--dtype", "fp8"], ["--peers", "sglang"]):
+        with pytest.raises(SystemExit):
+            serving_peers.build_parser().parse_args(bad)
+
+
+def test_vllm_env_leaves_threads_to_vllm():
+    from bench.peers import vllm_env
+
+    env = vllm_env("auto", base={"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "PATH": "/bin"},
+                   python="/nonexistent/bin/python")
+    assert "OMP_WAIT_POLICY" not in env and "OMP_NUM_THREADS" not in env and env["PATH"] == "/bin"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert all(os.path.exists(p) for p in env.get("LD_PRELOAD", "").split(":") if p)
+
+
+def test_reap_stops_what_a_vllm_session_leaves(tmp_path):
+    """A process named like vLLM's workers, left behind in a session, is found and stopped."""
+    import subprocess
+    import time
+
+    from bench.peers import reap_vllm, vllm_processes
+
+    leader = subprocess.Popen(["bash", "-c", "(exec -a VLLM::Worker sleep 300) & echo $!; wait"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker = int(leader.stdout.readline())
+    deadline = time.monotonic() + 10
+    while worker not in vllm_processes(leader.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker in vllm_processes(leader.pid)
+    assert reap_vllm(leader.pid, grace=10) == [worker]
+    assert vllm_processes(leader.pid) == []
+    leader.wait(10)
+
+
+def test_server_lifecycle_with_a_real_process(tmp_path):
+    import sys
+
+    from bench.peers import Server, free_port
+
+    port = free_port()
+    srv = Server("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                 dict(os.environ), "/", port, str(tmp_path / "http.log"))
+    with srv:
+        proc = srv.proc
+        assert proc.poll() is None
+    assert proc.poll() is not None and srv.proc is None

@@ -19,3 +19,62 @@ def test_kernels_gpu_bench_dry_run(monkeypatch, capsys, tmp_path):
                                          "write_kv", "paged_attention", "paged_attention_split_kv"}
     assert len(summary["decode_attention"]) == 2 and len(summary["model_decode_step"]) == 2
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+
+
+def test_engine_chat_workload_is_seeded_and_shaped():
+    from bench.engine import WORKLOADS, make_chat_workload
+
+    make, n = WORKLOADS["chat"]
+    wl = make(n, 49152, 0, 1.0)
+    assert make is make_chat_workload and len(wl.prompts) == 48
+    assert wl == make_chat_workload(48, 49152, 0, 1.0) and wl != make_chat_workload(48, 49152, 1, 1.0)
+    assert all(40 <= len(p) <= 400 for p in wl.prompts) and all(8 <= n <= 256 for n in wl.output_lens)
+    assert len(set(wl.output_lens)) > 20   # a mix, not one length
+    assert sum(make_chat_workload(48, 49152, 0, 0.5).output_lens) < wl.output_tokens
+
+
+def test_engine_vllm_job_is_the_matinee_workload():
+    from bench.engine import make_chat_workload, vllm_job
+
+    wl = make_chat_workload(6, 1000, 0, 1.0)
+    job = json.loads(json.dumps(vllm_job(wl, "bfloat16", "/tmp/m", 512)))   # it travels as JSON
+    assert job["prompts"] == wl.prompts and job["max_tokens"] == wl.output_lens
+    assert job["dtype"] == "bfloat16" and job["model"] == "/tmp/m"
+    assert job["max_num_batched_tokens"] == 512 and job["max_num_seqs"] == 6
+
+
+def test_engine_ratios_against_vllm_take_its_best_dtype():
+    from bench.engine import vllm_ratios
+
+    assert vllm_ratios({"matinee_tok_s": 60.0}) == {}
+    r = vllm_ratios({"matinee_tok_s": 60.0, "matinee_bf16_tok_s": 90.0, "vllm_bf16_tok_s": 40.0,
+                     "vllm_f32_tok_s": 30.0})
+    assert r == {"vllm_best": "vllm_bf16", "vllm_best_tok_s": 40.0, "speedup_vs_vllm": 1.5,
+                 "bf16_speedup_vs_vllm": 2.25}
+    # a bfloat16 run on a subset is not comparable with vLLM's run on the whole workload
+    r = vllm_ratios({"matinee_tok_s": 60.0, "matinee_bf16_tok_s": 9.0, "bf16_num_requests": 4,
+                     "vllm_f32_tok_s": 30.0})
+    assert r == {"vllm_best": "vllm_f32", "vllm_best_tok_s": 30.0, "speedup_vs_vllm": 2.0}
+
+
+def test_engine_rejects_unknown_peers_and_a_missing_vllm(capsys):
+    from bench import engine
+
+    with pytest.raises(SystemExit):
+        engine.main(["--skip", "hf_static,vllm"])
+    assert "unknown ['vllm']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        engine.main(["--skip", "hf_static", "--vllm-python", "/nonexistent/python"])
+    assert "--skip vllm_bf16,vllm_f32" in capsys.readouterr().err
+
+
+def test_vllm_offline_script_needs_only_the_standard_library():
+    """It runs in vLLM's venv: importing it (vllm is imported only when it runs) pulls in nothing else."""
+    import ast
+    import pathlib
+
+    src = pathlib.Path(__file__).parents[2] / "bench" / "vllm_offline.py"
+    tree = ast.parse(src.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names <= set(sys.stdlib_module_names) | {"vllm"}, names
