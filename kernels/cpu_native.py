@@ -1,9 +1,11 @@
-"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c): built once, loaded once.
+"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c): built once, loaded once.
 
-The sources are compiled together with the system's C compiler on first use, into a shared
-library cached under ~/.cache/matinee (named by the sources' hash, so an edit rebuilds it).
-Without a compiler, or on a CPU without AVX2 and FMA, `library()` is None and every caller
-keeps its pure-torch path: the kernels only make the CPU faster, never change what it computes.
+The sources are compiled together with the system's C compiler on first use, for this CPU
+(-march=native, else AVX2 + FMA), into a shared library cached under ~/.cache/matinee, named by
+the sources, the flags and the CPU's identity: an edit rebuilds it, and a cache shared by two
+kinds of CPU never loads one built for the other. Without a compiler, or on a CPU without AVX2
+and FMA, `library()` is None and every caller keeps its pure-torch path: the kernels only make
+the CPU faster, never change what it computes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -20,8 +23,10 @@ from pathlib import Path
 import structlog
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c")]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c")]
+NATIVE = ["-march=native"]
+AVX2 = ["-mavx2", "-mfma"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -33,30 +38,61 @@ def cache_dir() -> Path:
     return Path(base) / "matinee" / "kernels"
 
 
-def build(directory: Path | None = None) -> Path:
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: the "flags" and "model name" lines of /proc/cpuinfo, where there is one."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.split(":")[0].strip() in ("flags", "model name")]
+    return "\n".join(sorted(set(wanted)) or [platform.machine(), platform.processor(),
+                                                torch.backends.cpu.get_cpu_capability()]).encode()
+
+
+def _target(directory: Path, isa: list[str]) -> Path:
+    parts = [s.read_bytes() for s in SOURCES] + [" ".join(_FLAGS + isa).encode(), _cpu_identity()]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    return directory / f"matinee-cpu-{digest[:16]}.so"
+
+
+def build(directory: Path | None = None, flags: list[str] | None = None) -> Path:
     """Compiles the kernels (unless already cached) and returns the shared library's path.
 
-    Raises RuntimeError when there is no C compiler or it fails."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS).encode()).hexdigest()
+    `flags` are the instruction-set flags (say AVX2, to test that variant); by default this CPU's
+    (NATIVE), or AVX2 where the compiler does not take them. Raises RuntimeError when there is
+    no C compiler or it fails."""
     directory = directory or cache_dir()
-    target = directory / f"matinee-cpu-{digest[:16]}.so"
-    if target.exists():
-        return target
+    choices = [NATIVE, AVX2] if flags is None else [flags]
+    for isa in choices:   # a cached build needs no compiler (a container may have none)
+        if _target(directory, isa).exists():
+            return _target(directory, isa)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     directory.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for isa in choices:
+        try:
+            return _compile(compiler, isa, _target(directory, isa))
+        except RuntimeError as e:
+            errors.append(str(e))
+            if isa is not choices[-1]:
+                structlog.get_logger().warning("CPU C kernels: falling back to AVX2", error=str(e))
+    raise RuntimeError("; ".join(errors))
+
+
+def _compile(compiler: str, isa: list[str], target: Path) -> Path:
     # Compile beside the target and rename: a process building at the same time never sees half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         try:
-            done = subprocess.run([compiler, *_FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            done = subprocess.run([compiler, *_FLAGS, *isa, *map(str, SOURCES), "-o", tmp, "-lm"],
                                   capture_output=True, text=True)
         except OSError as e:
             raise RuntimeError(f"cannot run the C compiler {compiler}: {e}") from e
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{compiler} {' '.join(isa)} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -70,6 +106,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_sgemm_nt.argtypes = [ptr] * 3 + [long_] * 3 + [int_]
     lib.matinee_paged_attention.restype = int_
     lib.matinee_paged_attention.argtypes = [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
+    lib.matinee_packed_gemm.restype = int_
+    lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
+    lib.matinee_packed_width.restype = int_
+    lib.matinee_packed_width.argtypes = []
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at `path` (from build()) with its functions declared."""
+    lib = _declare(ctypes.CDLL(str(path)))
+    lib.path = path
     return lib
 
 
@@ -87,7 +134,7 @@ def library() -> ctypes.CDLL | None:
         try:
             # torch has loaded its OpenMP runtime already; the library's libgomp.so.1 resolves to
             # it, so both share one thread pool. ctypes releases the GIL during each call.
-            _library = _declare(ctypes.CDLL(str(build())))
+            _library = load(build())
         except (OSError, RuntimeError) as e:
             structlog.get_logger().warning("CPU C kernels unavailable; using torch's ops", error=str(e))
         return _library

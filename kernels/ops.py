@@ -1,7 +1,8 @@
 """The set of ops the model code calls, and the one place that picks their backend.
 
 "torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
-matmuls, short-query paged attention; the reference for everything else); "triton" the Triton
+float32 matmuls, bf16 matmuls on weights packed at load, short-query paged attention; the
+reference for everything else); "triton" the Triton
 kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
 """
 
@@ -9,8 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from kernels import activation, cpu_gemm, cpu_native, kv_write, linear, paged_attention, paged_attention_cpu, \
+from kernels import activation, cpu_native, kv_write, linear, packed_linear, paged_attention, paged_attention_cpu, \
     rms_norm, rope
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -19,7 +21,9 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 @dataclass(frozen=True)
 class Ops:
     backend: str
+    prepare_weight: Callable    # a matmul weight at load -> what `linear` and `embedding` take
     linear: Callable
+    embedding: Callable
     rms_norm: Callable
     fused_add_rms_norm: Callable
     rotary_embedding: Callable
@@ -30,7 +34,9 @@ class Ops:
 
 TORCH_OPS = Ops(
     backend="torch",
+    prepare_weight=lambda weight: weight,
     linear=linear.linear,
+    embedding=F.embedding,
     rms_norm=rms_norm.rms_norm,
     fused_add_rms_norm=rms_norm.fused_add_rms_norm,
     rotary_embedding=rope.rotary_embedding,
@@ -39,8 +45,8 @@ TORCH_OPS = Ops(
     paged_attention=paged_attention.paged_attention,
 )
 
-CPU_OPS = replace(TORCH_OPS, backend="cpu", linear=cpu_gemm.linear,
-                  paged_attention=paged_attention_cpu.paged_attention)
+CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=packed_linear.linear,
+                  embedding=packed_linear.embedding, paged_attention=paged_attention_cpu.paged_attention)
 
 
 def _triton_interpreter_on() -> bool:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
+from kernels.packed_linear import PackedWeight
+
+Weight = torch.Tensor | PackedWeight    # a matmul weight as ops.prepare_weight left it
 
 
 @dataclass
@@ -30,15 +32,15 @@ class AttentionMetadata:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
+    gate_up_weight: Weight
+    down_weight: Weight
 
 
 class DecoderModel:
@@ -49,9 +51,9 @@ class DecoderModel:
         self.device = torch.device(device)
         self.scale = config.head_dim ** -0.5
         self.layers: list[_Layer] = []
-        self.embed: torch.Tensor | None = None
+        self.embed: Weight | None = None
         self.final_norm: torch.Tensor | None = None
-        self.lm_head: torch.Tensor | None = None
+        self.lm_head: Weight | None = None
         self.cos_sin_cache = _cos_sin_cache(config).to(self.device)
 
     def load_weights(self, weights, label: str = "loading weights") -> None:
@@ -62,9 +64,13 @@ class DecoderModel:
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
 
-        self.embed = get("model.embed_tokens.weight")
+        prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
         self.final_norm = get("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
+            self.embed = self.lm_head = prepare(get("model.embed_tokens.weight"))
+        else:
+            self.embed = get("model.embed_tokens.weight")
+            self.lm_head = prepare(get("lm_head.weight"))
         progress.update()
         self.layers = []
         for i in range(cfg.num_layers):
@@ -75,15 +81,15 @@ class DecoderModel:
                 qkv_bias = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(_Layer(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv_weight=torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_weight=prepare(torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"])),
                 qkv_bias=qkv_bias,
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
-                o_weight=get(attn + "o_proj.weight"),
+                o_weight=prepare(get(attn + "o_proj.weight")),
                 o_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_weight=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down_weight=get(p + "mlp.down_proj.weight"),
+                gate_up_weight=prepare(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                down_weight=prepare(get(p + "mlp.down_proj.weight")),
             ))
             progress.update()
         progress.close()
@@ -114,7 +120,7 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = ops.embedding(input_ids, self.embed)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:

@@ -1,0 +1,193 @@
+"""bfloat16 projections on the CPU: packed_gemm.c's launcher, its weight layout, and when to use it.
+
+torch's bf16 F.linear (oneDNN) on the reference 2-core Xeon (AVX-512, no AMX) is no faster than
+float32 at one row and 1.6x slower at 256. packed_gemm.c reads each weight as bf16, from a layout
+packed once at load, and multiplies in float32. Whether it beats torch is measured once per
+weight shape (kernel_wins) and kept on disk beside the built library. A tied embedding reads its
+rows out of the packed LM head, so the model keeps one copy of that matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemm, cpu_native
+
+NR = 32            # output columns per packed block (two zmm, four ymm of float32)
+# Where column c of a block sits within its 32 values: 2c for the first 16, 2(c-16)+1 for the rest.
+_POSITION = torch.tensor([2 * (c % 16) + c // 16 for c in range(NR)])
+_COLUMN = torch.argsort(_POSITION)     # the column at each position
+DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes kernel_wins measures
+SAMPLE_ROWS, REPEATS = 8192, 5
+MARGIN = 1.1
+
+
+class PackedWeight:
+    """A [N, K] bf16 weight as packed_gemm.c reads it: `packed` is [ceil(N/NR), K, NR]."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, in_features: int) -> None:
+        self.packed, self.out_features, self.in_features = packed, out_features, in_features
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """weight [N, K] (any float dtype, converted to bf16) -> the packed layout, N padded with zeros."""
+    n, k = weight.shape
+    blocks = -(-n // NR)
+    padded = torch.zeros(blocks * NR, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return PackedWeight(padded.view(blocks, NR, k)[:, _COLUMN].transpose(1, 2).contiguous(), n, k)
+
+
+def unpack(weight: PackedWeight) -> torch.Tensor:
+    """The plain [N, K] weight back."""
+    blocks, k, _ = weight.packed.shape
+    return weight.packed[:, :, _POSITION].transpose(1, 2).reshape(blocks * NR, k)[:weight.out_features].contiguous()
+
+
+def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """x[M, K] (bf16 or float32) @ weight.T (+ bias) -> [M, N] in x's dtype; `lib` defaults to the
+    loaded kernels (a test passes another build)."""
+    lib = lib or cpu_native.library()
+    if lib is None:
+        raise RuntimeError("the CPU C kernels are not available")
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
+        raise ValueError(f"the packed linear takes bf16 or float32 CPU rows, not {x.dtype} on {x.device}")
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"packed linear shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    if out.numel():
+        bf16 = int(x.dtype == torch.bfloat16)
+        status = lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
+                                         x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("packed linear: no memory for the float32 copy of x")
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU backend's projection: the packed kernel for a packed weight, else cpu_gemm's path."""
+    if isinstance(weight, PackedWeight):
+        return matmul(x, weight, bias)
+    return cpu_gemm.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """Rows `ids` of the weight, as F.embedding gives them; row v of a packed one is
+    packed[v // NR, :, position of v % NR]."""
+    if not isinstance(weight, PackedWeight):
+        return F.embedding(ids, weight)
+    if ids.numel():
+        low, high = torch.aminmax(ids)
+        if low < 0 or high >= weight.out_features:
+            raise IndexError(f"token id out of range [0, {weight.out_features})")
+    return weight.packed[ids // NR, :, _POSITION[ids % NR]]
+
+
+def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """A bf16 CPU weight packed where the kernel is faster for its shape; anything else as it is."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or not cpu_native.available():
+        return weight
+    return pack(weight) if kernel_wins(*weight.shape) else weight
+
+
+_decisions: dict[tuple[int, int, int], bool] = {}
+
+
+def kernel_wins(n: int, k: int) -> bool:
+    """Whether to pack a bf16 [n, k] weight: unless torch is faster both at decode and at prefill.
+
+    Measured once per shape and thread count, and kept in a file beside the built library (whose
+    name is its digest), so a restart does not measure again."""
+    key = (torch.get_num_threads(), n, k)
+    if key not in _decisions:
+        path = cpu_native.library().path.with_suffix(".bf16-linear.json")
+        name = f"{key[0]} threads {n}x{k}"
+        known = _read(path)
+        if name not in known:
+            known = _read(path) | {name: _measure(n, k)}   # re-read: another process may have added some
+            _write(path, known)
+        ms = known[name]
+        _log(n, k, ms)
+        _decisions[key] = _torch_faster(ms) != [DECODE_ROWS, PREFILL_ROWS]
+    return _decisions[key]
+
+
+def _torch_faster(ms: dict[str, float]) -> list[int]:
+    """The sizes at which torch was clearly faster: by a margin, so that noise in a measurement
+    shared with a neighbour on the cores does not flip the choice."""
+    return [m for m in (DECODE_ROWS, PREFILL_ROWS) if ms[f"torch_{m}"] * MARGIN < ms[f"kernel_{m}"]]
+
+
+def _measure(n: int, k: int) -> dict[str, float]:
+    """Best-of milliseconds of both paths at both sizes, on at most SAMPLE_ROWS of the weight (the LM
+    head's full 256-row product alone takes 0.2 s); the two alternate, so a neighbour's load on
+    the cores slows both alike."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
+    packed = pack(weight)
+    ms = {}
+    for rows in (DECODE_ROWS, PREFILL_ROWS):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        runs = {"kernel": lambda: matmul(x, packed), "torch": lambda: cpu_gemm.linear(x, weight)}
+        best = {name: float("inf") for name in runs}
+        for repeat in range(REPEATS + 1):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if repeat:   # the first is a warm-up
+                    best[name] = min(best[name], time.perf_counter() - start)
+        ms |= {f"{name}_{rows}": round(t * 1e3, 4) for name, t in best.items()}
+    return ms
+
+
+def _log(n: int, k: int, ms: dict[str, float]) -> None:
+    faster = _torch_faster(ms)
+    choice = "torch" if len(faster) == 2 else "packed kernel"
+    structlog.get_logger().info("bf16 linear", shape=f"{n}x{k}", choice=choice, ms=ms,
+                                torch_faster_at_rows=faster or None)
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path, known: dict) -> None:
+    """Written beside and renamed, so a reader never sees half a file; a read-only cache only costs
+    measuring again at the next start."""
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        structlog.get_logger().warning("bf16 linear: cannot keep the measurements", path=str(path), error=str(e))

@@ -1,0 +1,179 @@
+"""The bf16 packed-weight CPU matmul (packed_gemm.c) against float64 references on odd shapes, in both its
+builds (-march=native and AVX2), its layout and embedding, the per-shape choice, and a bf16 model on it."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native, get_ops, packed_linear
+
+HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
+pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
+
+SHAPES = [(1, 1), (31, 7), (33, 577), (100, 64)]   # (N, K): N off the 32-column blocks, K odd
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def lib(request, tmp_path_factory):
+    """Each build of the kernels; the native one is the library the server loads."""
+    if request.param == "native":
+        lib = cpu_native.library()
+        if torch.backends.cpu.get_cpu_capability() == "AVX512":
+            assert lib.matinee_packed_width() == 512   # the AVX-512 path, not a silent AVX2 fallback
+        return lib
+    lib = cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
+    assert lib.matinee_packed_width() == 256
+    return lib
+
+
+def _bf16(gen, *shape):
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 17, 130])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_float64(lib, m, n, k, poisoned_empty):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, bias = _bf16(gen, m, k), _bf16(gen, n, k), torch.randn(n, generator=gen)
+    packed = packed_linear.pack(w)
+    expect = x.double() @ w.double().T + bias.double()
+    got = packed_linear.matmul(x, packed, bias, lib=lib)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # float32 sums, then one rounding to bf16: half a bf16 unit (2^-8 relative) on top.
+    torch.testing.assert_close(got.double(), expect, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+    # float32 rows give float32 outputs, without that rounding.
+    got = packed_linear.matmul(x.float(), packed, lib=lib)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_output_rounds_to_nearest_even_as_torch_does(lib):
+    # y = a + b (weights of 1, exact in float32), so each row shows the kernel's float32 -> bf16
+    # rounding: ties, overflow to infinity, NaN and subnormals, on the vector path and the tail.
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(400, generator=gen) * 2.0 ** torch.randint(-12, 12, (400,), generator=gen)).to(torch.bfloat16)
+    b = (a.float() * 2.0 ** -torch.randint(7, 10, (400,), generator=gen)).to(torch.bfloat16)
+    big = torch.finfo(torch.bfloat16).max
+    special = torch.tensor([[float("nan"), 1.0], [float("inf"), 1.0], [-float("inf"), 2.0], [big, big],
+                            [-big, -big], [1e-39, 3e-40], [0.0, -0.0]], dtype=torch.bfloat16)
+    x = torch.cat([torch.stack([a, b], dim=1), special])
+    w = packed_linear.pack(torch.ones(37, 2, dtype=torch.bfloat16))
+    got = packed_linear.matmul(x, w, lib=lib)
+    want = (x[:, :1].float() + x[:, 1:].float()).to(torch.bfloat16).expand(-1, 37)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_or_threads(lib):
+    gen = torch.Generator().manual_seed(0)
+    x, w = _bf16(gen, 37, 579), packed_linear.pack(_bf16(gen, 75, 579))
+    whole = packed_linear.matmul(x, w, lib=lib)
+    for i in range(37):
+        assert torch.equal(packed_linear.matmul(x[i:i + 1], w, lib=lib)[0], whole[i])
+    assert torch.equal(packed_linear.matmul(x[3:20], w, lib=lib), whole[3:20])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = packed_linear.matmul(x, w, lib=lib)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, whole)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_pack_round_trip_and_embedding_are_exact(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = _bf16(gen, n, k)
+    packed = packed_linear.pack(w)
+    assert packed.packed.shape == (-(-n // 32), k, 32) and packed.shape == (n, k) and packed.numel() == n * k
+    assert torch.equal(packed_linear.unpack(packed), w)
+    ids = torch.randint(0, n, (3, 11), generator=gen)
+    ids[0, :min(n, 11)] = torch.arange(min(n, 11))
+    assert torch.equal(packed_linear.embedding(ids, packed), F.embedding(ids, w))
+    with pytest.raises(IndexError):
+        packed_linear.embedding(torch.tensor([n]), packed)
+
+
+def test_cpu_ops_pack_bf16_weights_where_chosen(monkeypatch):
+    ops = get_ops("cpu", "cpu")
+    w = torch.randn(40, 24).to(torch.bfloat16)
+    x = torch.randn(3, 24).to(torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: True)
+    packed = ops.prepare_weight(w)
+    assert isinstance(packed, packed_linear.PackedWeight)
+    assert torch.equal(ops.linear(x, packed), packed_linear.matmul(x, packed))
+    assert torch.equal(ops.embedding(torch.tensor([5, 39]), packed), w[[5, 39]])
+    assert ops.prepare_weight(w.float()).dtype == torch.float32   # float32 keeps cpu_gemm.c and MKL
+    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: False)
+    assert ops.prepare_weight(w) is w
+    assert get_ops("torch", "cpu").prepare_weight(w) is w
+
+
+def test_the_choice_is_measured_once_and_kept_beside_the_library(monkeypatch, tmp_path):
+    lib = cpu_native.load(cpu_native.build(tmp_path, flags=cpu_native.AVX2))
+    monkeypatch.setattr(cpu_native, "_library", lib)
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    monkeypatch.setattr(packed_linear, "_decisions", {})
+    threads = torch.get_num_threads()
+    packed_linear.kernel_wins(40, 24)
+    path = lib.path.with_suffix(".bf16-linear.json")
+    known = json.loads(path.read_text())
+    assert set(known[f"{threads} threads 40x24"]) == {"kernel_1", "torch_1", "kernel_256", "torch_256"}
+    # Torch clearly faster at both sizes: plain weights; at one only: still the kernel.
+    known[f"{threads} threads 8x8"] = {"kernel_1": 2.0, "torch_1": 1.0, "kernel_256": 2.0, "torch_256": 1.0}
+    known[f"{threads} threads 16x8"] = {"kernel_1": 1.0, "torch_1": 2.0, "kernel_256": 2.0, "torch_256": 1.0}
+    known[f"{threads} threads 24x8"] = {"kernel_1": 1.05, "torch_1": 1.0, "kernel_256": 2.0, "torch_256": 1.0}
+    path.write_text(json.dumps(known))
+    assert not packed_linear.kernel_wins(8, 8)
+    assert packed_linear.kernel_wins(16, 8)
+    assert packed_linear.kernel_wins(24, 8)    # within the margin at one row
+    assert set(json.loads(path.read_text())) == set(known)   # read, not measured again
+
+
+def test_refuses_bad_input():
+    w = packed_linear.pack(torch.randn(4, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="shapes"):
+        packed_linear.matmul(torch.randn(2, 9), w)
+    with pytest.raises(ValueError, match="float16"):
+        packed_linear.matmul(torch.randn(2, 8, dtype=torch.float16), w)
+
+
+def _tiny_model(folder, arch: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2)
+    if arch == "llama_tied":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    else:   # untied, q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkeypatch):
+    from actors.worker.forward_batch import ForwardBatch, SequenceInput
+    from actors.worker.model_runner import ModelRunner
+
+    folder = _tiny_model(tmp_path, arch)
+    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: True)
+    batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4]),
+                          SequenceInput([7, 8, 9], 0, [5])])
+    logits = {}
+    for kernels in ("cpu", "torch"):
+        runner = ModelRunner(folder, dtype="bfloat16", kernels=kernels, block_size=8, num_blocks=8, num_threads=2)
+        model = runner.model
+        if kernels == "cpu":
+            assert all(isinstance(w, packed_linear.PackedWeight)
+                       for w in (model.lm_head, model.layers[0].qkv_weight, model.layers[1].down_weight))
+            assert (model.embed is model.lm_head) == (arch == "llama_tied")   # one copy when tied
+        logits[kernels] = runner.execute(batch)
+    scale = logits["torch"].abs().max()
+    # Both round every projection to bf16, from sums taken in another order: a few bf16 units apart.
+    torch.testing.assert_close(logits["cpu"], logits["torch"], rtol=0, atol=0.02 * scale)
+    assert torch.equal(logits["cpu"].argmax(-1), logits["torch"].argmax(-1))
