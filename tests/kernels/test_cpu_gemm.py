@@ -19,10 +19,23 @@ def test_kernels_build_where_the_machine_can_build_them():
 needs_kernel = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
 
 
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
+
+
+@pytest.fixture(params=["native", "avx2"])
+def each_build(request, monkeypatch):
+    """Runs a test on the library the server loads (-march=native) and on its AVX2 build."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
+        monkeypatch.setattr(cpu_native, "_tried", True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 24])
 @pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (4, 8), (7, 9), (37, 577), (960, 576)])
-def test_matches_torch(m, n, k, poisoned_empty):
+def test_matches_torch(m, n, k, each_build, poisoned_empty):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen)
@@ -33,7 +46,7 @@ def test_matches_torch(m, n, k, poisoned_empty):
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_batch():
+def test_a_rows_result_does_not_depend_on_the_batch(each_build):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(11, 579, generator=gen)
     w = torch.randn(53, 579, generator=gen)
@@ -88,6 +101,7 @@ def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
         first = cpu_native.build(tmp_path)
         mtime = first.stat().st_mtime_ns
         assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+        assert cpu_native.build(tmp_path, flags=cpu_native.AVX2) != first   # the flags name the library
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="C compiler"):
         cpu_native.build(tmp_path / "other")
