@@ -18,7 +18,6 @@
 typedef unsigned short bf16;
 
 #define QUERY_TILE 16       /* new tokens per work item: a longer chunk is cut into tiles */
-#define PREFETCH_SLOTS 16   /* how many slots ahead of the one being read the next rows are fetched */
 
 /* Element access for either dtype. Each kernel passes a constant is_bf16, so the branches fold. */
 static inline __m256 load8(const void *p, long i, int is_bf16) {
@@ -61,13 +60,6 @@ static inline void store_bf16(bf16 *dst, const float *src, long n) {
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(packed));
     }
     for (long i = n8; i < n; i++) dst[i] = to_bf16(src[i]);
-}
-
-static inline void prefetch_row(const void *cache, long offset, long n, int is_bf16) {
-    const char *row = (const char *)cache + offset * (is_bf16 ? 2 : 4);
-    long bytes = n * (is_bf16 ? 2 : 4);
-    for (long b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
 }
 
 /* e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, and
@@ -116,34 +108,47 @@ static inline void dot4(const float *const *qs, int n, const void *cache, long k
     }
 }
 
-/* o[D] += sum over k < n of w[k] * cache[value + k * stride, ...+D), k in order: n values of one
- * block, the running sums held in registers across them. */
-static inline void weighted_sum(float *restrict o, const float *w, long n, const void *cache, long value, long stride,
-                                long D, int is_bf16) {
+/* For the m <= 4 rows r of one KV head: o[r][D] += sum over k < n of w[r][k] * cache[value + k * stride, +D),
+ * k in order: n values of one block, each loaded once for the rows, the rows' running sums in registers. */
+static inline void weighted_sums(float *restrict o, const float *w, long w_stride, int m, long n, const void *cache,
+                                 long value, long stride, long D, int is_bf16) {
+    const float *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride, *w3 = w + 3 * w_stride;
+    float *o0 = o, *o1 = o + D, *o2 = o + 2 * D, *o3 = o + 3 * D;
     long d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
-        __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
+    for (; d + 16 <= D; d += 16) {
+        __m256 a0 = _mm256_loadu_ps(o0 + d), b0 = _mm256_loadu_ps(o0 + d + 8), a1 = a0, b1 = a0, a2 = a0, b2 = a0,
+               a3 = a0, b3 = a0;
+        if (m > 1) a1 = _mm256_loadu_ps(o1 + d), b1 = _mm256_loadu_ps(o1 + d + 8);
+        if (m > 2) a2 = _mm256_loadu_ps(o2 + d), b2 = _mm256_loadu_ps(o2 + d + 8);
+        if (m > 3) a3 = _mm256_loadu_ps(o3 + d), b3 = _mm256_loadu_ps(o3 + d + 8);
         for (long k = 0; k < n; k++) {
-            __m256 wk = _mm256_set1_ps(w[k]);
             long v = value + k * stride + d;
-            a0 = _mm256_fmadd_ps(wk, load8(cache, v, is_bf16), a0);
-            a1 = _mm256_fmadd_ps(wk, load8(cache, v + 8, is_bf16), a1);
-            a2 = _mm256_fmadd_ps(wk, load8(cache, v + 16, is_bf16), a2);
-            a3 = _mm256_fmadd_ps(wk, load8(cache, v + 24, is_bf16), a3);
+            __m256 lo = load8(cache, v, is_bf16), hi = load8(cache, v + 8, is_bf16), wk = _mm256_set1_ps(w0[k]);
+            a0 = _mm256_fmadd_ps(wk, lo, a0), b0 = _mm256_fmadd_ps(wk, hi, b0);
+            if (m > 1) wk = _mm256_set1_ps(w1[k]), a1 = _mm256_fmadd_ps(wk, lo, a1), b1 = _mm256_fmadd_ps(wk, hi, b1);
+            if (m > 2) wk = _mm256_set1_ps(w2[k]), a2 = _mm256_fmadd_ps(wk, lo, a2), b2 = _mm256_fmadd_ps(wk, hi, b2);
+            if (m > 3) wk = _mm256_set1_ps(w3[k]), a3 = _mm256_fmadd_ps(wk, lo, a3), b3 = _mm256_fmadd_ps(wk, hi, b3);
         }
-        _mm256_storeu_ps(o + d, a0), _mm256_storeu_ps(o + d + 8, a1);
-        _mm256_storeu_ps(o + d + 16, a2), _mm256_storeu_ps(o + d + 24, a3);
+        _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o0 + d + 8, b0);
+        if (m > 1) _mm256_storeu_ps(o1 + d, a1), _mm256_storeu_ps(o1 + d + 8, b1);
+        if (m > 2) _mm256_storeu_ps(o2 + d, a2), _mm256_storeu_ps(o2 + d + 8, b2);
+        if (m > 3) _mm256_storeu_ps(o3 + d, a3), _mm256_storeu_ps(o3 + d + 8, b3);
     }
-    for (; d + 8 <= D; d += 8) {
-        __m256 a = _mm256_loadu_ps(o + d);
-        for (long k = 0; k < n; k++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[k]), load8(cache, value + k * stride + d, is_bf16), a);
-        _mm256_storeu_ps(o + d, a);
-    }
-    for (; d < D; d++) {
-        float a = o[d];
-        for (long k = 0; k < n; k++) a = fmaf(w[k], load1(cache, value + k * stride + d, is_bf16), a);
-        o[d] = a;
+    for (int r = 0; r < m; r++) {   /* the last D % 16 columns, a row at a time */
+        const float *wr = w + r * w_stride;
+        float *or = o + r * D;
+        long e = d;
+        for (; e + 8 <= D; e += 8) {
+            __m256 a = _mm256_loadu_ps(or + e);
+            for (long k = 0; k < n; k++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value + k * stride + e, is_bf16), a);
+            _mm256_storeu_ps(or + e, a);
+        }
+        for (; e < D; e++) {
+            float a = or[e];
+            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value + k * stride + e, is_bf16), a);
+            or[e] = a;
+        }
     }
 }
 
@@ -201,8 +206,8 @@ typedef struct {
  * The tile's rows are (new token, query head), token-major. A slot's keys for every KV head lie
  * side by side, so the keys, then the values, are read as one stream; each key serves every row
  * that sees it. (Walking one KV head's keys at a time instead measured twice slower: 256 of every
- * 768 bytes, a stride the prefetcher serves badly.) Blocks are scattered, so the rows
- * PREFETCH_SLOTS ahead are fetched by hand. */
+ * 768 bytes, a stride the prefetcher serves badly.) Fetching the rows a block ahead by hand
+ * measured no faster: the hardware follows each block's stream. */
 static inline __attribute__((always_inline)) int attend(const Problem *pb, long b, long i0, int is_bf16) {
     long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
     long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
@@ -236,7 +241,6 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     }
     memset(acc, 0, sizeof(float) * rows * D);
     for (long t = 0; t < span; t++) {
-        if (t + PREFETCH_SLOTS < span) prefetch_row(pb->k_cache, slot[t + PREFETCH_SLOTS], slot_stride, is_bf16);
         for (long i = t > past ? t - past : 0; i < n; i++)
             for (long h = 0; h < pb->Hk; h++) {
                 long key = slot[t] + h * D;
@@ -251,18 +255,18 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
             }
     }
     for (long r = 0; r < rows; r++) softmax(p + r * span, past + r / Hq + 1);
-    /* Values a block at a time (slots [t0, t1) are consecutive in memory), each row's sums in registers. */
+    /* Values a block at a time (slots [t0, t1) are consecutive in memory): each value serves the rows
+     * of its KV head, their sums held in registers across the block. */
     for (long t0 = 0; t0 < span; t0 += block_size) {
         long t1 = t0 + block_size < span ? t0 + block_size : span;
-        for (long t = t0; t < t1 && t + PREFETCH_SLOTS < span; t++)
-            prefetch_row(pb->v_cache, slot[t + PREFETCH_SLOTS], slot_stride, is_bf16);
         for (long i = t0 > past ? t0 - past : 0; i < n; i++) {
             long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
-            for (long head = 0; head < Hq; head++) {
-                long r = i * Hq + head;
-                weighted_sum(acc + r * D, p + r * span + t0, seen, pb->v_cache, slot[t0] + (head / group) * D,
-                             slot_stride, D, is_bf16);
-            }
+            for (long h = 0; h < pb->Hk; h++)
+                for (long g0 = 0; g0 < group; g0 += 4) {
+                    long r = i * Hq + h * group + g0;
+                    weighted_sums(acc + r * D, p + r * span + t0, span, group - g0 < 4 ? (int)(group - g0) : 4, seen,
+                                  pb->v_cache, slot[t0] + h * D, slot_stride, D, is_bf16);
+                }
         }
     }
     if (is_bf16) store_bf16((bf16 *)pb->out + row0, acc, rows * D);
