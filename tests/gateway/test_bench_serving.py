@@ -110,7 +110,8 @@ def test_serving_peers_runs_each_server_in_turn_with_its_flags(tmp_path):
     assert m.cmd[1:4] == ["-m", "gateway.cli", "serve"] and m.ready_url.endswith("/ready")
     assert m.cmd[m.cmd.index("--dtype") + 1] == "bfloat16" and m.cmd[m.cmd.index("--num-threads") + 1] == "2"
     assert m.cmd[m.cmd.index("--port") + 1] == str(m.port)
-    assert v.cmd[:3] == [peers.VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
+    assert v.cmd[:4] == [peers.VLLM_PYTHON, "-P", "-m", "vllm.entrypoints.openai.api_server"]
+    assert v.cwd != peers.ROOT   # from the repository, vLLM would import Matinee's kernels/ as `kernels`
     assert v.cmd[v.cmd.index("--dtype") + 1] == "float32" and v.cmd[v.cmd.index("--model") + 1] == peers.VLLM_MODEL
     assert v.ready_url == f"http://127.0.0.1:{v.port}/health"
     assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == peers.VLLM_OMP_BIND and v.env["HF_HUB_OFFLINE"] == "1"
