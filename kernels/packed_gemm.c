@@ -16,9 +16,10 @@
 #include <string.h>
 
 #define NR 32
-/* Lines of w (one per k) prefetched ahead: one core's hardware prefetcher alone left 8-row
- * batches 1.6x slower (28 ms against 17 over SmolLM2's matmuls); 16 to 64 measured alike. */
-#define PREFETCH 24
+/* Lines of w (one per k) prefetched ahead, 8 KB: the hardware prefetcher alone left SmolLM2's
+ * matmuls 1.8x slower at 8 rows (28 ms against 15) and 1.05x at one; 24 lines measured 13 ms
+ * and 16 at those sizes, 96 to 192 lines 12-13 and 14-15. */
+#define PREFETCH 128
 
 #ifdef __AVX512F__
 #define MR_MAX 8                    /* 16 accumulators + 2 weight vectors + 1 broadcast of 32 zmm */
