@@ -1,4 +1,4 @@
-/* Paged attention for query runs (decode tokens, speculative verification, prefill chunks) on the CPU.
+/* Paged attention for short query runs (decode tokens, speculative verification) on the CPU.
  *
  * Each sequence reads its keys and values in place through the block table: no
  * gathered copy of the context, no padding to the batch's longest sequence. Every query row is
@@ -17,7 +17,7 @@
 
 typedef unsigned short bf16;
 
-#define QUERY_TILE 16       /* new tokens per work item: a longer chunk is cut into tiles */
+#define QUERY_TILE 16       /* new tokens per work item: a longer run is cut into tiles, computed apart */
 
 /* Element access for either dtype. Each kernel passes a constant is_bf16, so the branches fold. */
 static inline __m256 load8(const void *p, long i, int is_bf16) {

@@ -17,6 +17,14 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def kernel_takes_a_tile(monkeypatch):
+    """Query runs of up to 16 tokens (a query tile) go through the kernel here, wherever the launcher
+    draws its line for speed."""
+    for dtype in list(MAX_QUERY_LEN):
+        monkeypatch.setitem(MAX_QUERY_LEN, dtype, 16)
+
+
 # A bf16 output is the float64 result rounded once: at most half a bf16 ulp (2**-8 of the value)
 # away, plus float32 arithmetic's error.
 BF16_RTOL, BF16_ATOL = 2**-8 * 1.01, 1e-5
@@ -65,6 +73,15 @@ def test_bf16_and_float32_run_the_kernels(monkeypatch):
     out = paged_attention(*batch.args())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=BF16_ATOL, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_longer_than_a_query_tile(poisoned_empty, monkeypatch, dtype):
+    """The kernel cuts chunks into 16-token tiles; the launcher sends it none that long, so lift its limit."""
+    monkeypatch.setitem(MAX_QUERY_LEN, dtype, 64)
+    monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention", None)
+    _assert_matches_oracle(make_batch([(40, 100), (17, 17), (1, 50), (33, 70)], 9, 3, head_dim=33, block_size=16,
+                                      dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
