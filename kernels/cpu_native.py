@@ -1,4 +1,5 @@
-"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c): built once, loaded once.
+"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c):
+built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
 (-march=native, else AVX2 + FMA), into a shared library cached under ~/.cache/matinee, named by
@@ -23,7 +24,8 @@ from pathlib import Path
 import structlog
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
+                                                             "cpu_layer_ops.c")]
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma"]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -110,6 +112,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_
     lib.matinee_packed_width.argtypes = []
+    for dtype in ("f32", "bf16"):   # cpu_layer_ops.c
+        for name, restype, args in (("rms_norm", None, [ptr] * 5 + [long_] * 2 + [ctypes.c_float, int_]),
+                                    ("rope", int_, [ptr] * 4 + [long_] * 7 + [int_]),
+                                    ("write_kv", int_, [ptr] * 5 + [long_] * 5)):
+            fn = getattr(lib, f"matinee_{name}_{dtype}")
+            fn.restype, fn.argtypes = restype, args
     return lib
 
 

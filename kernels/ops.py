@@ -1,9 +1,9 @@
 """The set of ops the model code calls, and the one place that picks their backend.
 
 "torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
-float32 matmuls, bf16 matmuls on weights packed at load, short-query paged attention; the
-reference for everything else); "triton" the Triton
-kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
+float32 matmuls, bf16 matmuls on weights packed at load, short-query paged attention, one call
+per norm, rotary embedding and KV write; the reference for everything else); "triton" the
+Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
 """
 
 from dataclasses import dataclass, replace
@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, cpu_native, kv_write, linear, packed_linear, paged_attention, paged_attention_cpu, \
-    rms_norm, rope
+from kernels import activation, cpu_layer_ops, cpu_native, kv_write, linear, packed_linear, paged_attention, \
+    paged_attention_cpu, rms_norm, rope
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -46,7 +46,9 @@ TORCH_OPS = Ops(
 )
 
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=packed_linear.linear,
-                  embedding=packed_linear.embedding, paged_attention=paged_attention_cpu.paged_attention)
+                  embedding=packed_linear.embedding, paged_attention=paged_attention_cpu.paged_attention,
+                  rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
+                  rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv)
 
 
 def _triton_interpreter_on() -> bool:

@@ -1,0 +1,111 @@
+/* A layer's small ops on the CPU in one call each: RMSNorm (with the residual add), rotary
+ * embedding, and the KV cache write, in float32 or bfloat16.
+ *
+ * In torch each of these is 8-20 small ops (a cast, a power, a mean, a slice, a cat...), every one
+ * a dispatch of a few microseconds: at one decode token, 30 layers' worth took about a third of
+ * SmolLM2's step, more than its attention. Here each is one loop over the rows, in the same order
+ * of roundings as the references (rms_norm.py, rope.py, kv_write.py): products and sums in float32,
+ * rounded to the tensor's dtype where the reference casts. Built by cpu_native.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(const uint16_t *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 cast does (NaN stays a quiet NaN). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float f32_load(const float *p) { return *p; }
+static inline float f32_round(float f) { return f; }
+
+/* rows >= 64 (a prefill chunk) share the rows between threads; a decode step's few rows cost less
+ * than waking a second thread. */
+#define PARALLEL_ROWS(threads, rows) _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)")
+
+/* out[t] = rms_norm(r[t]) * weight, where r = x + residual when residual is given (then written to
+ * residual_out), else r = x. Rows have stride H. */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, ROUND)                                                              \
+    void NAME(const T *x, const T *residual, T *residual_out, const T *weight, T *out, long rows, long H,   \
+              float eps, int threads) {                                                                    \
+        PARALLEL_ROWS(threads, rows)                                                                       \
+        for (long t = 0; t < rows; t++) {                                                                  \
+            const T *xr = x + t * H;                                                                       \
+            T *o = out + t * H;                                                                            \
+            float sum = 0.f;                                                                               \
+            if (residual != 0) {                                                                           \
+                const T *rr = residual + t * H;                                                            \
+                T *ro = residual_out + t * H;                                                              \
+                for (long i = 0; i < H; i++) {                                                             \
+                    T r = ROUND(LOAD(xr + i) + LOAD(rr + i));                                              \
+                    float rf = LOAD(&r);                                                                   \
+                    ro[i] = r;                                                                             \
+                    sum += rf * rf;                                                                        \
+                }                                                                                          \
+                xr = ro;                                                                                   \
+            } else {                                                                                       \
+                for (long i = 0; i < H; i++) sum += LOAD(xr + i) * LOAD(xr + i);                           \
+            }                                                                                              \
+            float inv = 1.f / sqrtf(sum / (float)H + eps);                                                 \
+            for (long i = 0; i < H; i++) {                                                                 \
+                T normed = ROUND(LOAD(xr + i) * inv);                                                      \
+                o[i] = ROUND(LOAD(weight + i) * LOAD(&normed));                                            \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+/* Neox-style rotation in place: for each token, the first and second halves of every head of q and
+ * k (token strides q_stride, k_stride; heads contiguous, D apart) rotate by the angles of its
+ * position, cos_sin[pos] = cat(cos, sin). Returns -2 for a position outside the table. */
+#define DEFINE_ROPE(NAME, T, LOAD, ROUND)                                                                  \
+    int NAME(const long *positions, T *q, T *k, const float *cos_sin, long rows, long Hq, long Hk, long D,  \
+             long q_stride, long k_stride, long max_pos, int threads) {                                     \
+        for (long t = 0; t < rows; t++)                                                                    \
+            if (positions[t] < 0 || positions[t] >= max_pos) return -2;                                    \
+        long half = D / 2;                                                                                 \
+        PARALLEL_ROWS(threads, rows)                                                                       \
+        for (long t = 0; t < rows; t++) {                                                                  \
+            const float *c = cos_sin + positions[t] * D, *s = c + half;                                    \
+            for (long h = 0; h < Hq + Hk; h++) {                                                           \
+                T *x = h < Hq ? q + t * q_stride + h * D : k + t * k_stride + (h - Hq) * D;                \
+                for (long i = 0; i < half; i++) {                                                          \
+                    float x1 = LOAD(x + i), x2 = LOAD(x + half + i);                                       \
+                    x[i] = ROUND(x1 * c[i] - x2 * s[i]);                                                   \
+                    x[half + i] = ROUND(x2 * c[i] + x1 * s[i]);                                            \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        return 0;                                                                                          \
+    }
+
+/* Row t of k and v (width W = Hk * D, token strides k_stride, v_stride) goes to cache slot
+ * slots[t]; a negative slot (padding) writes nothing. Returns -3 for a slot outside the cache. */
+#define DEFINE_WRITE_KV(NAME, T)                                                                           \
+    int NAME(const T *k, const T *v, T *k_cache, T *v_cache, const long *slots, long rows, long W,          \
+             long k_stride, long v_stride, long num_slots) {                                                \
+        for (long t = 0; t < rows; t++)                                                                    \
+            if (slots[t] >= num_slots) return -3;                                                          \
+        for (long t = 0; t < rows; t++) {                                                                  \
+            if (slots[t] < 0) continue;                                                                    \
+            memcpy(k_cache + slots[t] * W, k + t * k_stride, W * sizeof(T));                               \
+            memcpy(v_cache + slots[t] * W, v + t * v_stride, W * sizeof(T));                               \
+        }                                                                                                  \
+        return 0;                                                                                          \
+    }
+
+DEFINE_RMS_NORM(matinee_rms_norm_f32, float, f32_load, f32_round)
+DEFINE_RMS_NORM(matinee_rms_norm_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_ROPE(matinee_rope_f32, float, f32_load, f32_round)
+DEFINE_ROPE(matinee_rope_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_WRITE_KV(matinee_write_kv_f32, float)
+DEFINE_WRITE_KV(matinee_write_kv_bf16, uint16_t)
