@@ -87,7 +87,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         tokenizer = await tokenizer_task
         worker_actor.runner.tokenizer = tokenizer   # a draft's vocabulary check reads it: not loaded twice
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, info.block_size,
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.step_tokens(), info.block_size,
                               max_model_len, eos, config.scheduling_policy == "priority")
         draft, spec = None, None
         if config.speculative is not None:

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Mapping
 
-from actors.config import EngineConfig
+from actors.config import GPU_STEP_TOKENS, EngineConfig
 from actors.memory_plan import GB, DTYPE_BYTES, MemoryPlan, parse_size
 from actors.model_shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
@@ -62,7 +62,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--weight-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE",
                    help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16)")
     p.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE", help="as --weight-dtype")
-    p.add_argument("--step-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+    p.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS,
                    help="tokens computed in one step, for the activation headroom (serve's "
                         "--max-num-batched-tokens)")
     p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU: 80GB (10^9) or 80GiB (2^30)")

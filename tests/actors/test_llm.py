@@ -125,3 +125,13 @@ def test_bad_engine_config_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
         LLM(str(tmp_path))  # one clear error from the constructor, no actor left running
+
+
+def test_the_step_token_budget_defaults_by_device(tmp_path):
+    from actors.config import CPU_STEP_TOKENS, GPU_STEP_TOKENS, EngineConfig
+
+    assert EngineConfig(str(tmp_path), device="cpu").step_tokens() == CPU_STEP_TOKENS
+    assert EngineConfig(str(tmp_path), device="cuda").step_tokens() == GPU_STEP_TOKENS
+    assert EngineConfig(str(tmp_path), device="cpu", max_num_batched_tokens=300).step_tokens() == 300
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be positive"):
+        EngineConfig(str(tmp_path), max_num_batched_tokens=0)
