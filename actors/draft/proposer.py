@@ -19,7 +19,7 @@ from actors.messages import NewSequence
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import draw_rows
-from actors.worker.sampler import Sampler, SamplingState
+from actors.worker.sampler import Sampler, SamplingState, row_argmax
 
 
 class Proposer(Protocol):
@@ -178,7 +178,7 @@ class ModelProposer:
             state.output_token_ids = seq.history[seq.prompt_len:end]   # penalties see the known output
         extra = [drafts[item.seq_id] for item, _ in drafting]
         q = self.sampler.processed_probs(logits, states, extra)
-        tokens = q.argmax(dim=-1)
+        tokens = row_argmax(q)
         random_rows = [i for i, state in enumerate(states) if not state.greedy]
         if random_rows:
             gens = [states[i].generator if states[i].generator is not None else self.generator for i in random_rows]

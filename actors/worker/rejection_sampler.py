@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actors.worker.sampler import row_argmax
+
 
 @dataclass
 class SpecRow:
@@ -107,7 +109,7 @@ def _verify_row(row: SpecRow) -> list[int]:
 
 
 def _verify_greedy(drafts: list[int], p: torch.Tensor) -> list[int]:
-    targets = p.argmax(dim=-1).tolist()
+    targets = row_argmax(p).tolist()
     out: list[int] = []
     for draft, target in zip(drafts, targets):
         if draft != target:

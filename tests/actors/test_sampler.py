@@ -308,3 +308,15 @@ def test_logit_bias_and_min_tokens_shape_the_draw():
     assert s.sample(logits, [held]).token_ids == [1]
     random = St(SP(temperature=1.0, seed=0, min_tokens=5, eos_token_ids=[1]), [1])
     assert all(s.sample(logits, [random]).token_ids != [1] for _ in range(50))
+
+
+def test_row_argmax_is_torchs_argmax_first_maximum_and_nan_included():
+    from actors.worker.sampler import row_argmax
+
+    x = torch.randn(5, 49152)
+    x[1, 7] = x[1, 9] = 1e9             # a tie: the first one
+    x[2, 300] = float("nan")            # NaN wins, as in torch
+    x[3] = float("-inf")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x[:, ::2]), x[:, ::2].argmax(dim=-1))   # a strided view
+    assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
