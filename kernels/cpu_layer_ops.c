@@ -5,7 +5,8 @@
  * a dispatch of a few microseconds: at one decode token, 30 layers' worth took about a third of
  * SmolLM2's step, more than its attention. Here each is one loop over the rows, in the same order
  * of roundings as the references (rms_norm.py, rope.py, kv_write.py): products and sums in float32,
- * rounded to the tensor's dtype where the reference casts. Built by cpu_native.py.
+ * rounded to the tensor's dtype where the reference casts. A row's sum of squares runs in vector lanes
+ * (`omp simd`), in an order fixed by the build, never by the batch. Built by cpu_native.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,6 +47,7 @@ static inline float f32_round(float f) { return f; }
             if (residual != 0) {                                                                           \
                 const T *rr = residual + t * H;                                                            \
                 T *ro = residual_out + t * H;                                                              \
+                _Pragma("omp simd reduction(+:sum)")                                                       \
                 for (long i = 0; i < H; i++) {                                                             \
                     T r = ROUND(LOAD(xr + i) + LOAD(rr + i));                                              \
                     float rf = LOAD(&r);                                                                   \
@@ -54,6 +56,7 @@ static inline float f32_round(float f) { return f; }
                 }                                                                                          \
                 xr = ro;                                                                                   \
             } else {                                                                                       \
+                _Pragma("omp simd reduction(+:sum)")                                                       \
                 for (long i = 0; i < H; i++) sum += LOAD(xr + i) * LOAD(xr + i);                           \
             }                                                                                              \
             float inv = 1.f / sqrtf(sum / (float)H + eps);                                                 \
