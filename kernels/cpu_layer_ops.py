@@ -1,6 +1,6 @@
 """A layer's small ops on the CPU, one C call each: cpu_layer_ops.c's launchers.
 
-RMSNorm (with the residual add), the rotary embedding and the KV cache write, for float32 and
+RMSNorm (with the residual add), the rotary embedding, the KV cache write and SiLU-and-multiply, for float32 and
 bfloat16 tensors; anything else (another dtype, a layout the kernels do not take) goes to the
 pure-torch reference, which computes the same thing in 8-20 small ops.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_native, kv_write, rms_norm as rms_norm_ref, rope
+from kernels import activation, cpu_native, kv_write, rms_norm as rms_norm_ref, rope
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -88,3 +88,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                 k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_cache.shape[0] * k_cache.shape[1])
     if status:
         raise IndexError("write_kv: a slot outside the KV cache")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    fn = _kernel("silu_and_mul", x)
+    if fn is None or x.shape[-1] % 2:
+        return activation.silu_and_mul(x)
+    x = x.contiguous()
+    half = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], half)
+    fn(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], half, torch.get_num_threads())
+    return out

@@ -2,8 +2,8 @@
 
 "torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
 float32 matmuls, bf16 matmuls on weights packed at load, short-query paged attention, one call
-per norm, rotary embedding and KV write; the reference for everything else); "triton" the
-Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
+per norm, rotary embedding, KV write and SiLU-and-multiply; the reference for everything else);
+"triton" the Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
 """
 
 from dataclasses import dataclass, replace
@@ -48,7 +48,8 @@ TORCH_OPS = Ops(
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=packed_linear.linear,
                   embedding=packed_linear.embedding, paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
-                  rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv)
+                  rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,
+                  silu_and_mul=cpu_layer_ops.silu_and_mul)
 
 
 def _triton_interpreter_on() -> bool:

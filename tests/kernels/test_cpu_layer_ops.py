@@ -1,9 +1,9 @@
-"""The CPU layer ops (cpu_layer_ops.c: RMSNorm, rotary embedding, KV write) against the torch references."""
+"""The CPU layer ops (cpu_layer_ops.c: RMSNorm, rotary embedding, KV write, SiLU-and-multiply) against the torch references."""
 
 import pytest
 import torch
 
-from kernels import build_cos_sin_cache, cpu_layer_ops, cpu_native, kv_write, rms_norm, rope
+from kernels import activation, build_cos_sin_cache, cpu_layer_ops, cpu_native, kv_write, rms_norm, rope
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no AVX2 CPU or no C compiler")
 
@@ -89,3 +89,17 @@ def test_other_dtypes_take_the_reference():
     x = torch.randn(3, 8, dtype=torch.float16)
     weight = torch.ones(8, dtype=torch.float16)
     assert torch.equal(cpu_layer_ops.rms_norm(x, weight, 1e-6), rms_norm.rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,half", [(1, 1), (3, 7), (2, 1536), (70, 33)])
+def test_silu_and_mul_matches_the_reference(dtype, rows, half, poisoned_empty):
+    gen = torch.Generator().manual_seed(rows + half)
+    x = (torch.randn(rows, 2 * half, generator=gen) * 6).to(dtype)
+    x[0, 0] = -100.0       # e^100 overflows a float: silu must still be -0
+    _close(cpu_layer_ops.silu_and_mul(x), activation.silu_and_mul(x))
+
+
+def test_silu_and_mul_keeps_nan():
+    x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0]])
+    assert cpu_layer_ops.silu_and_mul(x)[0, 0].isnan()
