@@ -11,13 +11,11 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 from bench import serving
+from bench.peers import free_port, wait_ready
 
 HF_DIR = os.path.join("/tmp", "matinee-bench-smollm2-hf")
 
@@ -42,27 +40,6 @@ def hf_folder_from_gguf(gguf: str, out: str = HF_DIR) -> str:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready within {timeout}s")
-
-
 def _server_cmds(model_dir: str, port: int, threads: int | None) -> dict[str, tuple[list[str], str]]:
     py = sys.executable
     matinee = [py, "-m", "gateway.cli", "serve", "--model", model_dir, "--port", str(port),
@@ -80,7 +57,7 @@ class Server:
     """One server process on a free port, ready once its health URL answers 200."""
 
     def __init__(self, label: str, model_dir: str, args: argparse.Namespace) -> None:
-        self.label, self.port = label, _free_port()
+        self.label, self.port = label, free_port()
         cmd, ready_url = _server_cmds(model_dir, self.port, args.threads)[label]
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if args.threads:   # the same torch thread count for both servers
@@ -91,7 +68,7 @@ class Server:
         self.ready_url = ready_url
 
     def wait_ready(self) -> None:
-        _wait_ready(self.ready_url, self.proc)
+        wait_ready(self.ready_url, self.proc)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

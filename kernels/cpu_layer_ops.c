@@ -12,21 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "bf16.h"
 
-/* Round to nearest even, as torch's float -> bfloat16 cast does (NaN stays a quiet NaN). */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
+static inline float bf16_load(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline uint16_t bf16_round(float f) { return f32_to_bf16(f); }
 static inline float f32_load(const float *p) { return *p; }
 static inline float f32_round(float f) { return f; }
 

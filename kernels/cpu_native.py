@@ -26,6 +26,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma"]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -52,7 +53,7 @@ def _cpu_identity() -> bytes:
 
 
 def _target(directory: Path, isa: list[str]) -> Path:
-    parts = [s.read_bytes() for s in SOURCES] + [" ".join(_FLAGS + isa).encode(), _cpu_identity()]
+    parts = [s.read_bytes() for s in SOURCES + HEADERS] + [" ".join(_FLAGS + isa).encode(), _cpu_identity()]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()
     return directory / f"matinee-cpu-{digest[:16]}.so"
 
