@@ -3,8 +3,9 @@
 torch's bf16 F.linear (oneDNN) on the reference 2-core Xeon (AVX-512, no AMX) is no faster than
 float32 at one row and 1.6x slower at 256. packed_gemm.c reads each weight as bf16, from a layout
 packed once at load, and multiplies in float32. Whether it beats torch is measured once per
-weight shape (kernel_wins) and kept on disk beside the built library. A tied embedding reads its
-rows out of the packed LM head, so the model keeps one copy of that matrix.
+weight shape (layout) and kept on disk beside the built library; where torch wins on many rows
+only (a CPU with AMX, whose bf16 tiles oneDNN drives), both layouts are kept and the row count
+picks. A tied embedding reads its rows out of the packed LM head, so the model keeps one copy.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ NR = 32            # output columns per packed block (two zmm, four ymm of float
 # Where column c of a block sits within its 32 values: 2c for the first 16, 2(c-16)+1 for the rest.
 _POSITION = torch.tensor([2 * (c % 16) + c // 16 for c in range(NR)])
 _COLUMN = torch.argsort(_POSITION)     # the column at each position
-DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes kernel_wins measures
+DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes layout() measures
 SAMPLE_ROWS, REPEATS = 8192, 5
 MARGIN = 1.1
+TORCH_FROM_ROWS = 64   # with both layouts kept: few rows read the packed one, more go to torch
 
 
 class PackedWeight:
@@ -34,6 +36,9 @@ class PackedWeight:
 
     def __init__(self, packed: torch.Tensor, out_features: int, in_features: int) -> None:
         self.packed, self.out_features, self.in_features = packed, out_features, in_features
+        # Where torch (oneDNN on AMX-class bf16 units) measured faster on many rows: the plain weight
+        # too, which linear() multiplies through torch from TORCH_FROM_ROWS rows on.
+        self.plain: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -93,6 +98,8 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU backend's projection: the packed kernel for a packed weight, else cpu_gemm's path."""
     if isinstance(weight, PackedWeight):
+        if weight.plain is not None and x.shape[0] >= TORCH_FROM_ROWS:
+            return F.linear(x, weight.plain, bias)
         return matmul(x, weight, bias)
     return cpu_gemm.linear(x, weight, bias)
 
@@ -110,18 +117,26 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.T
 
 
 def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """A bf16 CPU weight packed where the kernel is faster for its shape; anything else as it is."""
+    """A bf16 CPU weight packed where the kernel is faster for its shape (with the plain one kept
+    beside it where torch is faster on many rows only); anything else as it is."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
             or not cpu_native.available():
         return weight
-    return pack(weight) if kernel_wins(*weight.shape) else weight
+    chosen = layout(*weight.shape)
+    if chosen == "torch":
+        return weight
+    packed = pack(weight)
+    if chosen == "both":
+        packed.plain = weight
+    return packed
 
 
-_decisions: dict[tuple[int, int, int], bool] = {}
+_decisions: dict[tuple[int, int, int], str] = {}
 
 
-def kernel_wins(n: int, k: int) -> bool:
-    """Whether to pack a bf16 [n, k] weight: unless torch is faster both at decode and at prefill.
+def layout(n: int, k: int) -> str:
+    """How to keep a bf16 [n, k] weight: "torch" (plain) where torch is faster both at decode and at
+    prefill, "both" where it is faster at prefill only (AMX: its bf16 units), else "packed".
 
     Measured once per shape and thread count, and kept in a file beside the built library (whose
     name is its digest), so a restart does not measure again."""
@@ -135,7 +150,8 @@ def kernel_wins(n: int, k: int) -> bool:
             _write(path, known)
         ms = known[name]
         _log(n, k, ms)
-        _decisions[key] = _torch_faster(ms) != [DECODE_ROWS, PREFILL_ROWS]
+        faster = _torch_faster(ms)
+        _decisions[key] = "torch" if len(faster) == 2 else "both" if faster == [PREFILL_ROWS] else "packed"
     return _decisions[key]
 
 
@@ -169,7 +185,8 @@ def _measure(n: int, k: int) -> dict[str, float]:
 
 def _log(n: int, k: int, ms: dict[str, float]) -> None:
     faster = _torch_faster(ms)
-    choice = "torch" if len(faster) == 2 else "packed kernel"
+    choice = ("torch" if len(faster) == 2 else f"packed kernel below {TORCH_FROM_ROWS} rows, torch above"
+              if faster == [PREFILL_ROWS] else "packed kernel")
     structlog.get_logger().info("bf16 linear", shape=f"{n}x{k}", choice=choice, ms=ms,
                                 torch_faster_at_rows=faster or None)
 

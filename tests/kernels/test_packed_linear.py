@@ -101,15 +101,26 @@ def test_cpu_ops_pack_bf16_weights_where_chosen(monkeypatch):
     ops = get_ops("cpu", "cpu")
     w = torch.randn(40, 24).to(torch.bfloat16)
     x = torch.randn(3, 24).to(torch.bfloat16)
-    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: True)
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
     packed = ops.prepare_weight(w)
-    assert isinstance(packed, packed_linear.PackedWeight)
+    assert isinstance(packed, packed_linear.PackedWeight) and packed.plain is None
     assert torch.equal(ops.linear(x, packed), packed_linear.matmul(x, packed))
     assert torch.equal(ops.embedding(torch.tensor([5, 39]), packed), w[[5, 39]])
     assert ops.prepare_weight(w.float()).dtype == torch.float32   # float32 keeps cpu_gemm.c and MKL
-    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: False)
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "torch")
     assert ops.prepare_weight(w) is w
     assert get_ops("torch", "cpu").prepare_weight(w) is w
+
+
+def test_both_layouts_send_many_rows_to_torch_and_few_to_the_kernel(monkeypatch):
+    ops = get_ops("cpu", "cpu")
+    w = torch.randn(40, 24).to(torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "both")
+    both = ops.prepare_weight(w)
+    assert both.plain is w
+    few, many = (torch.randn(m, 24).to(torch.bfloat16) for m in (3, packed_linear.TORCH_FROM_ROWS))
+    assert torch.equal(ops.linear(few, both), packed_linear.matmul(few, both))
+    assert torch.equal(ops.linear(many, both), torch.nn.functional.linear(many, w))
 
 
 def test_the_choice_is_measured_once_and_kept_beside_the_library(monkeypatch, tmp_path):
@@ -118,18 +129,20 @@ def test_the_choice_is_measured_once_and_kept_beside_the_library(monkeypatch, tm
     monkeypatch.setattr(cpu_native, "_tried", True)
     monkeypatch.setattr(packed_linear, "_decisions", {})
     threads = torch.get_num_threads()
-    packed_linear.kernel_wins(40, 24)
+    packed_linear.layout(40, 24)
     path = lib.path.with_suffix(".bf16-linear.json")
     known = json.loads(path.read_text())
     assert set(known[f"{threads} threads 40x24"]) == {"kernel_1", "torch_1", "kernel_256", "torch_256"}
-    # Torch clearly faster at both sizes: plain weights; at one only: still the kernel.
+    # Torch clearly faster at both sizes: plain weights; at one row only: the kernel; at 256 only: both.
     known[f"{threads} threads 8x8"] = {"kernel_1": 2.0, "torch_1": 1.0, "kernel_256": 2.0, "torch_256": 1.0}
     known[f"{threads} threads 16x8"] = {"kernel_1": 1.0, "torch_1": 2.0, "kernel_256": 2.0, "torch_256": 1.0}
     known[f"{threads} threads 24x8"] = {"kernel_1": 1.05, "torch_1": 1.0, "kernel_256": 2.0, "torch_256": 1.0}
+    known[f"{threads} threads 32x8"] = {"kernel_1": 2.0, "torch_1": 1.0, "kernel_256": 1.0, "torch_256": 2.0}
     path.write_text(json.dumps(known))
-    assert not packed_linear.kernel_wins(8, 8)
-    assert packed_linear.kernel_wins(16, 8)
-    assert packed_linear.kernel_wins(24, 8)    # within the margin at one row
+    assert packed_linear.layout(8, 8) == "torch"
+    assert packed_linear.layout(16, 8) == "both"
+    assert packed_linear.layout(24, 8) == "both"    # within the margin at one row
+    assert packed_linear.layout(32, 8) == "packed"
     assert set(json.loads(path.read_text())) == set(known)   # read, not measured again
 
 
@@ -161,7 +174,7 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkey
     from actors.worker.model_runner import ModelRunner
 
     folder = _tiny_model(tmp_path, arch)
-    monkeypatch.setattr(packed_linear, "kernel_wins", lambda n, k: True)
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
     batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4]),
                           SequenceInput([7, 8, 9], 0, [5])])
     logits = {}
