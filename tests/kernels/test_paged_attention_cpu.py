@@ -17,6 +17,20 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
+
+
+@pytest.fixture(autouse=True, params=["native", "avx2"])
+def each_build(request, monkeypatch):
+    """Every test runs on the library the server loads (-march=native: AVX-512 where the CPU has it)
+    and on its AVX2 build."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
+        monkeypatch.setattr(cpu_native, "_tried", True)
+
+
 @pytest.fixture(autouse=True)
 def kernel_takes_a_tile(monkeypatch):
     """Query runs of up to 16 tokens (a query tile) go through the kernel here, wherever the launcher
@@ -101,9 +115,12 @@ def test_a_rows_result_does_not_depend_on_the_batch(dtype):
         assert torch.equal(paged_attention(*alone_args), out[starts[b]:starts[b + 1]])
 
 
+# Few tiles are split over KV heads between threads, many are not: the bits must not change either way.
+@pytest.mark.parametrize("shapes", [CASES["decode"] + CASES["verify"], [(1, 300)], [(4, 70), (1, 33)]],
+                         ids=["many-tiles", "one-decode", "few-tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_threads_give_the_same_bits(dtype):
-    batch = make_batch(CASES["decode"] + CASES["verify"], 9, 3, head_dim=64, block_size=16, seed=4, dtype=dtype)
+def test_threads_give_the_same_bits(dtype, shapes):
+    batch = make_batch(shapes, 9, 3, head_dim=64, block_size=16, seed=4, dtype=dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

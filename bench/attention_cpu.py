@@ -1,0 +1,85 @@
+"""CPU paged decode attention: the committed kernel (HEAD) against the working tree's, timed.
+
+SmolLM2-135M's geometry (9 query heads, 3 KV heads, head_dim 64, block size 16) over 30 distinct
+layer caches, so each call reads its K/V from memory as a decode step does, not from cache. Prints
+ms per 30-layer step (best of 5) and the K+V read rate; asserts nothing about speed.
+
+    python -m bench.attention_cpu [--threads 2] [--q-len 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_native
+
+SOURCE = Path(cpu_native.__file__).with_name("paged_attention_cpu.c")
+LAYERS, HQ, HK, D, BLOCK = 30, 9, 3, 64, 16
+KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
+
+
+def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
+    """The kernel alone, compiled as cpu_native compiles it for this CPU."""
+    src, lib = directory / f"{name}.c", directory / f"{name}.so"
+    src.write_text(source)
+    subprocess.run(["cc", *cpu_native._FLAGS, *cpu_native.NATIVE, str(src), "-o", str(lib), "-lm"], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def step_ms(lib, dtype, batch, ctx, q_len, threads, repeats=5):
+    blocks = (ctx + BLOCK - 1) // BLOCK
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(batch * blocks, BLOCK, HK, D, generator=gen).to(dtype)
+    caches = [(base.clone(), base.clone()) for _ in range(LAYERS)]   # distinct memory per layer
+    tables = torch.randperm(batch * blocks, generator=gen).to(torch.int32).view(batch, blocks)
+    q = torch.randn(batch * q_len, HQ, D, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    fn = getattr(lib, KERNELS[dtype])
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for k, v in caches:
+            status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+                        lens.data_ptr(), out.data_ptr(), batch, batch * q_len, HQ, HK, D, BLOCK, blocks,
+                        batch * blocks, D ** -0.5, threads)
+            if status:
+                raise RuntimeError(f"kernel status {status}")
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3, out.clone()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--q-len", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = build(subprocess.run(["git", "show", "HEAD:kernels/paged_attention_cpu.c"], capture_output=True,
+                                   text=True, check=True, cwd=SOURCE.parent).stdout, Path(tmp), "old")
+        new = build(SOURCE.read_text(), Path(tmp), "new")
+        print(f"q_len {args.q_len}, {args.threads} threads, {LAYERS} layers; ms per step (best of 5)")
+        print(f"{'dtype':8} {'batch':>5} {'ctx':>5} {'old ms':>8} {'new ms':>8} {'speedup':>7} {'new GB/s':>8}")
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in (1, 8, 32):
+                for ctx in (500, 2000):
+                    t_old, o_old = step_ms(old, dtype, batch, ctx, args.q_len, args.threads)
+                    t_new, o_new = step_ms(new, dtype, batch, ctx, args.q_len, args.threads)
+                    diff = (o_old.float() - o_new.float()).abs().max().item()
+                    gbytes = 2 * LAYERS * batch * ctx * HK * D * o_new.element_size() / 1e9
+                    print(f"{str(dtype)[6:]:8} {batch:5} {ctx:5} {t_old:8.2f} {t_new:8.2f} {t_old / t_new:6.2f}x "
+                          f"{gbytes / t_new * 1e3:8.1f}   (max |old - new| {diff:.1e})")
+
+
+if __name__ == "__main__":
+    main()
