@@ -39,6 +39,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib = cpu_native.library()
     if (lib is None or q.dtype not in _KERNELS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
             or max_query_len > MAX_QUERY_LEN[q.dtype] or q.device.type != "cpu"):
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            # torch's CPU SDPA runs float32 faster than bf16: SmolLM2's heads, 4 x 287-token chunks,
+            # 6.5 ms a layer against 9.8 (the gathered context is widened as it is copied anyway).
+            return reference_paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             max_query_len, max_seq_len, scale).to(torch.bfloat16)
         return reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                          max_query_len, max_seq_len, scale)
     num_tokens, num_q_heads, head_dim = q.shape

@@ -135,7 +135,10 @@ def test_threads_give_the_same_bits(dtype, shapes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_chunks_and_other_dtypes_use_the_reference(dtype):
     long = make_batch([(MAX_QUERY_LEN[dtype] + 4, 40), (1, 12)], 8, 2, head_dim=64, block_size=16, dtype=dtype)
-    assert torch.equal(paged_attention(*long.args()), TORCH.paged_attention(*long.args()))
+    q, *rest = long.args()
+    # bf16 chunks run the reference in float32 (faster on the CPU), rounded once at the end.
+    expect = TORCH.paged_attention(q.float(), *rest).to(dtype) if dtype == torch.bfloat16 else TORCH.paged_attention(q, *rest)
+    assert torch.equal(paged_attention(*long.args()), expect)
     half = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16, dtype=torch.float16)
     assert torch.equal(paged_attention(*half.args()), TORCH.paged_attention(*half.args()))
 
