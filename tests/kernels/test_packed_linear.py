@@ -175,8 +175,8 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkey
 
     folder = _tiny_model(tmp_path, arch)
     monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
-    batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4]),
-                          SequenceInput([7, 8, 9], 0, [5])])
+    batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4], num_logits=37),
+                          SequenceInput([7, 8, 9], 0, [5], num_logits=3)])   # logits at every position
     logits = {}
     for kernels in ("cpu", "torch"):
         runner = ModelRunner(folder, dtype="bfloat16", kernels=kernels, block_size=8, num_blocks=8, num_threads=2)
@@ -188,5 +188,11 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkey
         logits[kernels] = runner.execute(batch)
     scale = logits["torch"].abs().max()
     # Both round every projection to bf16, from sums taken in another order: a few bf16 units apart.
-    torch.testing.assert_close(logits["cpu"], logits["torch"], rtol=0, atol=0.02 * scale)
-    assert torch.equal(logits["cpu"].argmax(-1), logits["torch"].argmax(-1))
+    atol = 0.02 * scale
+    torch.testing.assert_close(logits["cpu"], logits["torch"], rtol=0, atol=atol)
+    # The same greedy token wherever the top two are further apart than the two may differ (the CPU
+    # path also runs bf16 prefill attention in float32, so near-ties can go either way).
+    top2 = logits["torch"].topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * atol
+    assert clear.sum() >= 10
+    assert torch.equal(logits["cpu"].argmax(-1)[clear], logits["torch"].argmax(-1)[clear])
