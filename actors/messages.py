@@ -119,7 +119,7 @@ class EngineStats(msgspec.Struct, tag=True):
     generation_tokens: int
     preemptions: int
     steps: int = 0
-    forward_s: float = 0.0            # cumulative time inside the worker's forward + sampling
+    forward_s: float = 0.0            # cumulative time of the model forward alone (no sampling)
     step_s: float = 0.0               # cumulative wall time from planning a step to handling its result
     kv_slots_allocated: int = 0       # slots in blocks held by running sequences, summed over steps
     kv_slots_used: int = 0            # of those, slots holding a token, summed over steps
