@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -107,8 +108,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.matinee_sgemm_nt.restype = None
     lib.matinee_sgemm_nt.argtypes = [ptr] * 3 + [long_] * 3 + [int_]
-    lib.matinee_paged_attention.restype = int_
-    lib.matinee_paged_attention.argtypes = [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
+    for name in ("matinee_paged_attention", "matinee_paged_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
     lib.matinee_packed_gemm.restype = int_
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_
@@ -148,6 +150,26 @@ def library() -> ctypes.CDLL | None:
         except (OSError, RuntimeError) as e:
             structlog.get_logger().warning("CPU C kernels unavailable; using torch's ops", error=str(e))
         return _library
+
+
+def read_measurements(path: Path) -> dict:
+    """Timings kept beside the built library (its name is its digest), or {} where there are none."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def keep_measurements(path: Path, known: dict) -> None:
+    """Written beside and renamed, so a reader never sees half a file; a read-only cache only costs
+    measuring again at the next start."""
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:
+        structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
 
 
 def available() -> bool:

@@ -10,8 +10,6 @@ weights larger than the last-level cache, once, and keeps the answer beside the 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -71,18 +69,10 @@ def cpu_dtype(kernels: str = "auto") -> DtypeChoice:
 def _cached_measure() -> dict[str, float]:
     path = cpu_native.library().path.with_suffix(".dtype-probe.json")
     key = f"{torch.get_num_threads()} threads"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = cpu_native.read_measurements(path)
     if key not in known:
         known[key] = measure()
-        try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass   # a read-only cache: measured again at the next start
+        cpu_native.keep_measurements(path, known)
     return known[key]
 
 

@@ -10,9 +10,6 @@ picks. A tied embedding reads its rows out of the packed LM head, so the model k
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 
 import structlog
@@ -144,10 +141,10 @@ def layout(n: int, k: int) -> str:
     if key not in _decisions:
         path = cpu_native.library().path.with_suffix(".bf16-linear.json")
         name = f"{key[0]} threads {n}x{k}"
-        known = _read(path)
+        known = cpu_native.read_measurements(path)
         if name not in known:
-            known = _read(path) | {name: _measure(n, k)}   # re-read: another process may have added some
-            _write(path, known)
+            known = cpu_native.read_measurements(path) | {name: _measure(n, k)}   # re-read: another process may have added some
+            cpu_native.keep_measurements(path, known)
         ms = known[name]
         _log(n, k, ms)
         faster = _torch_faster(ms)
@@ -189,22 +186,3 @@ def _log(n: int, k: int, ms: dict[str, float]) -> None:
               if faster == [PREFILL_ROWS] else "packed kernel")
     structlog.get_logger().info("bf16 linear", shape=f"{n}x{k}", choice=choice, ms=ms,
                                 torch_faster_at_rows=faster or None)
-
-
-def _read(path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path, known: dict) -> None:
-    """Written beside and renamed, so a reader never sees half a file; a read-only cache only costs
-    measuring again at the next start."""
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as e:
-        structlog.get_logger().warning("bf16 linear: cannot keep the measurements", path=str(path), error=str(e))

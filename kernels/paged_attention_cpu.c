@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef unsigned short bf16;
 
 #define QUERY_TILE 16       /* new tokens per work item: a longer run is cut into tiles, computed apart */
@@ -34,21 +36,7 @@ static inline __m256 load8(const void *p, long i, int is_bf16) {
 }
 
 static inline float load1(const void *p, long i, int is_bf16) {
-    if (is_bf16) {
-        unsigned bits = (unsigned)((const bf16 *)p)[i] << 16;
-        float x;
-        memcpy(&x, &bits, sizeof x);
-        return x;
-    }
-    return ((const float *)p)[i];
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 does (NaN -> 0x7fc0). */
-static inline bf16 to_bf16(float x) {
-    unsigned bits;
-    memcpy(&bits, &x, sizeof bits);
-    if (x != x) return 0x7fc0;
-    return (bf16)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    return is_bf16 ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store_bf16(bf16 *dst, const float *src, long n) {
@@ -64,7 +52,7 @@ static inline void store_bf16(bf16 *dst, const float *src, long n) {
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_castsi256_si128(packed));
     }
-    for (long i = n8; i < n; i++) dst[i] = to_bf16(src[i]);
+    for (long i = n8; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
 /* e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, and

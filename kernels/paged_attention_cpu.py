@@ -9,8 +9,6 @@ kernel pays off, and other dtypes go to the reference.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels import cpu_native
@@ -21,15 +19,6 @@ from kernels.paged_attention import paged_attention as reference_paged_attention
 # from an empty context it won up to ~128 tokens, but prefill chunks after a 1k-token past lost from 16).
 MAX_QUERY_LEN = {torch.float32: 4, torch.bfloat16: 4}
 _KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
-
-
-def _kernel(lib: ctypes.CDLL, dtype: torch.dtype):
-    fn = getattr(lib, _KERNELS[dtype])
-    if fn.argtypes is None:
-        # cpu_native declares the float32 kernel; both take the same arguments.
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
-    return fn
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -67,7 +56,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     # The kernel checks the rest of the metadata it follows (ranges, lengths, block ids) itself:
     # here that took ~30 small torch ops per layer, 4 ms of a 90 ms decode step.
-    status = _kernel(lib, q.dtype)(
+    status = getattr(lib, _KERNELS[q.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
         out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
         k_cache.shape[0], scale, torch.get_num_threads())
