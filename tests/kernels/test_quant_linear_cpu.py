@@ -1,0 +1,66 @@
+"""torch's CPU int8 (_int_mm) and int4 (_weight_int4pack_mm_for_cpu) paths against quant_matmul.py.
+
+Weights have std K^-1/2, so outputs are of order 1 and tolerances are absolute. int8 against
+the same math in float32 (x quantized per token too): 1e-5, the int32 sums being exact. int4
+against dequantize-then-matmul: float32 1e-5; float16 3e-3 (scales and the output rounded to
+float16); bfloat16 3e-2 (torch keeps the group scales in bfloat16, 2^-9 relative).
+"""
+
+import pytest
+import torch
+
+from kernels import quant_linear_cpu, quant_matmul
+from kernels.quantize import quantize_int4, quantize_int8
+
+INT4_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def _weight(n, k, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * k ** -0.5
+
+
+def _x(m, k, dtype=torch.float32, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int8_matches_the_same_math_in_float32(m):
+    weight = quantize_int8(_weight(47, 100))
+    bias = torch.randn(47)
+    x = _x(m, 100)
+    out = quant_linear_cpu.linear(x, weight, bias)
+    torch.testing.assert_close(out, quant_matmul.int8_dynamic_linear(x, weight, bias), atol=1e-5, rtol=0)
+    # Against float activations the per-token rounding costs under 2% of the output's norm.
+    exact = quant_matmul.linear(x, weight, bias)
+    assert (out - exact).norm() / exact.norm() < 0.02
+
+
+def test_int8_keeps_bfloat16_activations_in_bfloat16():
+    weight = quantize_int8(_weight(16, 64))
+    x = _x(2, 64, torch.bfloat16)
+    out = quant_linear_cpu.linear(x, weight)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, quant_matmul.int8_dynamic_linear(x, weight), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (128, False)])
+def test_int4_matches_dequantize_then_matmul(m, dtype, group_size, symmetric):
+    # 47 outputs: not a multiple of the 16 torch's packing needs.
+    weight = quantize_int4(_weight(47, 256), group_size, symmetric=symmetric)
+    prepared = quant_linear_cpu.prepare_int4(weight, dtype)
+    x, bias = _x(m, 256, dtype), torch.randn(47)
+    out = quant_linear_cpu.linear(x, prepared, bias)
+    assert out.dtype == dtype and out.shape == (m, 47)
+    torch.testing.assert_close(out.float(), quant_matmul.linear(x.float(), weight, bias), atol=INT4_TOL[dtype], rtol=0)
+
+
+def test_int4_errors_are_clear():
+    prepared = quant_linear_cpu.prepare_int4(quantize_int4(_weight(16, 64), 32), torch.float32)
+    with pytest.raises(ValueError, match="prepared for torch.float32"):
+        quant_linear_cpu.linear(_x(1, 64, torch.bfloat16), prepared)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        quant_linear_cpu.linear(_x(1, 32), prepared)
+    with pytest.raises(ValueError, match="activations"):
+        quant_linear_cpu.prepare_int4(quantize_int4(_weight(16, 64), 32), torch.int8)
