@@ -25,6 +25,7 @@ from kernels.quantize import Int4Weight, Int8Weight, quantize_activations, unpac
 
 INT4_N_MULTIPLE = 16
 INT4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def prepare_int4(weight: Int4Weight, dtype: torch.dtype) -> Int4CpuWeight:
     """Repack an Int4Weight once, at load, for activations of `dtype`."""
     if dtype not in INT4_DTYPES:
         raise ValueError(f"the CPU int4 matmul takes {INT4_DTYPES} activations, not {dtype}")
+    if weight.group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"the CPU int4 matmul takes groups of {INT4_GROUP_SIZES}, not {weight.group_size}")
     n, k = weight.out_features, weight.in_features
     padded = -(-n // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
     q = torch.zeros(padded, k, dtype=torch.int32)

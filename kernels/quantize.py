@@ -7,7 +7,8 @@ float weight (N outputs, K inputs):
   (symmetric, per output channel).
 - Int4Weight: `qweight` uint8 [N, K // 2], byte j of a row holding element 2j in its low nibble
   and 2j + 1 in its high nibble; `scale` float16 [N, K // G]; `zero` uint8 [N, K // G] (one
-  zero point per byte, 0..15) or None for symmetric groups (zero point 8);
+  zero point per byte, 0..15, or 16 from a GPTQ checkpoint whose stored -1 wrapped) or None for
+  symmetric groups (zero point 8);
   w[n, k] = (nibble[n, k] - zero[n, k // G]) * scale[n, k // G]. The same math as GPTQ and AWQ.
 - GGUFWeight: `raw` uint8 [N, K // 32 * block bytes], the rows exactly as the `gguf` package
   stores a Q8_0, Q4_0 or Q4_1 tensor (see quant_matmul.dequantize_gguf for the blocks).
@@ -47,7 +48,7 @@ class Int8Weight:
 class Int4Weight:
     qweight: torch.Tensor          # uint8 [N, K // 2], two nibbles a byte (element 2j low)
     scale: torch.Tensor            # float16 [N, K // group_size]
-    zero: torch.Tensor | None      # uint8 [N, K // group_size], 0..15; None: symmetric (8)
+    zero: torch.Tensor | None      # uint8 [N, K // group_size], 0..16; None: symmetric (8)
     group_size: int
 
     @property

@@ -64,3 +64,7 @@ def test_int4_errors_are_clear():
         quant_linear_cpu.linear(_x(1, 32), prepared)
     with pytest.raises(ValueError, match="activations"):
         quant_linear_cpu.prepare_int4(quantize_int4(_weight(16, 64), 32), torch.int8)
+    one_group = quantize_int4(_weight(16, 512), 128)
+    one_group = type(one_group)(one_group.qweight, one_group.scale[:, :1].contiguous(), None, 512)
+    with pytest.raises(ValueError, match="groups of"):
+        quant_linear_cpu.prepare_int4(one_group, torch.float32)
