@@ -1,0 +1,116 @@
+"""GPU benchmark of the quantized Triton matmul: each weight format's achieved bandwidth on decode
+shapes against the device's copy bandwidth, beside torch's bfloat16 F.linear on the same shape.
+
+`python -m bench.kernels_quant_gpu [--json out.json]` on a CUDA machine (a minute or two);
+`--dry-run` runs it at toy sizes on the CPU under Triton's interpreter, to check the script.
+Without CUDA (and without --dry-run) it refuses in one line. Bytes counted per call: the whole
+quantized weight (quants, scales, zero points), x and the output; the last line is the JSON summary.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernels_gpu import Timer, _error, copy_bandwidth
+
+ROWS = [1, 4, 16]
+# (N, K) of the projections of each model shape: SmolLM2-135M (and its LM head), a 7B Llama.
+SHAPES = {
+    "smollm2": [(576, 576), (1536, 576), (576, 1536), (49152, 576)],
+    "7b": [(4096, 4096), (11008, 4096), (4096, 11008)],
+}
+DRY_SHAPES = {"toy": [(80, 128), (48, 96)]}
+FORMATS = ("int8", "int4", "q8_0", "q4_0", "q4_1")
+
+
+def make_weight(fmt: str, n: int, k: int, device: torch.device):
+    """A weight in `fmt`: int8 and int4 quantized from random floats; GGUF rows of random quants
+    with small random block scales (the bytes' values do not change the bandwidth)."""
+    from kernels.quantize import GGUF_BLOCK_BYTES, GGMLType, GGUFWeight, int4_group_size_for, quantize_int4, \
+        quantize_int8
+
+    if fmt in ("int8", "int4"):
+        w = torch.randn(n, k, device=device) * k ** -0.5
+        return quantize_int8(w) if fmt == "int8" else quantize_int4(w, int4_group_size_for(k))
+    qtype = GGMLType[fmt.upper()]
+    block_bytes = GGUF_BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n, k // 32 * block_bytes), dtype=torch.uint8, device=device)
+    halves = raw.view(n, k // 32, block_bytes).view(torch.float16)     # [n, blocks, block_bytes // 2]
+    halves[:, :, 0] = (torch.rand(n, k // 32, device=device) * 0.01).half()          # d
+    if qtype == GGMLType.Q4_1:
+        halves[:, :, 1] = (-torch.rand(n, k // 32, device=device) * 0.08).half()     # m
+    return GGUFWeight(raw, qtype)
+
+
+def weight_bytes(weight) -> int:
+    tensors = [getattr(weight, name) for name in weight.__dataclass_fields__]
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def measure(shapes, device, dtype, timer, ceiling):
+    from kernels import quant_matmul, quant_matmul_triton
+
+    rows = []
+    for model, projections in shapes.items():
+        for n, k in projections:
+            dense = torch.randn(n, k, device=device).to(dtype)
+            for fmt in FORMATS:
+                weight = make_weight(fmt, n, k, device)
+                for m in ROWS:
+                    x = torch.randn(m, k, device=device).to(dtype)
+                    out = quant_matmul_triton.linear(x, weight)
+                    error = _error(out, quant_matmul.linear(x, weight))
+                    ms = timer(lambda: quant_matmul_triton.linear(x, weight))
+                    dense_ms = timer(lambda: F.linear(x, dense))
+                    io = weight_bytes(weight) + (m * k + m * n) * x.element_size()
+                    dense_io = dense.numel() * dense.element_size() + (m * k + m * n) * x.element_size()
+                    rows.append(dict(model=model, n=n, k=k, format=fmt, m=m, ms=ms, error=error,
+                                     bw_frac=io / (ms / 1000) / ceiling,
+                                     dense_ms=dense_ms, dense_bw_frac=dense_io / (dense_ms / 1000) / ceiling,
+                                     speedup_vs_dense=dense_ms / ms))
+                del weight
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes; on the CPU under Triton's interpreter")
+    parser.add_argument("--json", help="also write the summary to this file")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        sys.exit("kernels_quant_gpu: no CUDA device here; it measures GPU bandwidth (--dry-run checks the script)")
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of a Triton kernel
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter mishandles bfloat16
+    timer = Timer(device, args.dry_run)
+    torch.manual_seed(0)
+
+    ceiling = copy_bandwidth(device, timer, args.dry_run)
+    summary = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter, dry run)",
+               "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+               "copy_bandwidth_gb_s": ceiling / 1e9}
+    print(f"device-to-device copy: {ceiling / 1e9:.0f} GB/s (read + write)")
+    summary["matmuls"] = measure(DRY_SHAPES if args.dry_run else SHAPES, device, dtype, timer, ceiling)
+    tolerance = 0.03 if dtype == torch.bfloat16 else 1e-4
+    summary["correct"] = all(r["error"] <= tolerance for r in summary["matmuls"])
+    print(f"{'model':>8} {'N x K':>13} {'format':>6} {'M':>3} {'ms':>8} {'bw frac':>8} "
+          f"{'dense ms':>9} {'bw frac':>8} {'speedup':>8} {'error':>9}")
+    for r in summary["matmuls"]:
+        print(f"{r['model']:>8} {r['n']:>6}x{r['k']:<6} {r['format']:>6} {r['m']:3d} {r['ms']:8.4f} "
+              f"{r['bw_frac']:8.2f} {r['dense_ms']:9.4f} {r['dense_bw_frac']:8.2f} {r['speedup_vs_dense']:8.2f} "
+              f"{r['error']:9.2e}{'' if r['error'] <= tolerance else ' FAIL'}")
+    text = json.dumps(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

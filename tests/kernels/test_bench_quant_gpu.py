@@ -1,0 +1,33 @@
+"""The quantized-matmul GPU benchmark refuses in one line without CUDA and runs at toy sizes under
+the interpreter with --dry-run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.kernels_quant_gpu import FORMATS, ROWS
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_refuses_in_one_line_without_cuda():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "bench.kernels_quant_gpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "no CUDA device" in done.stderr
+
+
+def test_dry_run_measures_every_format_and_checks_it(tmp_path, capsys):
+    from bench import kernels_quant_gpu
+
+    out = tmp_path / "summary.json"
+    kernels_quant_gpu.main(["--dry-run", "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert summary["correct"], [(r["format"], r["error"]) for r in summary["matmuls"]]
+    assert {r["format"] for r in summary["matmuls"]} == set(FORMATS)
+    assert len(summary["matmuls"]) == 2 * len(FORMATS) * len(ROWS)
+    assert all(r["bw_frac"] > 0 and r["ms"] > 0 for r in summary["matmuls"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
