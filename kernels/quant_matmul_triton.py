@@ -4,7 +4,8 @@ x[M, K] (float16, bfloat16 or float32) @ w.T, w read in its quantized layout (qu
 Int8Weight (per-channel scale applied to the accumulator), Int4Weight (nibbles, float16 group
 scales, optional zero points) and GGUFWeight (Q8_0, Q4_0, Q4_1 rows read straight from the
 `gguf` bytes: the block's fp16 scale and min through a float16 view of the same buffer). Each
-weight tile is dequantized to float32, cast to x's dtype and multiplied with tl.dot; products
+weight tile is dequantized to float32 (every byte and scale loaded once, spread over its
+elements by tl.join and reshapes), cast to x's dtype and multiplied with tl.dot; products
 accumulate in float32. Decode has few rows, so when the output tiles cannot fill the GPU, K is
 split between programs whose float32 partials torch sums (deterministic, unlike atomics).
 Reference: quant_matmul.py.
@@ -17,9 +18,9 @@ import triton.language as tl
 from kernels.quantize import GGUF_BLOCK_BYTES, GGMLType, GGUFWeight, Int4Weight, Int8Weight
 
 # Weight formats, the kernel's FORMAT.
-INT8, INT4, Q8_0, Q4_0, Q4_1 = range(5)
+INT8, INT4, Q8_0, Q4_0, Q4_1 = (tl.constexpr(f) for f in range(5))
 _GGUF_FORMAT = {GGMLType.Q8_0: Q8_0, GGMLType.Q4_0: Q4_0, GGMLType.Q4_1: Q4_1}
-BLOCK_N, BLOCK_K = 64, 64
+BLOCK_N, BLOCK_K = 64, 64   # an int4 group divides BLOCK_K or is a multiple of it
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
 
@@ -29,8 +30,8 @@ def _quant_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_qn, stride_sn, stride_om, stride_split,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_BYTES: tl.constexpr, QUANTS_AT: tl.constexpr,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_BYTES: tl.constexpr, QUANTS_AT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,37 +50,48 @@ def _quant_matmul_kernel(
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # The weight tile is [BLOCK_N, BLOCK_K]: output channels down, inputs across, as stored.
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        k = ks[None, :]
-        if FORMAT == 0:  # INT8: the per-channel scale is applied to the accumulator below
-            w = tl.load(q_ptr + w_row * stride_qn + k, mask=w_mask, other=0).to(tl.float32)
-        elif FORMAT == 1:  # INT4: byte k // 2, low nibble for even k
-            byte = tl.load(q_ptr + w_row * stride_qn + k // 2, mask=w_mask, other=0).to(tl.int32)
-            q = ((byte >> ((k % 2) * 4)) & 0xF).to(tl.float32)
-            group = w_row * stride_sn + k // GROUP
-            scale = tl.load(s_ptr + group, mask=w_mask, other=0.0).to(tl.float32)
+        # Each byte and each scale is loaded once, then spread over its elements by reshapes.
+        if FORMAT == INT8:  # the per-channel scale is applied to the accumulator below
+            w = tl.load(q_ptr + w_row * stride_qn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                        other=0).to(tl.float32)
+        elif FORMAT == INT4:  # byte j holds element 2j (low nibble) and 2j + 1 (high)
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(q_ptr + w_row * stride_qn + j[None, :], mask=col_ok[:, None] & (2 * j < k_hi)[None, :],
+                           other=0).to(tl.int32)
+            q = tl.join(byte & 0xF, byte >> 4).reshape(BLOCK_N, GROUPS_PER_TILE, BLOCK_K // GROUPS_PER_TILE)
+            q = q.to(tl.float32)
+            g = k0 // GROUP + tl.arange(0, GROUPS_PER_TILE)
+            g_mask = col_ok[:, None] & (g * GROUP < k_hi)[None, :]
+            scale = tl.load(s_ptr + w_row * stride_sn + g[None, :], mask=g_mask, other=0.0).to(tl.float32)
             if HAS_ZERO:
-                zero = tl.load(z_ptr + group, mask=w_mask, other=0).to(tl.float32)
+                q -= tl.load(z_ptr + w_row * stride_sn + g[None, :], mask=g_mask, other=0).to(tl.float32)[:, :, None]
             else:
-                zero = 8.0
-            w = (q - zero) * scale
+                q -= 8.0
+            w = (q * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
         else:  # GGUF: s_ptr and z_ptr are float16 and int8 views of the bytes at q_ptr
-            block = w_row * stride_qn + (k // 32) * BLOCK_BYTES   # its first byte
-            within = k % 32
-            d = tl.load(s_ptr + block // 2, mask=w_mask, other=0.0).to(tl.float32)
-            if FORMAT == 2:
-                w = tl.load(z_ptr + block + QUANTS_AT + within, mask=w_mask, other=0).to(tl.float32) * d
+            blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            block_mask = col_ok[:, None] & (blocks * 32 < k_hi)[None, :]
+            first = w_row * stride_qn + blocks[None, :] * BLOCK_BYTES      # [BLOCK_N, blocks]: a block's byte 0
+            d = tl.load(s_ptr + first // 2, mask=block_mask, other=0.0).to(tl.float32)[:, :, None]
+            if FORMAT == Q8_0:
+                e = tl.arange(0, 32)[None, None, :]
+                w = tl.load(z_ptr + first[:, :, None] + QUANTS_AT + e, mask=block_mask[:, :, None],
+                            other=0).to(tl.float32) * d
             else:
                 # Byte j of a Q4 block holds element j (low nibble) and element j + 16 (high).
-                byte = tl.load(q_ptr + block + QUANTS_AT + within % 16, mask=w_mask, other=0).to(tl.int32)
-                q = ((byte >> ((within // 16) * 4)) & 0xF).to(tl.float32)
-                if FORMAT == 3:
+                j = tl.arange(0, 16)[None, None, :]
+                byte = tl.load(q_ptr + first[:, :, None] + QUANTS_AT + j, mask=block_mask[:, :, None],
+                               other=0).to(tl.int32)
+                q = tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 1, 3, 2))
+                q = q.reshape(BLOCK_N, BLOCK_K // 32, 32).to(tl.float32)
+                if FORMAT == Q4_0:
                     w = (q - 8.0) * d
                 else:
-                    w = q * d + tl.load(s_ptr + block // 2 + 1, mask=w_mask, other=0.0).to(tl.float32)
+                    w = q * d + tl.load(s_ptr + first // 2 + 1, mask=block_mask, other=0.0).to(tl.float32)[:, :, None]
+            w = w.reshape(BLOCK_N, BLOCK_K)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
 
-    if FORMAT == 0:
+    if FORMAT == INT8:
         acc *= tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         if split == 0:
@@ -108,13 +120,16 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight, bias: 
     n = weight.out_features
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=x.dtype, device=x.device)
-    has_zero, group, block_bytes, quants_at = False, 1, 0, 0
+    has_zero, group, block_bytes, quants_at = False, BLOCK_K, 0, 0
     if isinstance(weight, Int8Weight):
         fmt, q, s, z, stride_sn = INT8, weight.qweight, weight.scale, weight.qweight, 0
     elif isinstance(weight, Int4Weight):
         fmt, q, s, group, stride_sn = INT4, weight.qweight, weight.scale, weight.group_size, weight.scale.stride(0)
         has_zero = weight.zero is not None
         z = weight.zero if has_zero else q
+        if BLOCK_K % group and group % BLOCK_K:
+            raise ValueError(f"int4 groups of {group} neither divide nor are a multiple of {BLOCK_K}, "
+                             "the kernel's tile")
     else:
         # The fp16 view needs the rows to start on even bytes, true of whole 34/18/20-byte blocks.
         q = weight.raw.contiguous()
@@ -133,7 +148,8 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight, bias: 
         x, q, s, z, bias if bias is not None else x, out,
         m, n, k, k_per_split,
         x.stride(0), q.stride(0), stride_sn, n, m * n,
-        FORMAT=fmt, GROUP=group, HAS_ZERO=has_zero, HAS_BIAS=bias is not None,
+        FORMAT=fmt, GROUP=group, GROUPS_PER_TILE=max(1, BLOCK_K // group), HAS_ZERO=has_zero,
+        HAS_BIAS=bias is not None,
         BLOCK_BYTES=block_bytes, QUANTS_AT=quants_at,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -11,7 +11,7 @@ import torch
 from gguf import quants as gguf_quants
 
 from kernels import quant_matmul
-from kernels.quantize import GGMLType, GGUFWeight, quantize_int4, quantize_int8
+from kernels.quantize import GGMLType, GGUFWeight, Int4Weight, quantize_int4, quantize_int8
 from tests.kernels.conftest import DEVICE
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -89,3 +89,15 @@ def test_gguf_reference_dequantizes_as_the_gguf_package_does(qtype):
     ours = quant_matmul.dequantize_gguf(GGUFWeight(torch.from_numpy(raw), qtype))
     theirs = torch.from_numpy(np.asarray(gguf_quants.dequantize(raw, qtype), dtype=np.float32))
     assert torch.equal(ours, theirs)
+
+
+def test_int4_group_larger_than_the_tile(kernel, poisoned_empty):
+    # One group over all 192 inputs (GPTQ's group_size -1): each 64-wide tile lies inside it.
+    weight = quantize_int4(_weight(20, 192), 64)
+    one_group = Int4Weight(weight.qweight, weight.scale[:, :1].contiguous(), weight.zero[:, :1].contiguous(), 192)
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(kernel(x.to(DEVICE), _to_device(one_group)).cpu(), quant_matmul.linear(x, one_group),
+                               atol=TOL[torch.float32], rtol=0)
+    odd = Int4Weight(weight.qweight, weight.scale[:, :2].contiguous(), None, 96)
+    with pytest.raises(ValueError, match="groups of 96"):
+        kernel(x.to(DEVICE), _to_device(odd))
