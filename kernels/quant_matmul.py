@@ -52,6 +52,17 @@ def dequantize(weight: Int8Weight | Int4Weight | GGUFWeight) -> torch.Tensor:
     return dequantize_gguf(weight)
 
 
+def embedding(ids: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight) -> torch.Tensor:
+    """Rows `ids` of the dequantized weight (float32 [*ids.shape, K]), dequantizing those rows only:
+    what a tied embedding reads out of a quantized LM head."""
+    flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
+        raise IndexError(f"token id out of range [0, {weight.out_features})")
+    fields = {name: getattr(weight, name) for name in weight.__dataclass_fields__}
+    picked = {name: v[flat] if torch.is_tensor(v) else v for name, v in fields.items()}
+    return dequantize(type(weight)(**picked)).view(*ids.shape, -1)
+
+
 def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[M, K] @ dequantize(weight).T (+ bias), in float32, returned in x's dtype."""

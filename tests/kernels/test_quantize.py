@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.quant_matmul import dequantize_int4, dequantize_int8
+from kernels.quant_matmul import dequantize, dequantize_int4, dequantize_int8, embedding
 from kernels.quantize import int4_group_size_for, pack_nibbles, quantize_activations, quantize_int4, \
     quantize_int8, unpack_nibbles
 
@@ -71,3 +71,14 @@ def test_activations_per_token_within_half_a_step():
     xq, scale = quantize_activations(x)
     assert xq.dtype == torch.int8 and scale.shape == (3,)
     assert ((xq.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * 1.0001).all()
+
+
+def test_embedding_reads_rows_of_any_layout():
+    from tests.kernels.test_quant_matmul_triton import FORMATS
+
+    ids = torch.tensor([[3, 0], [46, 3]])
+    for fmt, (quantize, k) in FORMATS.items():
+        weight = quantize(_weight(47, k))
+        assert torch.equal(embedding(ids, weight), dequantize(weight)[ids]), fmt
+    with pytest.raises(IndexError, match="out of range"):
+        embedding(torch.tensor([47]), weight)
