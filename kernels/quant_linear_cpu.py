@@ -1,11 +1,11 @@
 """int8 and int4 projections on the CPU through torch's own quantized matmuls.
 
 int8 (W8A8, dynamic): the Int8Weight stays as quantize.py writes it; each call quantizes x per
-token (quantize.quantize_activations) and multiplies int8 x int8 -> int32 through torch._int_mm
-(oneDNN: VNNI / AMX-INT8 where the CPU has them), then applies both scales. _int_mm takes any
-M, N, K on the CPU; given the [N, K] weight as its transposed view it runs 2.5x faster than
-float32 F.linear on a 4096 x 4096 weight at one row here, and 6x faster than a [K, N] copy.
-(torch._weight_int8pack_mm, the weight-only int8 matmul, is 5-10x slower than float32 here.)
+token (quantize.quantize_activations), multiplies int8 x int8 -> int32 through torch._int_mm and
+applies both scales. _int_mm takes any M, N, K on the CPU, and the [N, K] weight as its
+transposed view (a [K, N] copy measured slower).
+torch._weight_int8pack_mm, the weight-only int8 matmul, measured slower than float32 here.
+bench/quant_linear_cpu.py times both paths against the float32 and bf16 kernels.
 
 int4 (weight-only): torch.ops.aten._weight_int4pack_mm_for_cpu, on a weight repacked once
 by prepare_int4 with _convert_weight_to_int4pack_for_cpu. Its math is

@@ -1,5 +1,5 @@
-"""The quantized-matmul GPU benchmark refuses in one line without CUDA and runs at toy sizes under
-the interpreter with --dry-run."""
+"""The quantized-matmul benchmarks run: the GPU one refuses in one line without CUDA and runs at
+toy sizes under the interpreter with --dry-run; the CPU one over one layer."""
 
 import json
 import os
@@ -31,3 +31,15 @@ def test_dry_run_measures_every_format_and_checks_it(tmp_path, capsys):
     assert len(summary["matmuls"]) == 2 * len(FORMATS) * len(ROWS)
     assert all(r["bw_frac"] > 0 and r["ms"] > 0 for r in summary["matmuls"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+
+
+def test_cpu_bench_times_every_format_over_one_layer(capsys):
+    from bench import quant_linear_cpu
+
+    quant_linear_cpu.main(["--layers", "1", "--threads", "1", "--repeats", "1"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = {r["format"] for r in summary["results"]}
+    assert {"float32", "int8", "int4_f32", "int4_bf16"} <= names
+    assert len(summary["results"]) == len(names) * len(quant_linear_cpu.ROWS)
+    by_name = {r["format"]: r["weight_mb"] for r in summary["results"]}
+    assert by_name["int8"] < by_name["float32"] / 3.9 and by_name["int4_f32"] < by_name["float32"] / 6
