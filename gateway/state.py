@@ -66,6 +66,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
             or "matinee"
+        self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
     @property
