@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from actors.engine_metrics import REQUEST_LATENCY_BUCKETS, EngineCollector
+from gateway.recent import RecentSamples
 
 disable_created_metrics()   # no `_created` series: Matinee's and vLLM's dashboards read none
 
@@ -32,15 +33,14 @@ class Latency:
         self.vllm = None if vllm_buckets is None else Histogram(
             f"vllm:{vllm_name or name}", help, VLLM_LABELS, buckets=vllm_buckets, registry=registry)
         self.model_name = ""
-        self.count, self.sum = 0, 0.0   # for the dashboard, without reading the registry back
+        self.recent = RecentSamples()   # the dashboard's p50 and p90 of the last seconds
 
     def observe(self, value: float, times: int = 1) -> None:
         for _ in range(times):
             self.matinee.observe(value)
             if self.vllm is not None:
                 self.vllm.labels(self.model_name).observe(value)
-        self.count += times
-        self.sum += value * times
+        self.recent.add(value, times)
 
 
 class GatewayMetrics:

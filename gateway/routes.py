@@ -7,7 +7,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import handlers, protocol
+from gateway import dashboard, handlers, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 
@@ -97,5 +97,7 @@ ROUTES = [
     web.get("/metrics", metrics),
     web.post("/tokenize", tokenize),
     web.post("/detokenize", detokenize),
+    *dashboard.ROUTES,
+    *planner.ROUTES,
 ]
-UNPROTECTED = frozenset({"/health", "/ready"})
+UNPROTECTED = frozenset({"/health", "/ready"}) | dashboard.PUBLIC
