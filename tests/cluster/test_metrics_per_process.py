@@ -3,6 +3,9 @@ scrapes every replica: the sums across processes equal what was served, no gatew
 engine's counters, and an engine leaving makes no counter anywhere fall."""
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -76,6 +79,19 @@ def test_two_gateways_and_two_engines_sum_per_process(model, tmp_path):
             assert total(s, "vllm:e2e_request_latency_seconds_count") == served[url]
             assert not any(n.startswith(("vllm:generation", "matinee_generation", "vllm:num_requests"))
                            for n, _ in s), "a gateway repeats the engines' own metrics"
+
+        # Each gateway's dashboard stream shows every engine it routes to, each with its own counters
+        # (as the gateway last polled them: a snapshot or two may lag).
+        for url in gateway_urls:
+            with urllib.request.urlopen(url + "/dashboard/stream", timeout=30) as r:
+                events = (json.loads(line[6:]) for line in r if line.startswith(b"data: "))
+                for _, snapshot in zip(range(20), events):
+                    if sum(e["generation_tokens"] for e in snapshot["engines"].values()) == 6 * 4:
+                        break
+                else:
+                    raise AssertionError(f"the stream never showed the 24 tokens generated: {snapshot}")
+            assert sorted(snapshot["engines"]) == sorted(f"engine-{n.args[n.args.index('--listen-port') + 1]}"
+                                                         for n in engines.values())
 
         # One engine leaves (drains and exits): what every remaining process counted stays.
         leaving = engine_urls[0]
