@@ -6,6 +6,7 @@ engine twice. Adding a metric is one row in `SERIES`.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -19,6 +20,12 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Finer at the bottom than vLLM's: on an idle engine a request waits well under 0.3 s.
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATENCY_BUCKETS
+
+
+def model_name_from_path(path: str) -> str:
+    """The model's name as clients and `model_name` labels see it: the folder's or file's name."""
+    base = os.path.basename(os.path.normpath(path)) or path
+    return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
 
 
 def kv_usage(s: EngineStats) -> float:
