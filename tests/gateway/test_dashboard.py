@@ -150,9 +150,10 @@ def test_the_dashboard_in_chromium_moves_with_load(tiny_servers):
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait.until(lambda d: d.find_element(By.ID, "status").text == "live")
 
-        def generated() -> int:
-            cells = driver.find_elements(By.CSS_SELECTOR, "#engines tbody td")
-            return int(cells[-1].text) if len(cells) == 9 else -1
+        def generated() -> int:   # read in one script: the table is redrawn every second
+            cells = driver.execute_script(
+                "return [...document.querySelectorAll('#engines tbody td')].map((c) => c.textContent)")
+            return int(cells[-1]) if len(cells) == 9 else -1
 
         wait.until(lambda d: generated() > 0 and d.find_element(By.ID, "v-tps").text not in ("–", "0"))
         before = generated()
