@@ -131,7 +131,7 @@ def _load(base: str, stop: threading.Event) -> None:
 
 
 @pytest.mark.slow
-def test_the_dashboard_in_chromium_moves_with_load(tiny_servers):
+def test_the_dashboard_in_chromium_moves_with_load(tiny_servers, capsys):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -164,7 +164,8 @@ def test_the_dashboard_in_chromium_moves_with_load(tiny_servers):
         time.sleep(6)   # a few seconds of history on the charts for the screenshot
         shot = os.path.join(ARTIFACTS, "dashboard.png")
         driver.save_screenshot(shot)
-        print(f"dashboard screenshot: {shot}")
+        with capsys.disabled():   # shown on a passing run too
+            print(f"\ndashboard screenshot: {shot}")
         assert _console_errors(driver) == []
     finally:
         stop.set()
@@ -173,7 +174,7 @@ def test_the_dashboard_in_chromium_moves_with_load(tiny_servers):
 
 
 @pytest.mark.slow
-def test_the_plan_page_in_chromium_matches_the_chapter_and_follows_a_slider(tiny_servers):
+def test_the_plan_page_in_chromium_matches_the_chapter_and_follows_a_slider(tiny_servers, capsys):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -195,7 +196,8 @@ def test_the_plan_page_in_chromium_matches_the_chapter_and_follows_a_slider(tiny
         assert driver.find_element(By.ID, "gpus-needed").get_attribute("data-gpus") == "7"
         shot = os.path.join(ARTIFACTS, "plan.png")
         driver.save_screenshot(shot)
-        print(f"plan page screenshot: {shot}")
+        with capsys.disabled():
+            print(f"\nplan page screenshot: {shot}")
         # One step left on the context slider: 64K tokens, half the KV cache.
         slider = driver.find_element(By.ID, "context")
         driver.execute_script("arguments[0].value = +arguments[0].value - 1;"
