@@ -18,7 +18,7 @@ from tests.cluster import harness as h
 COMPOSE = os.path.join(h.ROOT, "compose.yaml")
 GPU = os.path.join(h.ROOT, "compose.gpu.yaml")
 DOCKERFILE = os.path.join(h.ROOT, "Dockerfile")
-MONITORING = os.path.join(h.ROOT, "monitoring")
+MONITORING = os.path.join(h.ROOT, "gateway", "monitoring")
 REDIS_PASSWORD = "0123456789abcdef"
 ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET, "MATINEE_REDIS_PASSWORD": REDIS_PASSWORD}
 
