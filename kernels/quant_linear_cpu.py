@@ -12,7 +12,7 @@ by prepare_int4 with _convert_weight_to_int4pack_for_cpu. Its math is
 w = (q - 8) * scale + offset per group, offset = (8 - zero) * scale, with scales and offsets
 [K // G, N, 2] in the activation dtype; it needs N a multiple of 16 (padded here with zero
 rows) and groups of 32, 64, 128 or 256. Prepare it for bfloat16: with float32 activations torch
-2.13 takes a path 25x slower at one row on this CPU (bench/quant_linear_cpu.py).
+2.13 takes a path 24-31x slower at one row on this CPU (bench/quant_linear_cpu.py).
 Reference: quant_matmul.py (int8_dynamic_linear, linear).
 """
 
