@@ -19,6 +19,7 @@ from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
 from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
@@ -68,7 +69,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top)
     state.check_capacity(params.n)
-    rid = uuid.uuid4().hex
+    rid = _engine_request_id(request)
     fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival)
@@ -85,7 +86,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
                              req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
     state.check_capacity(params.n * len(prompts))
-    rid = uuid.uuid4().hex
+    rid = _engine_request_id(request)
     fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,
                            params.n * len(prompts), req.logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
@@ -113,6 +114,11 @@ async def off_loop(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _engine_request_id(request: web.Request) -> str:
+    """The HTTP request's id, unless the client chose it: the engine's ids must be unique."""
+    return uuid.uuid4().hex if request[CLIENT_REQUEST_ID] else request_id(request)
+
+
 def _include_usage(req: protocol._Common) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
@@ -120,7 +126,7 @@ def _include_usage(req: protocol._Common) -> bool:
 async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
                    include_usage: bool) -> web.StreamResponse:
     state.generations.add(gen)
-    with bound(request_id=gen.request_id):   # on every log line of this request
+    with bound(engine_request_id=gen.request_id):   # beside the HTTP request's id on its log lines
         try:
             gen.start()
             if stream:

@@ -32,22 +32,23 @@ async def ready(request: web.Request) -> web.Response:
     return unavailable(f"Not ready: {reason}.").response()
 
 
-def _model_card(state) -> dict:
-    return {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "matinee",
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "matinee",
             "root": state.engine.model_path, "max_model_len": state.engine.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
-    return _json({"object": "list", "data": [_model_card(state)]})
+    return _json({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
-    state.check_model(request.match_info["model"])
-    return _json(_model_card(state))
+    name = request.match_info["model"]
+    state.check_model(name)
+    return _json(_model_card(state, name))
 
 
 async def metrics(request: web.Request) -> web.Response:
