@@ -1,17 +1,21 @@
-"""The route table: generation endpoints plus models, health, readiness, metrics, tokenize."""
+"""The route table: generation endpoints plus models, health, readiness, metrics, tokenize, and
+the OpenAPI document of them all."""
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 import msgspec
 from aiohttp import web
 
-from gateway import handlers, protocol
+from gateway import api_types, handlers, openapi, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
+from gateway.openapi import Endpoint
 
 _encode = msgspec.json.Encoder().encode
 _STARTED = int(time.time())
+_VERSION = importlib.metadata.version("matinee")
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -92,15 +96,29 @@ async def detokenize(request: web.Request) -> web.Response:
     return _json({"prompt": text})
 
 
-ROUTES = [
-    web.post("/v1/chat/completions", handlers.chat_completions),
-    web.post("/v1/completions", handlers.completions),
-    web.get("/v1/models", list_models),
-    web.get("/v1/models/{model:.+}", get_model),
-    web.get("/health", health),
-    web.get("/ready", ready),
-    web.get("/metrics", metrics),
-    web.post("/tokenize", tokenize),
-    web.post("/detokenize", detokenize),
+async def openapi_json(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json(openapi.document(ENDPOINTS, "Matinee", _VERSION, with_keys=bool(state.config.api_keys)))
+
+
+ENDPOINTS = [
+    Endpoint("POST", "/v1/chat/completions", handlers.chat_completions, "A chat completion",
+             protocol.ChatRequest, api_types.ChatCompletion, streams=True),
+    Endpoint("POST", "/v1/completions", handlers.completions, "A text completion",
+             protocol.CompletionRequest, api_types.Completion, streams=True),
+    Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
+    Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
+    Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,
+             protected=False),
+    Endpoint("GET", "/ready", ready, "Whether the engine can serve (503 until then)",
+             response=api_types.Status, protected=False),
+    Endpoint("GET", "/metrics", metrics, "Prometheus metrics", content_type="text/plain"),
+    Endpoint("POST", "/tokenize", tokenize, "Token ids of a prompt or a conversation",
+             protocol.TokenizeRequest, api_types.TokenizeResponse),
+    Endpoint("POST", "/detokenize", detokenize, "The text of token ids",
+             protocol.DetokenizeRequest, api_types.DetokenizeResponse),
+    Endpoint("GET", "/openapi.json", openapi_json, "This document", content_type="application/json",
+             protected=False),
 ]
-UNPROTECTED = frozenset({"/health", "/ready"})
+ROUTES = [web.route(e.method, e.path, e.handler) for e in ENDPOINTS]
+UNPROTECTED = frozenset(e.path for e in ENDPOINTS if not e.protected)

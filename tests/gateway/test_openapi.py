@@ -1,0 +1,90 @@
+"""/openapi.json: a valid OpenAPI 3 document listing every route the gateway serves, each of which
+answers; schemathesis then sends generated requests to every operation: never a 5xx, and every
+response matches the documented schema."""
+import openapi_spec_validator
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
+
+from gateway.config import GatewayConfig
+from gateway.routes import ENDPOINTS
+from tests.gateway import http_util as http
+
+KEY = "openapi-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# One example body per operation that has one, for the route-exists check.
+EXAMPLES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [5, 6]},
+}
+
+
+@pytest.fixture(scope="module")
+def short_server(tiny_model_folder):
+    """A tiny engine with a 96-token context, so no generated request runs long."""
+    from actors.config import EngineConfig
+    from tests.gateway.live import LiveServer
+
+    live = LiveServer(EngineConfig(model=tiny_model_folder, dtype="float32", num_blocks=128, block_size=16,
+                                   max_num_seqs=32, max_num_batched_tokens=256, max_model_len=96,
+                                   num_threads=1))
+    live.start()
+    try:
+        yield live.add_app(GatewayConfig(api_key=KEY, served_model_name="tiny", max_body_bytes=64 << 10,
+                                         disable_access_log=True))
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def document(short_server):
+    r = http.get(short_server + "/openapi.json")   # no key needed
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    return r.json()
+
+
+def test_the_document_is_valid_openapi_3(document):
+    openapi_spec_validator.validate(document)
+    assert document["openapi"].startswith("3.1")
+    schemas = document["components"]["schemas"]
+    assert {"ChatRequest", "CompletionRequest", "ChatCompletion", "Completion", "ErrorResponse"} <= set(schemas)
+    assert "messages" in schemas["ChatRequest"]["required"]
+    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert "security" not in document["paths"]["/health"]["get"]
+
+
+def test_every_route_is_documented_and_every_documented_route_answers(short_server, document):
+    from gateway.routes import ROUTES
+
+    served = {(r.method, r.path) for r in ROUTES}
+    assert served == {(e.method, e.path) for e in ENDPOINTS}
+    documented = {(m.upper(), p) for p, ops in document["paths"].items() for m in ops}
+    assert documented == {(e.method, e.openapi_path) for e in ENDPOINTS}
+    for method, path in sorted(documented):
+        url = short_server + path.replace("{model}", "tiny")
+        r = http.request(method, url, headers=AUTH, json_body=EXAMPLES.get(path))
+        assert r.status_code == 200, (method, path, r.status_code, r.text[:300])
+
+
+@pytest.fixture(scope="module")
+def api_schema(document):
+    return schemathesis.openapi.from_dict(document)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: f"{e.method} {e.openapi_path}")
+def test_generated_requests_never_get_a_5xx_and_match_the_schema(short_server, api_schema, endpoint):
+    operation = api_schema[endpoint.openapi_path][endpoint.method]
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy())
+    def generated(case):
+        case.call_and_validate(base_url=short_server, headers=AUTH,
+                               checks=[not_a_server_error, content_type_conformance,
+                                       response_schema_conformance])
+
+    generated()
