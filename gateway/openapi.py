@@ -28,6 +28,7 @@ class Endpoint:
     content_type: str = "application/json"
     streams: bool = False                # `"stream": true` answers text/event-stream
     protected: bool = True               # needs an API key when the server has some
+    example: dict | None = None          # a request body that works (documented, and tested so)
 
     @property
     def openapi_path(self) -> str:
@@ -53,8 +54,10 @@ def document(endpoints: list[Endpoint], title: str, version: str, with_keys: boo
                               "responses": {"200": {"description": "OK", "content": content},
                                             "default": error}}
         if e.request is not None:
-            op["requestBody"] = {"required": True,
-                                 "content": {"application/json": {"schema": ref[e.request]}}}
+            body: dict[str, Any] = {"schema": ref[e.request]}
+            if e.example is not None:
+                body["example"] = e.example
+            op["requestBody"] = {"required": True, "content": {"application/json": body}}
         params = _PARAM.findall(e.path)
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}

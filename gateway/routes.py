@@ -103,9 +103,11 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 ENDPOINTS = [
     Endpoint("POST", "/v1/chat/completions", handlers.chat_completions, "A chat completion",
-             protocol.ChatRequest, api_types.ChatCompletion, streams=True),
+             protocol.ChatRequest, api_types.ChatCompletion, streams=True,
+             example={"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 16}),
     Endpoint("POST", "/v1/completions", handlers.completions, "A text completion",
-             protocol.CompletionRequest, api_types.Completion, streams=True),
+             protocol.CompletionRequest, api_types.Completion, streams=True,
+             example={"prompt": "The capital of France is", "max_tokens": 8}),
     Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
     Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
     Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,
@@ -114,9 +116,9 @@ ENDPOINTS = [
              response=api_types.Status, protected=False),
     Endpoint("GET", "/metrics", metrics, "Prometheus metrics", content_type="text/plain"),
     Endpoint("POST", "/tokenize", tokenize, "Token ids of a prompt or a conversation",
-             protocol.TokenizeRequest, api_types.TokenizeResponse),
+             protocol.TokenizeRequest, api_types.TokenizeResponse, example={"prompt": "Hello world"}),
     Endpoint("POST", "/detokenize", detokenize, "The text of token ids",
-             protocol.DetokenizeRequest, api_types.DetokenizeResponse),
+             protocol.DetokenizeRequest, api_types.DetokenizeResponse, example={"tokens": [5, 6]}),
     Endpoint("GET", "/openapi.json", openapi_json, "This document", content_type="application/json",
              protected=False),
 ]

@@ -4,6 +4,7 @@ response matches the documented schema."""
 import openapi_spec_validator
 import pytest
 import schemathesis
+from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
 
@@ -13,13 +14,6 @@ from tests.gateway import http_util as http
 
 KEY = "openapi-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# One example body per operation that has one, for the route-exists check.
-EXAMPLES = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
-    "/v1/completions": {"prompt": "Hi", "max_tokens": 2},
-    "/tokenize": {"prompt": "Hi"},
-    "/detokenize": {"tokens": [5, 6]},
-}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +55,12 @@ def test_every_route_is_documented_and_every_documented_route_answers(short_serv
 
     served = {(r.method, r.path) for r in ROUTES}
     assert served == {(e.method, e.path) for e in ENDPOINTS}
-    documented = {(m.upper(), p) for p, ops in document["paths"].items() for m in ops}
-    assert documented == {(e.method, e.openapi_path) for e in ENDPOINTS}
-    for method, path in sorted(documented):
+    documented = {(m.upper(), p): op for p, ops in document["paths"].items() for m, op in ops.items()}
+    assert set(documented) == {(e.method, e.openapi_path) for e in ENDPOINTS}
+    for (method, path), op in sorted(documented.items()):
         url = short_server + path.replace("{model}", "tiny")
-        r = http.request(method, url, headers=AUTH, json_body=EXAMPLES.get(path))
+        body = op["requestBody"]["content"]["application/json"]["example"] if "requestBody" in op else None
+        r = http.request(method, url, headers=AUTH, json_body=body)   # the documented example works
         assert r.status_code == 200, (method, path, r.status_code, r.text[:300])
 
 
@@ -77,14 +72,25 @@ def api_schema(document):
 @pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: f"{e.method} {e.openapi_path}")
 def test_generated_requests_never_get_a_5xx_and_match_the_schema(short_server, api_schema, endpoint):
+    """40 requests the schema allows (most fail the range checks: 400s), and for a body 20 it does
+    not (wrong types, missing fields, a wrong key: 4xx) and the documented example."""
     operation = api_schema[endpoint.openapi_path][endpoint.method]
+    strategies = [(operation.as_strategy(GenerationMode.POSITIVE), 40)]
+    if endpoint.request is not None:   # a body to get wrong, and a documented example
+        strategies.append((operation.as_strategy(GenerationMode.NEGATIVE), 20))
+        strategies += [(s, 1) for s in operation.get_strategies_from_examples()]
+    statuses = []
+    for strategy, examples in strategies:
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def generated(case):
+            r = case.call_and_validate(base_url=short_server, headers=AUTH,
+                                       checks=[not_a_server_error, content_type_conformance,
+                                               response_schema_conformance])
+            statuses.append(r.status_code)
 
-    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(operation.as_strategy())
-    def generated(case):
-        case.call_and_validate(base_url=short_server, headers=AUTH,
-                               checks=[not_a_server_error, content_type_conformance,
-                                       response_schema_conformance])
-
-    generated()
+        generated()
+    assert statuses
+    if endpoint.request is not None:   # and the engine was reached, not only the checks before it
+        assert 200 in statuses and 400 in statuses
