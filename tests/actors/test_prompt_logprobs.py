@@ -95,3 +95,19 @@ async def test_n_samples_get_the_prompt_logprobs_once(engine):
     assert len(carrying[0].prompt_logprobs) == 39 and all(lp.top == [] for lp in carrying[0].prompt_logprobs)
     one = await _run(eng, sink, ref, "one", [7], SamplingParams(max_tokens=1, prompt_logprobs=2))
     assert one[0].prompt_logprobs == []   # one prompt token: nothing before it to predict it
+
+
+def test_llm_returns_prompt_logprobs(tiny_model_dir):
+    from actors import LLM
+
+    prompt = prompts(6, lens=(20,))[0]
+    want = hf_prompt_logprobs(tiny_model_dir("llama"), prompt)
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", num_threads=1, num_blocks=16)
+    try:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    finally:
+        llm.shutdown()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p, entry in enumerate(out.prompt_logprobs[1:]):
+        assert entry[prompt[p + 1]] == pytest.approx(want[p][prompt[p + 1]].item(), abs=1e-4)
+        assert int(want[p].argmax()) in entry
