@@ -111,3 +111,27 @@ def test_llm_returns_prompt_logprobs(tiny_model_dir):
     for p, entry in enumerate(out.prompt_logprobs[1:]):
         assert entry[prompt[p + 1]] == pytest.approx(want[p][prompt[p + 1]].item(), abs=1e-4)
         assert int(want[p].argmax()) in entry
+
+
+def test_a_rerun_chunk_computes_no_prompt_logprob_twice(tiny_model_dir):
+    """The worker alone: a chunk run again from position 0 (a preempted sequence recomputes) adds
+    nothing twice, and the logprobs go out once, with the first token."""
+    from actors.messages import NewSequence, ScheduledSeq, StepPlan
+    from actors.worker.model_runner import ModelRunner
+    from actors.worker.worker_actor import WorkerActor
+
+    prompt = prompts(7, lens=(37,))[0]
+    want = hf_prompt_logprobs(tiny_model_dir("llama"), prompt)
+    worker = WorkerActor(ModelRunner(tiny_model_dir("llama"), dtype="float32", num_blocks=8, num_threads=1), None)
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0)
+    table = [0, 1, 2]
+    first = StepPlan(0, [ScheduledSeq(0, prompt[:16], 0, table, False)], [NewSequence(0, prompt, params, None)])
+    assert worker.step(first).outputs == []
+    rerun = StepPlan(1, [ScheduledSeq(0, prompt[:20], 0, table, False)])   # from 0 again, 4 more
+    assert worker.step(rerun).outputs == []
+    last = worker.step(StepPlan(2, [ScheduledSeq(0, prompt[20:], 20, table, True)])).outputs[0]
+    got = last.prompt_logprobs
+    assert [lp.token_id for lp in got] == prompt[1:]
+    assert [lp.logprob for lp in got] == pytest.approx([want[p][prompt[p + 1]].item() for p in range(36)], abs=1e-4)
+    again = worker.step(StepPlan(3, [ScheduledSeq(0, [last.token_ids[0]], 37, table, True)])).outputs[0]
+    assert again.prompt_logprobs is None and len(again.token_ids) == 1
