@@ -23,10 +23,10 @@ class GatewayConfig:
     port: int = field(default=8000, metadata={"help": "the HTTP API's port"})
     api_key: list[str] | None = field(default=None, metadata={
         "help": "require `Authorization: Bearer KEY`; repeat it, or give several, for several keys "
-                "(default: $MATINEE_API_KEY, else none)", "secret": True, "nargs": "+"})
+                "(default: $MATINEE_API_KEY, else none)", "secret": True, "nargs": "+", "metavar": "KEY"})
     served_model_name: list[str] | None = field(default=None, metadata={
         "help": "the `model` names clients may use, the first one reported (unset: derived from the "
-                "model path)", "nargs": "+"})
+                "model path)", "nargs": "+", "metavar": "NAME"})
     max_waiting: int = field(default=256, metadata={
         "help": "requests waiting for their first token before new ones get 429"})
     max_body_bytes: int = field(default=4 << 20, metadata={
@@ -40,7 +40,8 @@ class GatewayConfig:
         "help": "a file of API keys, one a line (blank lines and lines starting with # are skipped), "
                 "accepted besides --api-key"})
     allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata={
-        "help": "origins a browser page may call the API from (CORS), as vLLM: * for any", "nargs": "+"})
+        "help": "origins a browser page may call the API from (CORS), as vLLM: * for any", "nargs": "+",
+        "metavar": "ORIGIN"})
     disable_access_log: bool = field(default=False, metadata={
         "help": "no log line per HTTP request (method, path, status, duration, request id)"})
     chat_template: str | None = field(default=None, metadata={

@@ -123,7 +123,8 @@ def add_flags(group, cls: type, environ: Mapping[str, str] | None = None) -> Non
                                         help=f.metadata["help"])
         elif "nargs" in f.metadata:
             action = group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
-                                        nargs=f.metadata["nargs"], action=_Many, help=f.metadata["help"])
+                                        nargs=f.metadata["nargs"], action=_Many, help=f.metadata["help"],
+                                        metavar=f.metadata.get("metavar"))
         else:
             action = group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
                                         choices=f.metadata.get("choices"), help=f.metadata["help"])
