@@ -6,7 +6,6 @@ streams included). One `http request` line per request tells method, path, statu
 """
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -46,9 +45,7 @@ def request_log_middleware(access_log: bool):
             except web.HTTPException as e:   # redirects and the like, which aiohttp answers itself
                 status = e.status
                 raise
-            except (ConnectionResetError, asyncio.CancelledError):
-                raise
-            finally:
+            finally:   # also when the client went away (cancelled): logged as 499
                 if access_log:
                     log.info("http request", method=request.method, path=request.path, status=status,
                              duration_ms=round((time.monotonic() - start) * 1000, 1),
