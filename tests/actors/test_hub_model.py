@@ -33,10 +33,11 @@ def hub_cache(tmp_path_factory, tiny_model_dir):
     return cache
 
 
-def _resolve(model: str, cache: str, **env) -> subprocess.CompletedProcess:
+def _resolve(model: str, cache: str, call: str = "local_model_path(sys.argv[1])", **env) -> subprocess.CompletedProcess:
     """In a fresh process: huggingface_hub reads its environment once, at import."""
     code = ("import sys\nfrom actors.hub_model import local_model_path\n"
-            "try:\n    print(local_model_path(sys.argv[1]))\n"
+            "from actors.worker.model_source import resolve_model_source\n"
+            f"try:\n    print({call})\n"
             "except ValueError as e:\n    print(e, file=sys.stderr); sys.exit(2)\n")
     return subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, cwd=ROOT,
                           timeout=120, env={**os.environ, "HF_HUB_CACHE": cache, **env})
@@ -62,6 +63,13 @@ def test_a_cached_snapshot_serves_offline(hub_cache):
     path = done.stdout.strip()
     assert path == os.path.join(hub_cache, "models--tiny-org--tiny-llama", "snapshots", REVISION)
     assert json.load(open(os.path.join(path, "config.json")))["model_type"] == "llama"
+
+
+def test_every_model_path_takes_a_hub_id(hub_cache):
+    """The model source behind the engine's model, a draft model and the tokenizer."""
+    done = _resolve(REPO, hub_cache, "resolve_model_source(sys.argv[1])", HF_HUB_OFFLINE="1")
+    assert done.returncode == 0, done.stderr
+    assert "kind='hf'" in done.stdout and REVISION in done.stdout
 
 
 def test_a_cached_snapshot_serves_when_the_hub_is_unreachable(hub_cache):
