@@ -29,10 +29,16 @@ class Endpoint:
     streams: bool = False                # `"stream": true` answers text/event-stream
     protected: bool = True               # needs an API key when the server has some
     example: dict | None = None          # a request body that works (documented, and tested so)
+    endless: bool = False                # a stream that never ends on its own (the dashboard's)
 
     @property
     def openapi_path(self) -> str:
         return _PARAM.sub(r"{\1}", self.path)
+
+    @property
+    def operation_id(self) -> str:
+        """get_v1_models_model: unique per method and path, as OpenAPI wants."""
+        return f"{self.method.lower()}_" + re.sub(r"\W+", "_", self.openapi_path).strip("_")
 
 
 def document(endpoints: list[Endpoint], title: str, version: str, with_keys: bool) -> dict[str, Any]:
@@ -45,12 +51,12 @@ def document(endpoints: list[Endpoint], title: str, version: str, with_keys: boo
     for e in endpoints:
         if e.response is not None:
             content = {e.content_type: {"schema": ref[e.response]}}
-        else:   # a body without a struct: a JSON object (this document), or text
-            kind = "object" if e.content_type == "application/json" else "string"
-            content = {e.content_type: {"schema": {"type": kind}}}
+        else:   # a body without a struct: a JSON object (this document), text, or a page's file
+            kind = {"application/json": {"type": "object"}, "*/*": {}}.get(e.content_type, {"type": "string"})
+            content = {e.content_type: {"schema": kind}}
         if e.streams:
             content["text/event-stream"] = {"schema": {"type": "string"}}
-        op: dict[str, Any] = {"operationId": e.handler.__name__, "summary": e.summary,
+        op: dict[str, Any] = {"operationId": e.operation_id, "summary": e.summary,
                               "responses": {"200": {"description": "OK", "content": content},
                                             "default": error}}
         if e.request is not None:

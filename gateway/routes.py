@@ -7,8 +7,9 @@ import time
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, handlers, openapi, protocol
+from gateway import api_types, dashboard, handlers, openapi, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 from gateway.openapi import Endpoint
@@ -57,13 +58,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.client is not None and state.client.alive:
-        try:
-            state.metrics.update_engine(await state.client.stats(timeout=2.0))
-        except Exception:   # a slow or gone engine must not break scraping of the rest
-            pass
-    return web.Response(text=state.metrics.render(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    await state.metrics.refresh(state.client)
+    return web.Response(text=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -122,5 +118,18 @@ ENDPOINTS = [
     Endpoint("GET", "/openapi.json", openapi_json, "This document", content_type="application/json",
              protected=False),
 ]
+
+
+def _dashboard(route: web.RouteDef) -> Endpoint:
+    """A route of the dashboard (gateway/dashboard.py, gateway/planner.py): a page, a script or
+    style sheet, or the data the pages draw; the planner's body is its PlanRequest."""
+    plans = route.handler is planner.compute
+    return Endpoint(route.method, route.path, route.handler, "The dashboard: a page, an asset or its data",
+                    planner.PlanRequest if plans else None, content_type="*/*",
+                    protected=route.path not in dashboard.PUBLIC, endless=route.handler is dashboard.stream,
+                    example={"model": "llama-3-8b", "context_len": 8192, "concurrency": 4} if plans else None)
+
+
+ENDPOINTS += [_dashboard(r) for r in dashboard.ROUTES + planner.ROUTES]
 ROUTES = [web.route(e.method, e.path, e.handler) for e in ENDPOINTS]
 UNPROTECTED = frozenset(e.path for e in ENDPOINTS if not e.protected)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from actors.engine_metrics import model_name_from_path
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, not_found, unavailable
@@ -35,15 +36,6 @@ class EngineHandle:
 
 
 EngineLauncher = Callable[[ActorSystem], Awaitable[EngineHandle]]
-
-
-def model_name_from_path(path: str) -> str:
-    """A folder's or GGUF file's name; a hub cache's snapshot folder is named by its repo id."""
-    parts = os.path.normpath(path).split(os.sep)
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3].removeprefix("models--").replace("--", "/")
-    base = os.path.basename(os.path.normpath(path)) or path
-    return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
 
 
 @dataclass
@@ -76,6 +68,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_names = self.config.model_names or [model_name_from_path(engine.model_path) or "matinee"]
         self.model_name = self.model_names[0]
+        self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
     @property

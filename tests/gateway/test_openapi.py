@@ -57,9 +57,15 @@ def test_every_route_is_documented_and_every_documented_route_answers(short_serv
     assert served == {(e.method, e.path) for e in ENDPOINTS}
     documented = {(m.upper(), p): op for p, ops in document["paths"].items() for m, op in ops.items()}
     assert set(documented) == {(e.method, e.openapi_path) for e in ENDPOINTS}
+    endless = {e.openapi_path for e in ENDPOINTS if e.endless}
     for (method, path), op in sorted(documented.items()):
         url = short_server + path.replace("{model}", "tiny")
         body = op["requestBody"]["content"]["application/json"]["example"] if "requestBody" in op else None
+        if path in endless:   # its headers say it answers; its body never ends
+            conn, resp = http.open_request(method, url, headers=AUTH)
+            conn.close()
+            assert resp.status == 200, path
+            continue
         r = http.request(method, url, headers=AUTH, json_body=body)   # the documented example works
         assert r.status_code == 200, (method, path, r.status_code, r.text[:300])
 
@@ -70,7 +76,8 @@ def api_schema(document):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: f"{e.method} {e.openapi_path}")
+@pytest.mark.parametrize("endpoint", [e for e in ENDPOINTS if not e.endless],
+                         ids=lambda e: f"{e.method} {e.openapi_path}")
 def test_generated_requests_never_get_a_5xx_and_match_the_schema(short_server, api_schema, endpoint):
     """40 requests the schema allows (most fail the range checks: 400s), and for a body 20 it does
     not (wrong types, missing fields, a wrong key: 4xx) and the documented example."""
