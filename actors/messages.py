@@ -128,6 +128,7 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
+    weight_bytes: int = 0                 # model weights resident in memory (WorkerInfo's)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -185,6 +186,7 @@ class WorkerInfo(msgspec.Struct, tag=True):
     max_model_len: int                # the model's own context length
     vocab_size: int
     eos_token_ids: list[int]
+    weight_bytes: int = 0             # the model's weights as they sit in memory (quantized or not)
 
 
 # --- scheduler <-> KV manager ---------------------------------------------------------------------

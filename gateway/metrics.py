@@ -111,6 +111,7 @@ class GatewayMetrics:
         self.requests_waiting = r.gauge("matinee_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_blocks_total = r.gauge("matinee_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_blocks_free = r.gauge("matinee_kv_blocks_free", "KV cache blocks free or evictable.")
+        self.weight_bytes = r.gauge("matinee_model_weight_bytes", "Model weight bytes resident (quantized or not).")
         self.prefix_queried = r.counter("matinee_prefix_cache_queried_tokens_total",
                                         "Prompt tokens looked up in the prefix cache.")
         self.prefix_hit = r.counter("matinee_prefix_cache_hit_tokens_total",
@@ -136,6 +137,7 @@ class GatewayMetrics:
         self.requests_waiting.set(stats.requests_waiting)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.weight_bytes.set(stats.weight_bytes)
         self.prefix_queried.set(stats.prefix_cache_queried_tokens)
         self.prefix_hit.set(stats.prefix_cache_hit_tokens)
         self.prompt_tokens.set(stats.prompt_tokens)
