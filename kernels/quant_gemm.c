@@ -6,7 +6,8 @@
  * exact int32 dot product: u8 x s8 through vpdpbusd where the CPU has AVX-512 VNNI, maddubs + madd
  * on AVX2. Q4 nibbles (0..15) are the unsigned operand; Q4_0's -8 and Q8_0's +128 (its bytes are
  * made unsigned by an xor with 0x80 on VNNI) come back as -8 or -128 times the block's sum of x,
- * which the quantizer counts once per row. The int32 sums are scaled per block in float32.
+ * which the quantizer counts once per row. The int32 sums are scaled per block in float32 and added
+ * up block after block, in the order the torch reference adds them: the two agree bit for bit.
  *
  * The packed weight is [ceil(N/16), K/32, GROUP_BYTES]: 16 output rows (one int32 lane each) of one
  * 32-column block together: 16 float16 scales d, for Q4_1 16 float16 minimums m, then the values
@@ -41,7 +42,7 @@ typedef __m512 vf;
 #define ANDI _mm512_and_si512
 #define SRLI16 _mm512_srli_epi16
 #define CVT _mm512_cvtepi32_ps
-#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
 #define VMUL _mm512_mul_ps
 #define VSET1 _mm512_set1_ps
 #define VZERO _mm512_setzero_ps
@@ -79,7 +80,7 @@ typedef __m256 vf;
 #define ANDI _mm256_and_si256
 #define SRLI16 _mm256_srli_epi16
 #define CVT _mm256_cvtepi32_ps
-#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
 #define VMUL _mm256_mul_ps
 #define VSET1 _mm256_set1_ps
 #define VZERO _mm256_setzero_ps
@@ -97,6 +98,9 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
 #define DOT_S8 dot_s8
 #endif
 #define LANES (GR / HALVES)
+/* A product kept apart from the sum it enters: no fused multiply-add, so every output is the float32
+ * sequence quant_linear.reference_matmul computes, bit for bit. */
+#define KEEP(v) __asm__("" : "+v"(v))
 
 static inline long group_bytes(int type) {
     return type == Q8_0 ? 2 * GR + GR * QK : type == Q4_0 ? 2 * GR + GR * QK / 2 : 4 * GR + GR * QK / 2;
@@ -173,10 +177,18 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
             }
         }
         vf dw = LOAD_F16(blk + h * LANES * 2);
-        for (int i = 0; i < MR; i++) facc[i] = VFMA(CVT(acc[i]), VMUL(dw, VSET1(xd[i * nb + b])), facc[i]);
+        for (int i = 0; i < MR; i++) {
+            vf t = VMUL(CVT(acc[i]), VMUL(dw, VSET1(xd[i * nb + b])));
+            KEEP(t);
+            facc[i] = VADD(facc[i], t);
+        }
         if (type == Q4_1) {
             vf mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
-            for (int i = 0; i < MR; i++) facc[i] = VFMA(mw, VSET1(xd[i * nb + b] * (float)xs[i * nb + b]), facc[i]);
+            for (int i = 0; i < MR; i++) {
+                vf t = VMUL(mw, VSET1(xd[i * nb + b] * (float)xs[i * nb + b]));
+                KEEP(t);
+                facc[i] = VADD(facc[i], t);
+            }
         }
     }
     for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);

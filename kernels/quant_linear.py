@@ -142,8 +142,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def reference_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """quant_gemm.c's math in plain torch: per block, exact integer dot products (float32 holds them
-    exactly: at most 32 * 127 * 128) scaled by d_w * d_x, plus Q4_1's m_w * d_x * sum(x)."""
+    """quant_gemm.c's math in plain torch, bit for bit: per block, exact integer dot products (float32
+    holds them exactly: at most 32 * 127 * 128) times d_w * d_x, plus Q4_1's m_w * (d_x * sum(x)),
+    added to the output block after block."""
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
     q, d, m = _parts(weight)
@@ -152,12 +153,14 @@ def reference_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
     for start in range(0, x.shape[0], step):
         xq, xd, xs = quantize_rows(x[start:start + step])
         dots = torch.einsum("mbk,nbk->mnb", xq, q)
-        y = dots * (d[None] * xd[:, None])
-        if m is not None:
-            y = y + m[None] * (xd * xs)[:, None]
-        out[start:start + step] = y.sum(dim=-1)
+        y = torch.zeros(xq.shape[0], weight.out_features)
+        for b in range(q.shape[1]):
+            y = y + dots[:, :, b] * (d[None, :, b] * xd[:, None, b])
+            if m is not None:
+                y = y + m[None, :, b] * (xd[:, b] * xs[:, b])[:, None]
+        out[start:start + step] = y
     if bias is not None:
-        out += bias.float()
+        out = out + bias.float()
     return out.to(x.dtype)
 
 
