@@ -87,9 +87,6 @@ class GGUFWeights:
         raw = self._unpermuted(gname, self._file.raw(gname))
         return QuantTensor(info.qtype, torch.from_numpy(np.array(raw, order="C")), info.shape[1])
 
-    def qtype_name(self, name: str) -> str:
-        return GGMLQuantizationType(self._tensors[self._stored_name(name)].qtype).name
-
     def tensor_bytes(self) -> int:
         """What the file's tensors take, as stored: the measure resident weights are held to."""
         return sum(self._file.nbytes(name) for name in self._tensors)

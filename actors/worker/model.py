@@ -67,6 +67,7 @@ class DecoderModel:
         cfg = self.config
         progress = load_progress(cfg.num_layers + 1, label)
         quantize = quantization == "auto" and self.ops.prepare_quantized is not None and self.device.type == "cpu"
+        prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
 
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
@@ -85,7 +86,6 @@ class DecoderModel:
                 return packed
             return prepare(torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0]))
 
-        prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
             self.embed = self.lm_head = matmul_weight("model.embed_tokens.weight")
