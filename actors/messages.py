@@ -12,6 +12,18 @@ from runtime import ActorRef, register_messages
 # --- gateway / offline front end <-> scheduler ---------------------------------------------------
 
 
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """What the output must match; the worker masks every token that cannot lead there.
+
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (spec unused), "regex",
+    "choice" (spec: a JSON list of strings), "grammar" (GBNF-style EBNF with a `root` rule), or
+    "structural_tag" (xgrammar's structural tag as JSON text). See actors/grammar.py.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's names and defaults. temperature 0 means greedy; top_k 0 or -1 means off."""
 
@@ -35,6 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # them in with every EOS id it stops on, so a client never needs to know them.
     eos_token_ids: list[int] = []
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None   # constrained decoding; it ends at the grammar's end
 
     def __post_init__(self) -> None:
         if self.n < 1:

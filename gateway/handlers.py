@@ -21,6 +21,7 @@ from gateway.generation import Generation
 from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
+from gateway.structured import structured_output
 from gateway.state import GatewayState
 from runtime import bound, get_logger
 
@@ -66,7 +67,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top)
+    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
+                             structured=await structured_output(req))
     state.check_capacity(params.n)
     rid = uuid.uuid4().hex
     fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
@@ -83,7 +85,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p)
                for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]
     params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
-                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
+                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS,
+                             structured=await structured_output(req))
     state.check_capacity(params.n * len(prompts))
     rid = uuid.uuid4().hex
     fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,

@@ -40,6 +40,28 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body, kw_only=True):
+    """vLLM's `structured_outputs`: one of these constraints."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None   # accepted: our chunks carry no obfuscation padding
@@ -68,6 +90,13 @@ class _Common(_Body, kw_only=True):
     skip_special_tokens: bool | None = None
     user: str | None = None               # accepted: an end-user id, not used
     safety_identifier: str | None = None  # accepted: OpenAI's successor to `user`, not used
+    # Structured outputs (gateway/structured.py): OpenAI's response_format, vLLM's names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
