@@ -33,6 +33,9 @@ class GatewayConfig:
     read_timeout_s: float = field(default=30.0, metadata={
         "help": "seconds a client has to send a request's headers, and then its body",
         "flag": "read-timeout"})
+    tool_call_parser: str = field(default="hermes", metadata={
+        "help": "the model's tool-call format, parsed into tool_calls (vLLM's names)",
+        "choices": ("hermes", "llama3_json")})
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.structured import structured_output
+from gateway.tools import chat_tools, template_message
 from gateway.state import GatewayState
 from runtime import bound, get_logger
 
@@ -64,14 +65,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
     # The template sees reasoning_effort; one that has no use for it renders as before.
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
+    tools = chat_tools(req, state.config.tool_call_parser)
+    if tools is not None:
+        kwargs["tools"] = tools.template
     prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
-                             structured=await structured_output(req))
+                             structured=await structured_output(req, tools and tools.forced))
     state.check_capacity(params.n)
     rid = uuid.uuid4().hex
-    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
+    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top,
+                     tools.parser if tools is not None else None)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
@@ -99,8 +104,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def render_chat(tokenizer, messages: list[protocol.ChatMessage],
                       add_generation_prompt: bool, **template_kwargs) -> list[int]:
     """The conversation through the model's chat template, as token ids (off the loop when long)."""
-    msgs = [{"role": "system" if m.role == "developer" else m.role,
-             "content": protocol.message_text(m)} for m in messages]
+    msgs = [template_message(m, i) for i, m in enumerate(messages)]
     try:
         return await off_loop(sum(len(m["content"]) for m in msgs),
                               tokenizer.apply_chat_template, msgs, add_generation_prompt,

@@ -21,7 +21,7 @@ MAX_LOGIT_BIAS = 300   # entries, as OpenAI allows
 MAX_PROMPTS = 128   # prompts in one completions request
 MAX_SEQUENCES = 128  # prompts x n: the sequences one request may put in the queue
 PRIORITY_RANGE = (-(2 ** 15), 2 ** 15 - 1)
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -34,10 +34,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool message: the call it answers
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Body):
@@ -106,6 +140,10 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     # Accepted; the chat template decides whether it matters (none of ours reads it).
     reasoning_effort: str | None = None
+    # Tool calling (gateway/tools.py).
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -232,6 +270,12 @@ def validate_chat(req: ChatRequest) -> None:
                                   param=f"messages[{i}].content[{j}]")
         elif m.content is None and m.role != "assistant":
             raise invalid(f"messages[{i}] has no content.", param=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise invalid(f"messages[{i}] is a tool message without `tool_call_id`.",
+                          param=f"messages[{i}].tool_call_id")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise invalid(f"Only assistant messages carry `tool_calls`, messages[{i}] is {m.role!r}.",
+                          param=f"messages[{i}].tool_calls")
     if req.top_logprobs is not None:
         _range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
         if not req.logprobs:

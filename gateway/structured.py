@@ -17,9 +17,10 @@ from gateway.errors import invalid
 from gateway.protocol import _Common
 
 
-async def structured_output(req: _Common) -> StructuredOutput | None:
-    """The request's constraint, checked; None when it asks for none."""
-    found = _requested(req)
+async def structured_output(req: _Common, tool_calls: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The request's constraint, checked; None when it asks for none. `tool_calls`: the grammar
+    of the calls a `tool_choice` forces (gateway/tools.py), one constraint like the others."""
+    found = _requested(req) + ([(tool_calls, "tools")] if tool_calls is not None else [])
     if not found:
         return None
     if len(found) > 1:

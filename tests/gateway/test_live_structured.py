@@ -91,3 +91,65 @@ def test_a_bad_schema_is_a_400_naming_it(smol):
     # The engine was never asked: it still answers.
     ok = smol.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _streamed_calls(chunks) -> tuple[str, list[dict], str]:
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += tc.id or ""
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(smol, stream):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=MODEL, tools=[WEATHER, CLOCK], temperature=1.0, max_tokens=100)
+    # One call: a model this small, free to go on calling, may call until max_tokens.
+    first = smol.chat.completions.create(messages=messages, tool_choice="required", parallel_tool_calls=False,
+                                         stream=stream, **kw)
+    if stream:
+        _, calls, finish = _streamed_calls(first)
+    else:
+        finish = first.choices[0].finish_reason
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in first.choices[0].message.tool_calls]
+    assert finish == "tool_calls" and len(calls) == 1
+    for call in calls:
+        assert call["name"] in ("get_weather", "get_time") and call["id"]
+        schema = (WEATHER if call["name"] == "get_weather" else CLOCK)["function"]["parameters"]
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+    messages.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls]})
+    messages += [{"role": "tool", "tool_call_id": c["id"], "content": "18 C and sunny"} for c in calls]
+    final = smol.chat.completions.create(messages=messages, stream=stream, **{**kw, "max_tokens": 24})
+    if stream:
+        content, calls, finish = _streamed_calls(final)
+    else:
+        content, calls, finish = final.choices[0].message.content, final.choices[0].message.tool_calls, \
+            final.choices[0].finish_reason
+    assert content and not calls and finish in ("stop", "length")
+
+
+def test_a_named_tool_choice_makes_one_call_to_it(smol):
+    r = smol.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                     tools=[WEATHER, CLOCK], max_tokens=100, temperature=1.0,
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
