@@ -74,6 +74,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("a structured output ends where its grammar ends: it cannot be combined "
+                             "with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:

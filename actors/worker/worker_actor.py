@@ -98,13 +98,21 @@ class WorkerActor(Actor):
             error = failed.get(s.seq_id)
             if error is None and s.sample:
                 out, logprobs = tokens[s.seq_id]
-                error = _outside_vocab(out, vocab)
+                error = _outside_vocab(out, vocab) or self._keep(s.seq_id, out)
             if error is not None:
                 outputs.append(SeqOutput(s.seq_id, [], None, len(s.spec_token_ids), error))
             elif s.sample:
-                self.states[s.seq_id].append(out)
                 outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids)))
         return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+
+    def _keep(self, seq_id: int, token_ids: list[int]) -> str | None:
+        """Appends the tokens to the sequence's state; an error when its grammar refuses one (the
+        mask makes that impossible: it ends that sequence, never the step)."""
+        try:
+            self.states[seq_id].append(token_ids)
+        except ValueError as e:
+            return str(e)
+        return None
 
     async def _compile_grammars(self, plan: StepPlan) -> None:
         """The grammars of the plan's new sequences into the compiler's cache, on a thread."""

@@ -119,3 +119,9 @@ def test_speculation_follows_the_masked_target(tok, compiler):
     assert counts[forbidden] == 0
     df = int((target > 0).sum()) - 1
     assert _chi2(counts, target) < _chi2_critical(df)
+
+
+def test_a_structured_output_cannot_outlive_its_grammar():
+    for extra in ({"ignore_eos": True}, {"min_tokens": 3}):
+        with pytest.raises(ValueError, match="grammar"):
+            SamplingParams(structured=SPEC, **extra)
