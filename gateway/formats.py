@@ -5,9 +5,9 @@ One class per endpoint, so the streaming loop and the collecting loop are writte
 from __future__ import annotations
 
 from gateway.generation import ChoiceDelta
-from gateway.tool_parsers import ToolCallStream
 from gateway.responses import (Envelope, TokenStrings, chat_choice, chat_delta, chat_logprobs,
                                completion_choice, completion_logprobs, merge_completion_logprobs)
+from gateway.tool_parsers import ToolCallStream
 
 
 class _Collected:

@@ -21,9 +21,9 @@ from gateway.generation import Generation
 from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
+from gateway.state import GatewayState
 from gateway.structured import structured_output
 from gateway.tools import chat_tools, template_message
-from gateway.state import GatewayState
 from runtime import bound, get_logger
 
 _encode = msgspec.json.Encoder().encode
