@@ -43,20 +43,21 @@ class GatewayNodeConfig:
 
 
 class ClusterMetrics(GatewayMetrics):
-    """The gateway's metrics followed by the pool's (routing, index latency, migrations)."""
+    """The gateway's own metrics and the pool's (routing, index latency, migrations); no engine's."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(engine_in_process=False)
         self.pool: PoolMetrics | None = None
 
-    def render(self) -> str:
-        text = super().render()
-        return text + self.pool.render() if self.pool is not None else text
+    def attach_pool(self, pool: PoolMetrics) -> None:
+        self.pool = pool
+        self.registry.register(pool)
 
 
 def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = None):
     async def launch(system: ActorSystem) -> EngineHandle:
         from actors.config import default_model_path
+        from actors.hub_model import TOKENIZER_FILES, local_model_path
         from actors.tokenizer import load_tokenizer
         from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
         from runtime.redis_registry import RedisRegistry
@@ -67,7 +68,8 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
         salts = TenantSalts(b"tenant-salt:" + node.secret)
         pool = EnginePool(system, registry, router, node.pool, salts)
         await pool.start()
-        tokenizer_path = node.tokenizer or default_model_path()
+        tokenizer_path = await asyncio.to_thread(local_model_path, node.tokenizer or default_model_path(),
+                                                 TOKENIZER_FILES)
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         info = await pool.wait_for_engine()
 
@@ -76,7 +78,7 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
             await registry.close()
 
         if metrics is not None:   # shown once the gateway can serve
-            metrics.pool = pool.metrics
+            metrics.attach_pool(pool.metrics)
         return EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer, max_model_len=info.max_model_len,
                             model_path=info.model or tokenizer_path, close=close, client=pool,
                             priority_scheduling=info.priority_scheduling)

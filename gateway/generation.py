@@ -23,11 +23,13 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    # On each choice's first delta when the request asked for them: its prompt's logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class _Choice:
     __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t", "started",
-                 "abort_pending")
+                 "abort_pending", "prompt_sent")
 
     def __init__(self, sample: SampleText) -> None:
         self.sample = sample
@@ -37,12 +39,14 @@ class _Choice:
         self.last_t = 0.0
         self.started = False        # the engine has sent this sample something
         self.abort_pending = False  # stopped by a stop string; abort once every sample started
+        self.prompt_sent = False    # its prompt logprobs went out with a delta
 
 
 class _Sub:
     """One prompt's engine request (n samples)."""
 
-    __slots__ = ("request_id", "first", "choices", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "first", "choices", "num_prompt_tokens", "num_cached_tokens",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, first: int, choices: list[_Choice], num_prompt: int) -> None:
         self.request_id = request_id
@@ -50,6 +54,7 @@ class _Sub:
         self.choices = choices
         self.num_prompt_tokens = num_prompt
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None   # from sample 0, for every sample
 
 
 class Generation:
@@ -121,7 +126,7 @@ class Generation:
             # after the sample finished here): either way the client hears of an error.
             ch.finish_reason, ch.engine_done = "error", True
             self._open -= 1
-            self._metrics.requests_total.inc(1, "error")
+            self._metrics.finished("error")
             raise RequestFailed(d.error or "The engine ended this request before it finished.")
         if ch.finish_reason is not None:
             ch.engine_done = ch.engine_done or d.finish_reason is not None
@@ -131,13 +136,18 @@ class Generation:
         if self._first_token_at is None:
             self._first_token_at = now
             m.ttft.observe(now - self._arrival)
-        elif ch.last_t and d.token_ids:
-            m.itl.observe(now - ch.last_t)
+        elif ch.last_t and d.token_ids:   # per token: a delta may carry several (speculative decoding)
+            m.itl.observe((now - ch.last_t) / len(d.token_ids), len(d.token_ids))
         if d.token_ids:
             ch.last_t = now
         sub.num_prompt_tokens = d.num_prompt_tokens or sub.num_prompt_tokens
         sub.num_cached_tokens = max(sub.num_cached_tokens, d.num_cached_tokens)
         ch.num_tokens += len(d.token_ids)
+        if d.prompt_logprobs is not None:
+            sub.prompt_logprobs = d.prompt_logprobs
+        prompt_lps = None
+        if sub.prompt_logprobs is not None and not ch.prompt_sent:
+            ch.prompt_sent, prompt_lps = True, sub.prompt_logprobs
         text = ch.sample.push(d.token_ids)
         if ch.sample.stopped:
             ch.finish_reason = "stop"
@@ -148,11 +158,11 @@ class Generation:
             ch.engine_done = True
         if ch.finish_reason is not None:
             self._open -= 1
-            m.requests_total.inc(1, ch.finish_reason)
+            m.finished(ch.finish_reason)
             if not ch.engine_done:   # a stop string matched: this sample need not go on
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
-        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason)
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0
@@ -177,7 +187,7 @@ class Generation:
                 self._client.abort(sub.request_id)
                 for c in sub.choices:
                     if c.finish_reason is None:
-                        self._metrics.requests_total.inc(1, "abort")
+                        self._metrics.finished("abort")
             self._client.release(sub.request_id)
         self.num_waiting = 0
         if self._open == 0:

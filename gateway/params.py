@@ -16,6 +16,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
                     prompt_param: str, logprobs: int | None,
                     default_max_tokens: int | None = None,
+                    prompt_logprobs: int | None = None,
                     structured: StructuredOutput | None = None) -> SamplingParams:
     """`engine` is the gateway's EngineHandle (max_model_len, tokenizer, priority_scheduling)."""
     max_model_len = engine.max_model_len
@@ -69,6 +70,7 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             logit_bias=bias,
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
+            prompt_logprobs=prompt_logprobs,
             structured=structured,
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed

@@ -195,7 +195,8 @@ class SchedulerActor(Actor):
             spec_decode_draft_tokens=c.spec_draft_tokens, spec_decode_accepted_tokens=c.spec_accepted_tokens,
             spec_decode_num_drafts=c.spec_num_drafts,
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
-            spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0)
+            spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
+            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum)
 
 
 def _step_error(error: BaseException) -> str:
