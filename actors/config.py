@@ -13,6 +13,7 @@ from actors.draft.config import SpeculativeConfig
 from actors.hub_model import local_model_path
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none")   # weight formats; auto: a GGUF file's own types, served packed
 KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -43,6 +44,9 @@ class EngineConfig:
         "help": "weights and activations; auto: bfloat16 on CUDA, and on a CPU with bf16 units where a "
                 "probe at the first start finds it faster, else float32", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
+    quantization: str = field(default="auto", metadata={
+        "help": "weight format; auto: a GGUF file's Q8_0/Q4_0/Q4_1 matmul weights stay quantized in memory "
+                "(on the CPU kernels and torch), none: every weight dequantized to --dtype", "choices": QUANTIZATIONS})
     kernels: str = field(default="auto", metadata={
         "help": "auto: triton on CUDA; on the CPU the C kernels where they build, else torch",
         "choices": KERNELS})
@@ -77,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"model path {self.model!r} does not exist")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.device not in DEVICES:

@@ -93,7 +93,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
             spawned.append(draft)
-        scheduler_actor = SchedulerActor(scheduler_config, kv, worker, config.step_timeout_s, draft, spec)
+        scheduler_actor = SchedulerActor(scheduler_config, kv, worker, config.step_timeout_s, draft, spec,
+                                         weight_bytes=info.weight_bytes)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()
@@ -149,4 +150,4 @@ def _make_runner(config: EngineConfig) -> ModelRunner:
     return ModelRunner(config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
                        block_size=config.block_size, num_blocks=config.num_blocks,
                        kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
-                       num_threads=config.num_threads)
+                       num_threads=config.num_threads, quantization=config.quantization)

@@ -51,6 +51,8 @@ SERIES = (
     Series("matinee_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda s: s.requests_waiting),
     Series("matinee_kv_blocks_total", "gauge", "KV cache blocks in the pool.", lambda s: s.kv_blocks_total),
     Series("matinee_kv_blocks_free", "gauge", "KV cache blocks free or evictable.", lambda s: s.kv_blocks_free),
+    Series("matinee_model_weight_bytes", "gauge", "Model weight bytes resident (quantized or not).",
+           lambda s: s.weight_bytes),
     Series("matinee_prefix_cache_queried_tokens", "counter", "Prompt tokens looked up in the prefix cache.",
            lambda s: s.prefix_cache_queried_tokens),
     Series("matinee_prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache.",

@@ -154,6 +154,7 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
     queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
     queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
+    weight_bytes: int = 0                 # model weights resident in memory (WorkerInfo's)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -212,6 +213,7 @@ class WorkerInfo(msgspec.Struct, tag=True):
     max_model_len: int                # the model's own context length
     vocab_size: int
     eos_token_ids: list[int]
+    weight_bytes: int = 0             # the model's weights as they sit in memory (quantized or not)
 
 
 # --- scheduler <-> KV manager ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The peers of a side-by-side benchmark (Matinee's and vLLM's servers, vLLM's offline run) and their
-lifecycle: command lines, environment, start, readiness, stop.
+"""The peers of a side-by-side benchmark (Matinee's, vLLM's and llama.cpp's servers, vLLM's offline run)
+and their lifecycle: command lines, environment, start, readiness, stop.
 
 Only one engine may run at a time on a small machine (two measure each other). vLLM's worker
 processes can outlive their parent, so every vLLM run ends by checking that no `VLLM::` process of
@@ -24,6 +24,8 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # tokens, 2026-12-01): "0-1" 125.6 tok/s against 70.9 for "auto", which leaves vLLM one OpenMP thread.
 VLLM_OMP_BIND = "0-1"
 SERVED_NAME = "smollm2"
+LLAMACPP_SERVER = "/tmp/llamacpp/build/bin/llama-server"   # built by /work/shared/peers/setup_llamacpp.sh
+LLAMACPP_SLOT_TOKENS = 2048   # KV per parallel slot (-c is split evenly between the -np slots)
 
 
 def vllm_env(bind: str = VLLM_OMP_BIND, base: dict | None = None, python: str = VLLM_PYTHON) -> dict:
@@ -48,10 +50,18 @@ def vllm_serve_cmd(port: int, dtype: str, model: str = VLLM_MODEL, python: str =
             "--dtype", dtype, "--max-model-len", "2048"]
 
 
-def matinee_serve_cmd(port: int, dtype: str, model: str | None = None, threads: int | None = None) -> list[str]:
+def llamacpp_serve_cmd(port: int, model: str, slots: int, threads: int = 2,
+                       server: str = LLAMACPP_SERVER) -> list[str]:
+    """llama-server on the GGUF as it is, `slots` sequences decoded together (continuous batching)."""
+    return [server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME,
+            "-np", str(slots), "-c", str(slots * LLAMACPP_SLOT_TOKENS), "-t", str(threads)]
+
+
+def matinee_serve_cmd(port: int, dtype: str, model: str | None = None, threads: int | None = None,
+                      quantization: str = "auto") -> list[str]:
     """`matinee serve` (the console script is `gateway.cli:main`), run by this interpreter."""
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--dtype", dtype,
-           "--served-model-name", SERVED_NAME, "--log-level", "WARNING"]
+           "--quantization", quantization, "--served-model-name", SERVED_NAME, "--log-level", "WARNING"]
     if model:
         cmd += ["--model", model]
     if threads:
@@ -129,11 +139,20 @@ class Server:
         self.leftovers: list[int] = []
 
     @classmethod
-    def matinee(cls, dtype: str, log_dir: str, model: str | None = None, threads: int | None = None) -> Server:
+    def matinee(cls, dtype: str, log_dir: str, model: str | None = None, threads: int | None = None,
+                quantization: str = "auto") -> Server:
         port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1")
-        return cls(f"matinee-{dtype}", matinee_serve_cmd(port, dtype, model, threads), env, "/ready", port,
-                   os.path.join(log_dir, f"matinee-{dtype}.log"))
+        label = f"matinee-{dtype}" + ("" if quantization == "auto" else f"-{quantization}")
+        return cls(label, matinee_serve_cmd(port, dtype, model, threads, quantization), env, "/ready", port,
+                   os.path.join(log_dir, f"{label}.log"))
+
+    @classmethod
+    def llamacpp(cls, log_dir: str, model: str, slots: int, threads: int = 2,
+                 server: str = LLAMACPP_SERVER) -> Server:
+        port = free_port()
+        return cls(f"llamacpp-t{threads}", llamacpp_serve_cmd(port, model, slots, threads, server), dict(os.environ),
+                   "/health", port, os.path.join(log_dir, f"llamacpp-t{threads}.log"), cwd="/tmp")
 
     @classmethod
     def vllm(cls, dtype: str, log_dir: str, bind: str = VLLM_OMP_BIND, model: str = VLLM_MODEL,

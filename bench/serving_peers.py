@@ -1,4 +1,5 @@
-"""`matinee serve` against vLLM's CPU server at fixed concurrency levels, one server at a time.
+"""`matinee serve` against vLLM's CPU server or llama.cpp's llama-server at fixed concurrency levels,
+one server at a time.
 
 `python -m bench.serving_peers --peers vllm --concurrency 1,8,32 --json out.json` starts Matinee
 (each `--dtype` in turn), runs every level, stops it; then vLLM's OpenAI server (each
@@ -7,7 +8,9 @@ itself: two servers on two cores measure each other. Workload: prompts of exactl
 random token ids (/v1/completions, so both see the same tokens), `--output-len` tokens each with
 ignore_eos, streamed; max(--min-requests, 2 x concurrency) requests per level, fresh prompts per
 level (no prefix-cache hits across levels). Reports output tok/s, TTFT and ITL p50/p90 per level,
-and Matinee's figures over vLLM's.
+and Matinee's figures over the peer's. `--peers llamacpp` runs llama-server on the same GGUF
+(`--llamacpp-model`, Matinee's default model's file unless given), with as many slots as the
+highest level and `--llamacpp-threads` threads.
 """
 from __future__ import annotations
 
@@ -42,10 +45,14 @@ def _dtypes(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.serving_peers", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--peers", default="vllm", choices=["vllm", "none"], help="the peer after Matinee")
+    p.add_argument("--peers", default="vllm", choices=["vllm", "llamacpp", "none"], help="the peer after Matinee")
     p.add_argument("--concurrency", type=_levels, default=[1, 8, 32], help="fixed concurrency levels")
     p.add_argument("--dtype", type=_dtypes, default=["auto"], help="Matinee's dtypes, each a server run")
     p.add_argument("--vllm-dtype", type=_dtypes, default=["bfloat16"], help="vLLM's dtypes, each a server run")
+    p.add_argument("--quantization", default="auto", help="Matinee's --quantization")
+    p.add_argument("--llamacpp-model", default=None, help="llama-server's GGUF (default: Matinee's default model)")
+    p.add_argument("--llamacpp-threads", type=int, default=2, help="llama-server's -t")
+    p.add_argument("--llamacpp-server", default=peers.LLAMACPP_SERVER)
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (ignore_eos)")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level: max(this, 2 x level)")
@@ -63,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def servers(args: argparse.Namespace) -> list[peers.Server]:
     """Matinee's runs first, then the peer's: the order they run in, one at a time."""
-    out = [peers.Server.matinee(d, args.log_dir, args.model, args.threads) for d in args.dtype]
+    out = [peers.Server.matinee(d, args.log_dir, args.model, args.threads, args.quantization) for d in args.dtype]
+    if args.peers == "llamacpp":
+        from actors.worker.model_source import default_model_path
+
+        out.append(peers.Server.llamacpp(args.log_dir, args.llamacpp_model or default_model_path(),
+                                         max(args.concurrency), args.llamacpp_threads, args.llamacpp_server))
     if args.peers == "vllm":
         out += [peers.Server.vllm(d, args.log_dir, args.vllm_omp_bind, args.vllm_model, args.vllm_python)
                 for d in args.vllm_dtype]
@@ -115,9 +127,9 @@ def ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
 
 
 def compare(results: dict[str, dict]) -> dict[str, list[dict]]:
-    """Every Matinee run over every vLLM run, keyed "matinee-X/vllm-Y"."""
+    """Every Matinee run over every peer run, keyed "matinee-X/vllm-Y" (or ".../llamacpp-tN")."""
     ours = [k for k in results if k.startswith("matinee")]
-    theirs = [k for k in results if k.startswith("vllm")]
+    theirs = [k for k in results if not k.startswith("matinee")]
     return {f"{a}/{b}": ratios(results[a]["runs"], results[b]["runs"]) for a in ours for b in theirs}
 
 

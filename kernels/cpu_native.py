@@ -1,4 +1,5 @@
-"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c):
+"""The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
+quant_gemm.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -26,10 +27,10 @@ import structlog
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
-                                                             "cpu_layer_ops.c")]
+                                                             "cpu_layer_ops.c", "quant_gemm.c")]
 HEADERS = [Path(__file__).with_name("bf16.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
-AVX2 = ["-mavx2", "-mfma"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
 X86 = ("x86_64", "amd64", "i386", "i686")   # the sources use x86 vector intrinsics (immintrin.h)
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
@@ -118,6 +119,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_
     lib.matinee_packed_width.argtypes = []
+    lib.matinee_quant_gemm.restype = int_
+    lib.matinee_quant_gemm.argtypes = [ptr, int_, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
+    lib.matinee_quant_width.restype = int_
+    lib.matinee_quant_width.argtypes = []
     for dtype in ("f32", "bf16"):   # cpu_layer_ops.c
         for name, restype, args in (("rms_norm", None, [ptr] * 5 + [long_] * 2 + [ctypes.c_float, int_]),
                                     ("rope", int_, [ptr] * 4 + [long_] * 7 + [int_]),

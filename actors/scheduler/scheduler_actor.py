@@ -27,13 +27,14 @@ NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
 class SchedulerActor(Actor):
     def __init__(self, cfg: SchedulerConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
-                 draft: ActorRef | None = None, spec: SpecController | None = None):
+                 draft: ActorRef | None = None, spec: SpecController | None = None, weight_bytes: int = 0):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
         self.spec = self.scheduler.spec
         self.kv = kv
         self.worker = worker
         self.draft = draft
         self.step_timeout_s = step_timeout_s
+        self.weight_bytes = weight_bytes   # reported in the stats as the worker stated it
         self._step: Pipe | None = None   # the step in flight, until its outcome is handled
         self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
@@ -196,7 +197,8 @@ class SchedulerActor(Actor):
             spec_decode_num_drafts=c.spec_num_drafts,
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
-            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum)
+            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
+            weight_bytes=self.weight_bytes)
 
 
 def _step_error(error: BaseException) -> str:

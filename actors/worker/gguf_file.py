@@ -65,24 +65,29 @@ class GGUFFile:
         self.tensors = {name: GGUFTensorInfo(name, shape, qtype, data_start + off)
                         for name, shape, qtype, off in infos}
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's stored data in the layout gguf.quants.dequantize expects."""
+    def nbytes(self, name: str) -> int:
+        """The tensor's stored size in bytes."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self.tensors[name]
-        qtype = GGMLQuantizationType(info.qtype)
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
         rows, cols = info.shape[:-1], info.shape[-1]
         if cols % block:
             raise ValueError(f"GGUF tensor {name}: row of {cols} is not a multiple of the block size {block}")
-        row_bytes = cols // block * type_size
-        nbytes = int(np.prod(rows, dtype=np.int64)) * row_bytes
-        data = self._mm[info.offset:info.offset + nbytes]
+        return int(np.prod(rows, dtype=np.int64)) * (cols // block * type_size)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored data in the layout gguf.quants.dequantize expects."""
+        from gguf.constants import GGMLQuantizationType
+
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.qtype)
+        data = self._mm[info.offset:info.offset + self.nbytes(name)]
         if qtype == GGMLQuantizationType.F32:
             return data.view(np.float32).reshape(info.shape)
         if qtype == GGMLQuantizationType.F16:
             return data.view(np.float16).reshape(info.shape)
-        return data.reshape(*rows, row_bytes)
+        return data.reshape(*info.shape[:-1], -1)
 
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(fmt, self._buf, self._pos)

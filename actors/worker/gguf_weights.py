@@ -1,4 +1,5 @@
-"""Reads a GGUF file (llama, qwen2): metadata into a ModelConfig, tensors dequantized on demand.
+"""Reads a GGUF file (llama, qwen2): metadata into a ModelConfig, tensors dequantized on demand, or
+handed over in their stored blocks for the quantized kernels.
 
 Tensors are exposed under Hugging Face names so one model class serves both formats. llama.cpp
 permutes the rows of Q and K for its interleaved RoPE on llama; we undo that to get the neox layout.
@@ -15,6 +16,7 @@ from gguf.constants import GGMLQuantizationType
 from actors.worker.dequant import dequantize
 from actors.worker.gguf_file import GGUFFile
 from actors.worker.model_config import ModelConfig, ModelLoadError
+from kernels.quant_linear import QuantTensor, supported
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -69,16 +71,38 @@ class GGUFWeights:
         return set(self._tensors)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        gname = _gguf_name(name)
-        if gname is None or gname not in self._tensors:
-            raise ModelLoadError(f"GGUF file {self.path} lacks the tensor {gname or name!r} (for {name})")
-        array = self._array(gname)
-        if self.config.family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
-            array = _unpermute_rows(array, heads)
+        gname = self._stored_name(name)
+        array = self._unpermuted(gname, self._array(gname))
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # F32 tensors come as read-only views of the mmap
         return torch.from_numpy(array).to(dtype)
+
+    def quantized(self, name: str) -> QuantTensor | None:
+        """The tensor's stored blocks (rows in the model's order) where a quantized kernel reads its
+        type; None for float tensors and types that are only dequantized."""
+        gname = self._stored_name(name)
+        info = self._tensors[gname]
+        if not supported(info.qtype) or len(info.shape) != 2:
+            return None
+        raw = self._unpermuted(gname, self._file.raw(gname))
+        return QuantTensor(info.qtype, torch.from_numpy(np.array(raw, order="C")), info.shape[1])
+
+    def tensor_bytes(self) -> int:
+        """What the file's tensors take, as stored: the measure resident weights are held to."""
+        return sum(self._file.nbytes(name) for name in self._tensors)
+
+    def _stored_name(self, name: str) -> str:
+        gname = _gguf_name(name)
+        if gname is None or gname not in self._tensors:
+            raise ModelLoadError(f"GGUF file {self.path} lacks the tensor {gname or name!r} (for {name})")
+        return gname
+
+    def _unpermuted(self, gname: str, array: np.ndarray) -> np.ndarray:
+        """Rows as the model reads them: llama's Q and K rows (whole rows, dequantized or stored) back in neox order."""
+        if self.config.family == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if "attn_q" in gname else self.config.num_kv_heads
+            array = _unpermute_rows(array, heads)
+        return array
 
     def _array(self, gname: str) -> np.ndarray:
         return dequantize(self._file.raw(gname), GGMLQuantizationType(self._tensors[gname].qtype))

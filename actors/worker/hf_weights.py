@@ -53,5 +53,9 @@ class HFWeights:
             raise ModelLoadError(f"checkpoint {path} lacks the tensor {name!r}: {e}") from None
         return tensor.to(dtype)
 
+    def quantized(self, name: str) -> None:
+        """Safetensors hold no GGUF blocks: every tensor is read as floats."""
+        return None
+
     def close(self) -> None:
         self._handles.clear()

@@ -14,8 +14,10 @@ from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
 from kernels.packed_linear import PackedWeight
+from kernels.quant_linear import QuantTensor, QuantWeight
 
-Weight = torch.Tensor | PackedWeight    # a matmul weight as ops.prepare_weight left it
+Weight = torch.Tensor | PackedWeight | QuantWeight   # a matmul weight as ops.prepare_weight / prepare_quantized left it
+QUANTIZATIONS = ("auto", "none")   # auto: GGUF types the kernels read stay packed; none: all dequantized
 
 
 @dataclass
@@ -56,21 +58,40 @@ class DecoderModel:
         self.lm_head: Weight | None = None
         self.cos_sin_cache = _cos_sin_cache(config).to(self.device)
 
-    def load_weights(self, weights, label: str = "loading weights") -> None:
-        """`weights` has get(hf_name, dtype) -> tensor; raises ModelLoadError for a missing tensor."""
+    def load_weights(self, weights, label: str = "loading weights", quantization: str = "none") -> None:
+        """`weights` has get(hf_name, dtype) -> tensor and quantized(hf_name) -> QuantTensor | None; raises
+        ModelLoadError for a missing tensor. quantization "auto" keeps every matmul weight whose stored
+        type the ops read quantized (GGUF blocks, never a float copy); "none" dequantizes all."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         cfg = self.config
         progress = load_progress(cfg.num_layers + 1, label)
+        quantize = quantization == "auto" and self.ops.prepare_quantized is not None and self.device.type == "cpu"
+        prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
 
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
 
-        prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
+        def quantized(*names: str) -> QuantWeight | None:
+            """The rows of `names` stacked, in their stored blocks, where the ops read them so."""
+            if not quantize:
+                return None
+            parts = [weights.quantized(n) for n in names]
+            fused = QuantTensor.cat(parts) if all(p is not None for p in parts) else None
+            return None if fused is None else self.ops.prepare_quantized(fused, self.dtype)
+
+        def matmul_weight(*names: str) -> Weight:
+            packed = quantized(*names)
+            if packed is not None:
+                return packed
+            return prepare(torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0]))
+
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
-            self.embed = self.lm_head = prepare(get("model.embed_tokens.weight"))
+            self.embed = self.lm_head = matmul_weight("model.embed_tokens.weight")
         else:
-            self.embed = get("model.embed_tokens.weight")
-            self.lm_head = prepare(get("lm_head.weight"))
+            self.embed = quantized("model.embed_tokens.weight") or get("model.embed_tokens.weight")
+            self.lm_head = matmul_weight("lm_head.weight")
         progress.update()
         self.layers = []
         for i in range(cfg.num_layers):
@@ -81,19 +102,32 @@ class DecoderModel:
                 qkv_bias = torch.cat([get(attn + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(_Layer(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv_weight=prepare(torch.cat([get(attn + f"{x}_proj.weight") for x in "qkv"])),
+                qkv_weight=matmul_weight(*(attn + f"{x}_proj.weight" for x in "qkv")),
                 qkv_bias=qkv_bias,
                 q_norm=get(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=get(attn + "k_norm.weight") if cfg.qk_norm else None,
-                o_weight=prepare(get(attn + "o_proj.weight")),
+                o_weight=matmul_weight(attn + "o_proj.weight"),
                 o_bias=get(attn + "o_proj.bias") if cfg.o_proj_bias else None,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_weight=prepare(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                down_weight=prepare(get(p + "mlp.down_proj.weight")),
+                gate_up_weight=matmul_weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_weight=matmul_weight(p + "mlp.down_proj.weight"),
             ))
             progress.update()
         progress.close()
         self._check_shapes()
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes resident per weight format ("float", "bf16-packed", "Q4_1", ...), each tensor counted once
+        (a tied embedding is the LM head)."""
+        seen, total = set(), {}
+        tensors = [self.embed, self.lm_head, self.final_norm] + [v for layer in self.layers for v in vars(layer).values()]
+        for t in tensors:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            for kind, size in _resident(t):
+                total[kind] = total.get(kind, 0) + size
+        return total
 
     def _check_shapes(self) -> None:
         cfg = self.config
@@ -150,6 +184,15 @@ class DecoderModel:
             residual = residual.index_select(0, logits_indices)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         return ops.linear(hidden, self.lm_head)
+
+
+def _resident(weight: Weight) -> list[tuple[str, int]]:
+    if isinstance(weight, QuantWeight):
+        return [(weight.name, weight.nbytes)]
+    if isinstance(weight, PackedWeight):
+        plain = [] if weight.plain is None else _resident(weight.plain)
+        return [("bf16-packed", weight.packed.numel() * weight.packed.element_size())] + plain
+    return [("float", weight.numel() * weight.element_size())]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import structlog
 import torch
 
 from actors.memory_plan import blocks_that_fit
@@ -47,7 +48,8 @@ def open_model(source: ModelSource):
 class ModelRunner:
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "float32", kernels: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 device: str | torch.device = "cpu", num_threads: int | None = None) -> None:
+                 device: str | torch.device = "cpu", num_threads: int | None = None,
+                 quantization: str = "none") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -63,9 +65,16 @@ class ModelRunner:
         self.model_config: ModelConfig = config
         self.model = DecoderModel(config, self.ops, self.dtype, self.device)
         try:
-            self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}")
+            self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}",
+                                    quantization=quantization)
+            file_bytes = weights.tensor_bytes() if self.source.kind == "gguf" else None
         finally:
             weights.close()
+        by_format = self.model.weight_bytes()
+        self.weight_bytes = sum(by_format.values())   # resident: what `matinee serve` reports in its stats
+        structlog.get_logger().info("weights resident", bytes=self.weight_bytes, by_format=by_format,
+                                    quantization=quantization, file_tensor_bytes=file_bytes,
+                                    of_file=None if not file_bytes else round(self.weight_bytes / file_bytes, 3))
 
         self.kv_bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)   # as `matinee plan` has it
         self.kv_bytes_per_block = self.kv_bytes_per_token * block_size

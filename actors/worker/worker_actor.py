@@ -63,7 +63,7 @@ class WorkerActor(Actor):
             case GetWorkerInfo():
                 r = self.runner
                 return WorkerInfo(r.num_blocks, r.block_size, r.max_model_len, r.model_config.vocab_size,
-                                  list(r.eos_token_ids))
+                                  list(r.eos_token_ids), r.weight_bytes)
         return await super().receive(msg)
 
     def step(self, plan: StepPlan) -> StepResult:

@@ -50,8 +50,9 @@ def _llama3_freq_factors(cfg) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def hf_folder_to_gguf(folder: str, path: str) -> str:
-    """Writes a float32 GGUF of a tiny llama/qwen2 HF folder, as llama.cpp's converter would."""
+def hf_folder_to_gguf(folder: str, path: str, quantize=None) -> str:
+    """Writes a float32 GGUF of a tiny llama/qwen2 HF folder, as llama.cpp's converter would;
+    `quantize(gguf_name)` may name a GGMLQuantizationType for a 2-D tensor, stored as such."""
     import gguf
 
     cfg = read_hf_config(folder)
@@ -85,7 +86,11 @@ def hf_folder_to_gguf(folder: str, path: str) -> str:
                 a = _llamacpp_permute(a, cfg.num_heads)
             elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 a = _llamacpp_permute(a, cfg.num_kv_heads)
-        w.add_tensor(gname, np.ascontiguousarray(a))
+        qtype = quantize(gname) if quantize is not None and a.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype), raw_dtype=qtype)
     if cfg.rope_scaling:
         w.add_tensor("rope_freqs.weight", _llama3_freq_factors(cfg))
     w.write_header_to_file()

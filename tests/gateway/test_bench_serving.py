@@ -123,6 +123,23 @@ def test_serving_peers_runs_each_server_in_turn_with_its_flags(tmp_path):
             serving_peers.build_parser().parse_args(bad)
 
 
+def test_serving_peers_runs_llamacpp_on_matinees_gguf_with_a_slot_per_stream(tmp_path):
+    from actors.worker.model_source import default_model_path
+    from bench import peers, serving_peers
+
+    args = serving_peers.build_parser().parse_args(
+        ["--peers", "llamacpp", "--concurrency", "1,8,32", "--quantization", "none", "--log-dir", str(tmp_path)])
+    m, llama = serving_peers.servers(args)
+    assert m.label == "matinee-auto-none" and m.cmd[m.cmd.index("--quantization") + 1] == "none"
+    assert llama.label == "llamacpp-t2" and llama.cmd[0] == peers.LLAMACPP_SERVER
+    flag = lambda name: llama.cmd[llama.cmd.index(name) + 1]   # noqa: E731
+    assert flag("-m") == default_model_path() and flag("-t") == "2" and flag("-np") == "32"
+    assert int(flag("-c")) == 32 * peers.LLAMACPP_SLOT_TOKENS and flag("--port") == str(llama.port)
+    assert llama.ready_url == f"http://127.0.0.1:{llama.port}/health"
+    results = {"matinee-auto": {"runs": [_run(1, 30.0, 0.2, 0.03)]}, "llamacpp-t2": {"runs": [_run(1, 20.0, 0.4, 0.06)]}}
+    assert set(serving_peers.compare(results)) == {"matinee-auto/llamacpp-t2"}
+
+
 def test_vllm_env_leaves_threads_to_vllm():
     from bench.peers import vllm_env
 

@@ -106,7 +106,7 @@ def test_speculative_disable_batch_size_flag():
 
 # Every flag of `matinee serve`, so a renamed or dropped one fails here.
 FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-waiting --max-body-bytes
---ping-interval --read-timeout --model --dtype --device --kernels --block-size --num-blocks --kv-cache-memory
+--ping-interval --read-timeout --model --dtype --device --quantization --kernels --block-size --num-blocks --kv-cache-memory
 --max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise

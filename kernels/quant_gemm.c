@@ -1,0 +1,279 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1), repacked once at
+ * load (quant_linear.py) and never widened to float in memory.
+ *
+ * x is quantized on the fly, per block of 32 values, to int8 with one float32 scale (amax / 127,
+ * rounded to nearest even, as quant_linear.reference_matmul does), and each block's product is an
+ * exact int32 dot product: u8 x s8 through vpdpbusd where the CPU has AVX-512 VNNI, maddubs + madd
+ * on AVX2. Q4 nibbles (0..15) are the unsigned operand; Q4_0's -8 and Q8_0's +128 (its bytes are
+ * made unsigned by an xor with 0x80 on VNNI) come back as -8 or -128 times the block's sum of x,
+ * which the quantizer counts once per row. The int32 sums are scaled per block in float32 and added
+ * up block after block, in the order the torch reference adds them: the two agree bit for bit.
+ *
+ * The packed weight is [ceil(N/16), K/32, GROUP_BYTES]: 16 output rows (one int32 lane each) of one
+ * 32-column block together: 16 float16 scales d, for Q4_1 16 float16 minimums m, then the values
+ * as 4-byte columns, [v][row][4]: Q8_0 has 8 vectors v (columns 4v..4v+3), Q4 4 vectors of bytes
+ * whose low nibbles are columns 4v..4v+3 and high nibbles 16+4v.., as in the file's own blocks.
+ * One broadcast of 4 bytes of x multiplies 16 rows at once; a group's blocks are one stream.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QK 32
+#define GR 16
+#define Q4_0 2                      /* ggml's type numbers */
+#define Q4_1 3
+#define Q8_0 8
+#define MAX_CHUNK_BYTES (512L << 10) /* int8 rows of x per pass over the weights: within L2 */
+
+#ifdef __AVX512F__
+#define MR_MAX 8
+#define HALVES 1                    /* 16 lanes of int32 per vector: a whole group */
+#define WIDTH 512
+typedef __m512i vi;
+typedef __m512 vf;
+#define LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define SET1I _mm512_set1_epi32
+#define SET1B _mm512_set1_epi8
+#define ANDI _mm512_and_si512
+#define SRLI16 _mm512_srli_epi16
+#define CVT _mm512_cvtepi32_ps
+#define VADD _mm512_add_ps
+#define VMUL _mm512_mul_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VSTORE _mm512_storeu_ps
+#define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#ifdef __AVX512VNNI__
+#define DOT_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+/* Q8_0 bytes made unsigned (w + 128): the +128 comes back as -128 * sum(x) in the start value. */
+#define Q8_BIAS 128
+#define Q8_PREP(w) _mm512_xor_si512(w, SET1B((char)0x80))
+#define DOT_S8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#else
+static inline vi dot_u8(vi acc, vi w, vi x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+#define DOT_U8 dot_u8
+#define Q8_BIAS 0
+#define Q8_PREP(w) (w)
+/* |w| times x with w's sign: pairs stay within int16 (2 * 128 * 127). */
+static inline vi dot_s8(vi acc, vi w, vi x) {
+    vi sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return dot_u8(acc, _mm512_abs_epi8(w), sx);
+}
+#define DOT_S8 dot_s8
+#endif
+#else
+#define MR_MAX 4
+#define HALVES 2                    /* 8 lanes per vector: two halves of a group */
+#define WIDTH 256
+typedef __m256i vi;
+typedef __m256 vf;
+#define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define SET1I _mm256_set1_epi32
+#define SET1B _mm256_set1_epi8
+#define ANDI _mm256_and_si256
+#define SRLI16 _mm256_srli_epi16
+#define CVT _mm256_cvtepi32_ps
+#define VADD _mm256_add_ps
+#define VMUL _mm256_mul_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VSTORE _mm256_storeu_ps
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, within int16 */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+#define DOT_U8 dot_u8
+#define Q8_BIAS 0
+#define Q8_PREP(w) (w)
+static inline vi dot_s8(vi acc, vi w, vi x) {
+    return dot_u8(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+#define DOT_S8 dot_s8
+#endif
+#define LANES (GR / HALVES)
+/* A product kept apart from the sum it enters: no fused multiply-add, so every output is the float32
+ * sequence quant_linear.reference_matmul computes, bit for bit. */
+#define KEEP(v) __asm__("" : "+v"(v))
+
+static inline long group_bytes(int type) {
+    return type == Q8_0 ? 2 * GR + GR * QK : type == Q4_0 ? 2 * GR + GR * QK / 2 : 4 * GR + GR * QK / 2;
+}
+
+/* One row of x (float32 or bf16) -> int8 values, a float32 scale and the sum of the values per block. */
+static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum) {
+    float v[QK];
+    for (long b = 0; b < K / QK; b++) {
+        for (int j = 0; j < QK; j++)
+            v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
+        __m256 amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int j = 0; j < QK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float scale = _mm_cvtss_f32(m4) / 127.0f;
+        float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        __m256i total = _mm256_setzero_si256();
+        for (int j = 0; j < QK; j += 8) {
+            __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(inv)));  /* nearest even */
+            total = _mm256_add_epi32(total, r);
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, r);
+            for (int l = 0; l < 8; l++) q[b * QK + j + l] = (int8_t)lanes[l];
+        }
+        int32_t t[8];
+        _mm256_storeu_si256((__m256i *)t, total);
+        d[b] = scale;
+        sum[b] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+    }
+}
+
+static inline int32_t bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* MR rows of quantized x times one half of one group (all K/32 blocks) -> tile[MR][GR] at lanes h*LANES. */
+static inline __attribute__((always_inline)) void kernel(const int type, const int MR, const uint8_t *w, long nb,
+                                                         const int8_t *xq, const float *xd, const int32_t *xs,
+                                                         long K, int h, float *tile) {
+    const long gb = group_bytes(type);
+    const long head = type == Q4_1 ? 4 * GR : 2 * GR;
+    vf facc[MR_MAX];
+    for (int i = 0; i < MR; i++) facc[i] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * gb;
+        _mm_prefetch((const char *)(blk + 4 * gb), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * gb + 64), _MM_HINT_T0);
+        const uint8_t *qs = blk + head + h * LANES * 4;
+        vi acc[MR_MAX];
+        for (int i = 0; i < MR; i++) {
+            int32_t s = xs[i * nb + b];
+            acc[i] = SET1I(type == Q8_0 ? -Q8_BIAS * s : type == Q4_0 ? -8 * s : 0);
+        }
+        const int8_t *xb = xq + b * QK;
+        if (type == Q8_0) {
+            for (int v = 0; v < 8; v++) {
+                vi wv = Q8_PREP(LOADI(qs + v * GR * 4));
+                for (int i = 0; i < MR; i++) acc[i] = DOT_S8(acc[i], wv, SET1I(bcast4(xb + i * K + 4 * v)));
+            }
+        } else {
+            const vi low = SET1B(0x0f);
+            for (int c = 0; c < 4; c++) {
+                vi raw = LOADI(qs + c * GR * 4);
+                vi lo = ANDI(raw, low), hi = ANDI(SRLI16(raw, 4), low);
+                for (int i = 0; i < MR; i++) {
+                    acc[i] = DOT_U8(acc[i], lo, SET1I(bcast4(xb + i * K + 4 * c)));
+                    acc[i] = DOT_U8(acc[i], hi, SET1I(bcast4(xb + i * K + 16 + 4 * c)));
+                }
+            }
+        }
+        vf dw = LOAD_F16(blk + h * LANES * 2);
+        for (int i = 0; i < MR; i++) {
+            vf t = VMUL(CVT(acc[i]), VMUL(dw, VSET1(xd[i * nb + b])));
+            KEEP(t);
+            facc[i] = VADD(facc[i], t);
+        }
+        if (type == Q4_1) {
+            vf mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
+            for (int i = 0; i < MR; i++) {
+                vf t = VMUL(mw, VSET1(xd[i * nb + b] * (float)xs[i * nb + b]));
+                KEEP(t);
+                facc[i] = VADD(facc[i], t);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
+}
+
+typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, long, int, float *);
+
+#define INSTANCE(T, MR)                                                                                    \
+    static void kernel_##T##_##MR(const uint8_t *w, long nb, const int8_t *xq, const float *xd,           \
+                                  const int32_t *xs, long K, int h, float *tile) {                         \
+        kernel(T, MR, w, nb, xq, xd, xs, K, h, tile);                                                      \
+    }
+#define INSTANCES(T) INSTANCE(T, 1) INSTANCE(T, 2) INSTANCE(T, 3) INSTANCE(T, 4) MORE_INSTANCES(T)
+#if MR_MAX == 8
+#define MORE_INSTANCES(T) INSTANCE(T, 5) INSTANCE(T, 6) INSTANCE(T, 7) INSTANCE(T, 8)
+#define TABLE(T) {0, kernel_##T##_1, kernel_##T##_2, kernel_##T##_3, kernel_##T##_4, kernel_##T##_5, \
+                  kernel_##T##_6, kernel_##T##_7, kernel_##T##_8}
+#else
+#define MORE_INSTANCES(T)
+#define TABLE(T) {0, kernel_##T##_1, kernel_##T##_2, kernel_##T##_3, kernel_##T##_4}
+#endif
+INSTANCES(2)
+INSTANCES(3)
+INSTANCES(8)
+static const kernel_fn KERNELS_Q4_0[MR_MAX + 1] = TABLE(2);
+static const kernel_fn KERNELS_Q4_1[MR_MAX + 1] = TABLE(3);
+static const kernel_fn KERNELS_Q8_0[MR_MAX + 1] = TABLE(8);
+
+int matinee_quant_width(void) { return WIDTH; }
+
+/* rows x cols of a tile (+ bias) into y, as float32 or bf16. */
+static void emit(const float *tile, int rows, int cols, const float *bias, void *y, int y_bf16, long ldy) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float v = tile[r * GR + c] + (bias ? bias[c] : 0.0f);
+            if (y_bf16)
+                ((uint16_t *)y)[r * ldy + c] = f32_to_bf16(v);
+            else
+                ((float *)y)[r * ldy + c] = v;
+        }
+}
+
+/* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32, K a multiple of 32; w the packed weight
+ * of `type`; bias float32 [N] or NULL; y [M, N] bf16 (y_bf16) or float32. Returns 0, -1 when out of
+ * memory, -2 for a type it does not read. */
+int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
+                       int y_bf16, long M, long N, long K, int threads) {
+    const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1 : type == Q8_0 ? KERNELS_Q8_0 : 0;
+    if (!kernels) return -2;
+    long nb = K / QK, groups = (N + GR - 1) / GR;
+    size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
+    int8_t *xq = aligned_alloc(64, qbytes ? qbytes : 64);
+    float *xd = malloc((M * nb + 1) * sizeof(float));
+    int32_t *xs = malloc((M * nb + 1) * sizeof(int32_t));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -1;
+    }
+    long chunk = MAX_CHUNK_BYTES / K;
+    if (chunk < MR_MAX) chunk = MR_MAX;
+    const long gb = nb * group_bytes(type);
+    const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++)
+            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
+        for (long m0 = 0; m0 < M; m0 += chunk) {
+            long rows = M - m0 < chunk ? M - m0 : chunk;
+#pragma omp for schedule(static) nowait
+            for (long g = 0; g < groups; g++) {
+                float tile[MR_MAX * GR] __attribute__((aligned(64)));
+                int cols = N - g * GR < GR ? (int)(N - g * GR) : GR;
+                long m = m0, left = rows;
+                for (long parts = (rows + MR_MAX - 1) / MR_MAX; left > 0; parts--) {
+                    int mr = (int)((left + parts - 1) / parts);   /* near-equal groups: 9 rows as 5 + 4 */
+                    for (int h = 0; h < HALVES; h++)
+                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, K, h, tile);
+                    emit(tile, mr, cols, bias ? bias + g * GR : 0, (char *)y + (m * N + g * GR) * elem, y_bf16, N);
+                    m += mr;
+                    left -= mr;
+                }
+            }
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""Quantized GGUF files served quantized: tiny random models written with Q8_0 / Q4_0 / Q4_1 tensors
+give, on the CPU kernels, the logits (so the greedy tokens) of a reference whose quantized matmuls and
+embedding are the same math in plain torch, keep no float copy of a matmul weight, and report their bytes.
+
+The reference keeps the CPU backend's other ops: x is quantized to int8 on the way into every
+matmul, so a last-bit difference upstream (torch's RMSNorm against the C one) can move a value
+across a rounding boundary and the two then part by more than any tie; with the same other ops,
+the kernel and its reference agree bit for bit."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker.model_runner import ModelRunner
+from kernels import cpu_native, quant_linear
+from kernels.quant_linear import QuantWeight
+from tests.actors.test_loader_gguf import hf_folder_to_gguf
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no CPU C kernels here")
+
+# The default model's mix (Q4_1 layers, a Q8_0 embedding), and one type throughout.
+MIXES = {"q4_1+q8_0": lambda name: Q.Q8_0 if name.startswith(("token_embd", "output.")) else Q.Q4_1,
+         "q8_0": lambda name: Q.Q8_0, "q4_0": lambda name: Q.Q4_0}
+
+
+def _runner(path, kernels="cpu", quantization="auto"):
+    return ModelRunner(path, dtype="float32", kernels=kernels, block_size=8, num_blocks=32, num_threads=2,
+                       quantization=quantization)
+
+
+def _reference(path) -> ModelRunner:
+    runner = _runner(path)
+    runner.model.ops = replace(runner.model.ops, linear=quant_linear.torch_linear,
+                               embedding=quant_linear.torch_embedding)
+    return runner
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_greedy_parity_with_the_torch_reference_of_the_same_math(arch, mix, tiny_model_dir, tmp_path):
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), MIXES[mix])
+    cpu, ref = _runner(path), _reference(path)
+    for runner in (cpu, ref):
+        model = runner.model
+        layers = [w for layer in model.layers for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                                                        layer.down_weight)]
+        assert all(isinstance(w, QuantWeight) for w in layers + [model.lm_head, model.embed])
+        assert (model.embed is model.lm_head) == (arch == "llama_tied")   # one copy when tied
+    # Prefill: many rows at once; logits at every position.
+    prompts = [list(range(3, 40)), [7, 8, 9, 300, 5]]
+    batch = ForwardBatch([SequenceInput(prompts[0], 0, [0, 1, 2, 3, 4], num_logits=37),
+                          SequenceInput(prompts[1], 0, [5], num_logits=5)])
+    assert torch.equal(cpu.execute(batch), ref.execute(batch))
+    # Decode: one row a step, each runner fed the CPU path's own greedy tokens.
+    seq, blocks = [11, 12, 13], [8, 9, 10, 11]
+    got, want = (r.execute(ForwardBatch([SequenceInput(seq, 0, blocks, 1)])) for r in (cpu, ref))
+    for _ in range(20):
+        assert torch.equal(got, want)
+        token = int(got[-1].argmax())
+        step = ForwardBatch([SequenceInput([token], len(seq), blocks, 1)])
+        seq.append(token)
+        got, want = cpu.execute(step), ref.execute(step)
+
+
+def test_resident_bytes_are_the_files_and_none_dequantizes(tiny_model_dir, tmp_path):
+    from actors.worker.gguf_weights import GGUFWeights
+
+    path = hf_folder_to_gguf(tiny_model_dir("llama_tied"), str(tmp_path / "model.gguf"), MIXES["q4_1+q8_0"])
+    quantized, dequantized = _runner(path), _runner(path, quantization="none")
+    file_bytes = GGUFWeights(path).tensor_bytes()
+    assert quantized.weight_bytes <= 1.15 * file_bytes      # 16-row groups pad nothing here
+    assert not isinstance(dequantized.model.lm_head, QuantWeight)
+    assert dequantized.weight_bytes > 4 * file_bytes        # float32: 4 bytes a value against ~0.6
+    with pytest.raises(ValueError, match="quantization"):
+        _runner(path, quantization="int3")
