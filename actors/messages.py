@@ -12,6 +12,18 @@ from runtime import ActorRef, register_messages
 # --- gateway / offline front end <-> scheduler ---------------------------------------------------
 
 
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """What the output must match; the worker masks every token that cannot lead there.
+
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (spec unused), "regex",
+    "choice" (spec: a JSON list of strings), "grammar" (GBNF-style EBNF with a `root` rule), or
+    "structural_tag" (xgrammar's structural tag as JSON text). See actors/grammar.py.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's names and defaults. temperature 0 means greedy; top_k 0 or -1 means off."""
 
@@ -38,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's extension: the logprob of every prompt token (and the top k at each position), computed
     # at prefill. Such a request reads nothing from the prefix cache: cached positions have no logits.
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None   # constrained decoding; it ends at the grammar's end
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -66,6 +79,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("a structured output ends where its grammar ends: it cannot be combined "
+                             "with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:

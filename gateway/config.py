@@ -46,6 +46,9 @@ class GatewayConfig:
         "help": "no log line per HTTP request (method, path, status, duration, request id)"})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, or a file holding one, instead of the model's own"})
+    tool_call_parser: str = field(default="hermes", metadata={
+        "help": "the model's tool-call format, parsed into tool_calls (vLLM's names)",
+        "choices": ("hermes", "llama3_json")})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 

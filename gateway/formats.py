@@ -8,6 +8,7 @@ from gateway.generation import ChoiceDelta
 from gateway.responses import (Envelope, TokenStrings, chat_choice, chat_delta, chat_logprobs,
                                completion_choice, completion_logprobs, echoed_logprobs,
                                merge_completion_logprobs, prompt_logprobs)
+from gateway.tool_parsers import ToolCallStream
 
 
 class _Collected:
@@ -20,13 +21,17 @@ class _Collected:
 
 
 class ChatFormat:
+    """`tool_parser` (gateway/tool_parsers.py): the output is parsed for tool calls."""
+
     def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
-                 top_logprobs: int | None, prompt_top: int | None = None) -> None:
+                 top_logprobs: int | None, prompt_top: int | None = None, tool_parser=None) -> None:
         self.env, self.strings, self.top = env, strings, top_logprobs
         self.num_choices = num_choices
         self.acc = _Collected(num_choices)
         self.prompt_top = prompt_top
         self._prompt_lps: list | None = None   # the response's, from the first delta carrying them
+        self.tool_parser = tool_parser
+        self.tool_streams = [ToolCallStream(tool_parser) for _ in range(num_choices)] if tool_parser else None
 
     def _take_prompt_lps(self, cd: ChoiceDelta) -> list | None:
         if self.prompt_top is None or cd.prompt_logprobs is None or self._prompt_lps is not None:
@@ -41,13 +46,29 @@ class ChatFormat:
     def chunk(self, cd: ChoiceDelta) -> dict | None:
         lp = chat_logprobs(cd.logprobs, self.strings, self.top) if self.top is not None else None
         prompt_lps = self._take_prompt_lps(cd)
-        if not cd.text and cd.finish_reason is None and not lp and prompt_lps is None:
+        text, finish, calls = cd.text, cd.finish_reason, None
+        if self.tool_streams is not None:
+            text, finish, calls = self._tool_delta(cd)
+        if not text and finish is None and not lp and prompt_lps is None:
             return None
-        delta = {"content": cd.text} if cd.text else {}
-        chunk = self.env.chat_chunk([chat_delta(cd.index, delta, cd.finish_reason, lp)])
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        chunk = self.env.chat_chunk([chat_delta(cd.index, delta, finish, lp)])
         if prompt_lps is not None:
             chunk["prompt_logprobs"] = prompt_lps
         return chunk
+
+    def _tool_delta(self, cd: ChoiceDelta) -> tuple[str, str | None, list[dict] | None]:
+        stream = self.tool_streams[cd.index]
+        text = stream.push(cd.text)
+        if cd.finish_reason is None:
+            return text, None, None
+        text += stream.finish()
+        if not stream.calls:
+            return text, cd.finish_reason, None
+        calls = [c.as_api(i) for i, c in enumerate(stream.calls)]
+        return text, "tool_calls" if cd.finish_reason == "stop" else cd.finish_reason, calls
 
     def usage_event(self, usage: dict) -> dict:
         return self.env.chat_chunk([], usage)
@@ -62,10 +83,17 @@ class ChatFormat:
 
     def whole(self, usage: dict) -> dict:
         a = self.acc
-        body = self.env.chat([
-            chat_choice(i, a.texts[i], a.finish[i],
-                        {"content": a.logprobs[i]} if self.top is not None else None)
-            for i in range(self.num_choices)], usage)
+        choices = []
+        for i in range(self.num_choices):
+            text, finish, calls = a.texts[i], a.finish[i], None
+            if self.tool_parser is not None:
+                content, found = self.tool_parser.parse(text)
+                if found:
+                    text, calls = content, [c.as_api() for c in found]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(chat_choice(i, text, finish,
+                                       {"content": a.logprobs[i]} if self.top is not None else None, calls))
+        body = self.env.chat(choices, usage)
         if self.prompt_top is not None:
             body["prompt_logprobs"] = self._prompt_lps
         return body

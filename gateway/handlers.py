@@ -24,6 +24,8 @@ from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
+from gateway.structured import structured_output
+from gateway.tools import chat_tools, template_message
 from runtime import bound, get_logger
 
 _encode = msgspec.json.Encoder().encode
@@ -65,15 +67,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
     # The template sees reasoning_effort; one that has no use for it renders as before.
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
+    tools = chat_tools(req, state.config.tool_call_parser)
+    if tools is not None:
+        kwargs["tools"] = tools.template
     prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
-                             prompt_logprobs=req.prompt_logprobs)
+                             prompt_logprobs=req.prompt_logprobs,
+                             structured=await structured_output(req, tools and tools.forced))
     state.check_capacity(params.n)
     rid = _engine_request_id(request)
     fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top,
-                     req.prompt_logprobs)
+                     req.prompt_logprobs, tools.parser if tools is not None else None)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
@@ -93,7 +99,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
                              req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS,
-                             prompt_logprobs=max(wanted) if wanted else None)
+                             prompt_logprobs=max(wanted) if wanted else None,
+                             structured=await structured_output(req))
     state.check_capacity(params.n * len(prompts))
     rid = _engine_request_id(request)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
@@ -109,8 +116,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def render_chat(tokenizer, messages: list[protocol.ChatMessage],
                       add_generation_prompt: bool, **template_kwargs) -> list[int]:
     """The conversation through the model's chat template, as token ids (off the loop when long)."""
-    msgs = [{"role": "system" if m.role == "developer" else m.role,
-             "content": protocol.message_text(m)} for m in messages]
+    msgs = [template_message(m, i) for i, m in enumerate(messages)]
     try:
         return await off_loop(sum(len(m["content"]) for m in msgs),
                               tokenizer.apply_chat_template, msgs, add_generation_prompt,

@@ -6,7 +6,7 @@ and the number of sequences one request may add to the queue.
 """
 from __future__ import annotations
 
-from actors.messages import SamplingParams
+from actors.messages import SamplingParams, StructuredOutput
 from gateway.errors import invalid
 from gateway.protocol import MAX_SEQUENCES, _Common, stop_list, token_ids_checked
 
@@ -16,7 +16,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
                     prompt_param: str, logprobs: int | None,
                     default_max_tokens: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """`engine` is the gateway's EngineHandle (max_model_len, tokenizer, priority_scheduling)."""
     max_model_len = engine.max_model_len
     longest = max(len(p) for p in prompts)
@@ -70,6 +71,7 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed
         raise invalid(str(e)) from None

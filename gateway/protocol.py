@@ -21,7 +21,7 @@ MAX_LOGIT_BIAS = 300   # entries, as OpenAI allows
 MAX_PROMPTS = 128   # prompts in one completions request
 MAX_SEQUENCES = 128  # prompts x n: the sequences one request may put in the queue
 PRIORITY_RANGE = (-(2 ** 15), 2 ** 15 - 1)
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -34,10 +34,66 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str   # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool message: the call it answers
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body, kw_only=True):
+    """vLLM's `structured_outputs`: one of these constraints."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
 
 
 class StreamOptions(_Body):
@@ -69,6 +125,13 @@ class _Common(_Body, kw_only=True):
     user: str | None = None               # accepted: an end-user id, not used
     safety_identifier: str | None = None  # accepted: OpenAI's successor to `user`, not used
     prompt_logprobs: int | None = None    # vLLM's: each prompt token's logprob and the top k
+    # Structured outputs (gateway/structured.py): OpenAI's response_format, vLLM's names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -78,6 +141,10 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     # Accepted; the chat template decides whether it matters (none of ours reads it).
     reasoning_effort: str | None = None
+    # Tool calling (gateway/tools.py).
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -207,6 +274,12 @@ def validate_chat(req: ChatRequest) -> None:
                                   param=f"messages[{i}].content[{j}]")
         elif m.content is None and m.role != "assistant":
             raise invalid(f"messages[{i}] has no content.", param=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise invalid(f"messages[{i}] is a tool message without `tool_call_id`.",
+                          param=f"messages[{i}].tool_call_id")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise invalid(f"Only assistant messages carry `tool_calls`, messages[{i}] is {m.role!r}.",
+                          param=f"messages[{i}].tool_calls")
     if req.top_logprobs is not None:
         _range(req.top_logprobs, "top_logprobs", 0, MAX_LOGPROBS)
         if not req.logprobs:

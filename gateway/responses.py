@@ -127,9 +127,12 @@ class Envelope:
         return body
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:

@@ -1,7 +1,8 @@
 """Token sampling from a batch of logits, with vLLM's semantics and order of operations.
 
 penalties (repetition over prompt+output, frequency and presence over output) -> logit_bias ->
-min_tokens (EOS and stop ids masked while the output is shorter) -> greedy argmax,
+min_tokens (EOS and stop ids masked while the output is shorter) -> the structured output's
+grammar mask (tokens it refuses get -inf, constrained rows only) -> greedy argmax,
 or temperature -> min-p -> top-k -> top-p -> one draw. Logprobs are vLLM's default `raw_logprobs`:
 log_softmax of the model's unmodified logits. `processed_probs` returns the exact distribution a
 row is drawn from, so speculative decoding computes p and q with this same code.
@@ -27,12 +28,14 @@ class SamplingState:
     `params` is duck-typed on the SamplingParams contract (temperature, top_p, top_k, min_p,
     presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs). `seed` overrides
     params.seed (n > 1 copies get distinct seeds). Call `append` with every token the sequence
-    keeps, so the penalties see them.
+    keeps, so the penalties see them and `grammar` (a GrammarState, for a structured output)
+    advances over them.
     """
 
     def __init__(self, params: Any, prompt_token_ids: Sequence[int], seed: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", grammar: Any = None) -> None:
         self.params = params
+        self.grammar = grammar
         seed = params.seed if seed is None else seed
         self.generator = None if seed is None else torch.Generator(device).manual_seed(seed)
         self.output_token_ids: list[int] = []
@@ -70,6 +73,8 @@ class SamplingState:
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
+        if self.grammar is not None:
+            self.grammar.accept(token_ids)
 
 
 class SampledLogprobs(NamedTuple):
@@ -101,6 +106,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._scratch: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+        self._masks = None   # TokenMasks, made at the first constrained row
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
                generator: torch.Generator | None = None) -> SamplerOutput:
@@ -155,11 +161,13 @@ class Sampler:
     def _penalized(self, logits: torch.Tensor, states: Sequence[SamplingState],
                    extra_output_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
         """`logits` itself when no row changes them, else a scratch copy with the penalties, the
-        logit bias and the min_tokens mask applied (speculative verification reads the same)."""
+        logit bias, the min_tokens mask and the grammar masks applied (speculative verification
+        reads the same)."""
         extra = [len(e) for e in extra_output_ids] if extra_output_ids is not None else [0] * len(states)
         biased = [i for i, s in enumerate(states) if s.bias_ids is not None]
         held = [i for i, s in enumerate(states) if s.holds_off_stops(extra[i])]
-        if not any(s.uses_penalties for s in states) and not biased and not held:
+        constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not any(s.uses_penalties for s in states) and not biased and not held and not constrained:
             return logits
         work = self._buffer(0, logits.shape, logits.device)
         work.copy_(logits)
@@ -168,6 +176,13 @@ class Sampler:
             work[i].index_add_(0, states[i].bias_ids, states[i].bias_values)
         for i in held:
             work[i, states[i].min_tokens_ids] = float("-inf")
+        if constrained:
+            if self._masks is None:
+                from actors.worker.grammar_state import TokenMasks   # deferred: imports xgrammar
+
+                self._masks = TokenMasks()
+            drafted = extra_output_ids if extra_output_ids is not None else [()] * len(states)
+            self._masks.apply_(work, [(i, states[i].grammar, drafted[i]) for i in constrained])
         return work
 
     def _rows(self, src: torch.Tensor, rows: list[int], may_reuse: bool) -> torch.Tensor:

@@ -4,6 +4,7 @@ tokens) on its own compute thread.
 A thin shell around ModelRunner and the sampler. The model is built (see `build_runner`), and every
 forward runs, on one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
 A failure traced to some sequences of a step ends those alone; the rest of the batch goes on.
+A structured output's grammar is compiled on a thread before the step that starts its sequence.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from actors.messages import (GetWorkerInfo, ScheduledSeq, SeqOutput, StepPlan, StepResult, TokenLogprobs,
+from actors.messages import (GetWorkerInfo, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult, TokenLogprobs,
                              WorkerInfo)
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
@@ -43,6 +45,7 @@ class WorkerActor(Actor):
         self._executor: ThreadPoolExecutor | None = executor
         self._generator = torch.Generator(runner.device).manual_seed(seed)
         self._sampler = Sampler()         # used on the compute thread only
+        self._grammars: GrammarCompiler | None = None   # made at the first structured output
 
     async def on_start(self) -> None:
         self.states.clear()  # a restarted worker forgets sequences; the scheduler fails their step
@@ -55,6 +58,7 @@ class WorkerActor(Actor):
     async def receive(self, msg: Any) -> Any:
         match msg:
             case StepPlan():
+                await self._compile_grammars(msg)
                 return await asyncio.get_running_loop().run_in_executor(self._executor, self.step, msg)
             case GetWorkerInfo():
                 r = self.runner
@@ -69,35 +73,66 @@ class WorkerActor(Actor):
         t0 = time.perf_counter()
         for sid in plan.finished_seq_ids:
             self.states.pop(sid, None)
+        refused: dict[int, str] = {}
         for new in plan.new_seqs:
-            self.states[new.seq_id] = SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device)
-        rng = self._rng_snapshot(plan.seqs)
+            try:
+                self.states[new.seq_id] = self._new_state(new)
+            except ValueError as e:   # a grammar that does not compile: this sequence alone fails
+                refused[new.seq_id] = f"structured output: {e}"
+        seqs = [s for s in plan.seqs if s.seq_id not in refused]
+        rng = self._rng_snapshot(seqs)
         failed: dict[int, str] = {}
         try:
-            tokens = self._run(plan.seqs)
+            tokens = self._run(seqs) if seqs else {}
         except Exception:
-            failed = self._isolate(plan.seqs, rng)
-            rest = [s for s in plan.seqs if s.seq_id not in failed]
+            failed = self._isolate(seqs, rng)
+            rest = [s for s in seqs if s.seq_id not in failed]
             if not rest and len(failed) > 1:
                 raise  # not one sequence runs: the step itself is broken
             # Running the others again rewrites the same KV slots with the same values.
             tokens = self._run(rest) if rest else {}
+        failed.update(refused)
         vocab = self.runner.model_config.vocab_size
         outputs = []
         for s in plan.seqs:
             error = failed.get(s.seq_id)
             if error is None and s.sample:
                 out, logprobs = tokens[s.seq_id]
-                error = _outside_vocab(out, vocab)
+                error = _outside_vocab(out, vocab) or self._keep(s.seq_id, out)
             if error is not None:
                 outputs.append(SeqOutput(s.seq_id, [], None, len(s.spec_token_ids), error))
             elif s.sample:
-                state = self.states[s.seq_id]
-                state.append(out)
-                prompt_lps = state.take_prompt_logprobs()
+                prompt_lps = self.states[s.seq_id].take_prompt_logprobs()
                 outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids), None,
                                          None if prompt_lps is None else [TokenLogprobs(*p) for p in prompt_lps]))
         return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+
+    def _keep(self, seq_id: int, token_ids: list[int]) -> str | None:
+        """Appends the tokens to the sequence's state; an error when its grammar refuses one (the
+        mask makes that impossible: it ends that sequence, never the step)."""
+        try:
+            self.states[seq_id].append(token_ids)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    async def _compile_grammars(self, plan: StepPlan) -> None:
+        """The grammars of the plan's new sequences into the compiler's cache, on a thread."""
+        specs = {new.params.structured for new in plan.new_seqs if new.params.structured is not None}
+        if not specs:
+            return
+        if self._grammars is None:
+            r = self.runner
+            self._grammars = GrammarCompiler(lambda: r.tokenizer.hf, r.model_config.vocab_size, r.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        for spec in specs:
+            if not self._grammars.is_compiled(spec):
+                await loop.run_in_executor(None, self._grammars.compile, spec)
+
+    def _new_state(self, new: NewSequence) -> SamplingState:
+        spec = new.params.structured
+        grammar = self._grammars.state(spec) if spec is not None else None
+        return SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device, grammar)
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
         """One forward over `seqs`, then sampling or verification: the tokens of those that sample."""

@@ -112,6 +112,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --metrics-port --index-timeout --routing --max-migrations
 --api-key-file --allowed-origins --disable-access-log --chat-template
+--tool-call-parser
 """.split()
 
 
