@@ -70,7 +70,9 @@ class WorkerActor(Actor):
         for sid in plan.finished_seq_ids:
             self.states.pop(sid, None)
         for new in plan.new_seqs:
-            self.states[new.seq_id] = SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device)
+            state = self.states[new.seq_id] = SamplingState(new.params, new.prompt_token_ids, new.seed,
+                                                            self.runner.device)
+            state.append(new.output_token_ids)
         rng = self._rng_snapshot(plan.seqs)
         failed: dict[int, str] = {}
         try:
