@@ -66,6 +66,7 @@ class _Engine:
     missing: int = 0          # discovery rounds in a row that did not list it
     draining: bool = False    # it refused a request: it will never admit again
     reserved: int = 0         # KV blocks of handoffs sent its way since the last stats (decode engines)
+    full: bool = False        # it refused a handoff for want of room, since its last stats
 
     @property
     def routable(self) -> bool:
@@ -75,6 +76,8 @@ class _Engine:
 
     def free_blocks(self) -> int | None:
         """Free KV blocks as far as the gateway knows; None before its first stats."""
+        if self.full:
+            return 0
         return None if self.stats is None else self.stats.kv_blocks_free - self.reserved
 
     def load(self) -> EngineLoad:
@@ -274,11 +277,12 @@ class EnginePool:
         """The least loaded decode engine with room for the prompt's KV (before its first stats an
         engine counts as having room); None when every one is full."""
         need = self._blocks_for(prompt)
-        fits = [e for e in decode if (e.free_blocks() or need) >= need]
+        free = {e.key: e.free_blocks() for e in decode}
+        fits = [e for e in decode if free[e.key] is None or free[e.key] >= need]
         if not fits:
             return None
         return min(fits, key=lambda e: (e.load().requests_running + e.load().requests_waiting,
-                                         -(e.free_blocks() or 0)))
+                                         -(free[e.key] or 0)))
 
     async def _choose_among(self, pool: list[_Engine], prompt: list[int], cache_salt: str | None) -> _Engine | None:
         if not pool:
@@ -372,7 +376,7 @@ class EnginePool:
         log.warning("KV handoff failed", request_id=req.request_id, reason=reason, refused=refused)
         if refused:
             if decode is not None:
-                decode.reserved = decode.free_blocks() or 0   # full, as far as routing knows
+                decode.full = True
         else:
             self.metrics.handoff_failures += 1
             if req.migrations >= self.config.max_migrations:
@@ -466,7 +470,7 @@ class EnginePool:
                 return_exceptions=True)
             for e, r in zip(engines, results):
                 if isinstance(r, EngineStats):
-                    e.stats, e.sent, e.reserved = r, 0, 0
+                    e.stats, e.sent, e.reserved, e.full = r, 0, 0, False
             self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
 
