@@ -1,12 +1,14 @@
 """KV handoff between two engines in one process, through their transfer actors' messages: the
 decode engine's greedy tokens equal a colocated run's and it runs no prefill for them; a full
-decode engine refuses; a slow receiver holds the sender to its window; and the block bytes
-themselves survive the trip."""
+decode engine refuses; a sender that dies halfway leaves no blocks taken; a slow receiver holds
+the sender to its window; the block bytes survive the trip; and reserved blocks serve no prefix
+hit before their KV is in."""
 from __future__ import annotations
 
 import asyncio
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -132,6 +134,37 @@ async def test_a_full_decode_engine_refuses_and_the_prefill_engine_lets_go(pair)
     assert kv.num_free_blocks == kv.num_blocks
 
 
+class HalfSender(Actor):
+    """Offers a handoff and sends its first chunk only: a prefill engine that dies mid-transfer."""
+
+    def __init__(self, to, chunk: KVChunk):
+        self.to, self.chunk = to, chunk
+
+    async def receive(self, offer: KVOffer):
+        reply = await self.to.ask(msgspec.structs.replace(offer, sender=self.context.self_ref))
+        assert reply.accepted
+        return await self.to.ask(self.chunk)
+
+
+async def test_a_handoff_cut_halfway_gives_the_decode_engine_its_blocks_back(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    prompt = [random.Random(2).randrange(4, 300) for _ in range(50)]   # 4 blocks
+    ref = await system.spawn(HalfSender(dec_tx, KVChunk("cut", 0, 1, bytes(io.bytes_per_block))), name="half")
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert await ref.ask(KVOffer("cut", ref, "half", prompt, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4   # reserved, one block written
+    await system.stop(ref)   # the sender dies before it commits
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
+    assert not front.handed_over and "half" not in front.tokens
+    stats = await decode.scheduler.ask(GetStats())
+    assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
+
+
 class SlowReceiver(Actor):
     """Accepts an offer, then takes its time over every chunk: a decode engine that lags."""
 
@@ -189,3 +222,26 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
         assert not dk[1].any()
     with pytest.raises(ValueError, match="expected"):
         b.write([0], bytes(data))
+
+
+def test_reserved_blocks_reuse_the_prefix_cache_and_are_hashed_only_once_confirmed():
+    from actors.kv.kv_actor import apply_kv_reserve
+    from actors.kv.manager import KVCacheManager
+    from actors.kv.structs import KVCacheConfig, KVRequest
+    from actors.messages import KVReserve
+
+    kv = KVCacheManager(KVCacheConfig(num_blocks=12, block_size=4))
+    cached = list(range(10, 18))   # two full blocks, computed and cached by an earlier sequence
+    hit = kv.get_computed_blocks(KVRequest("0", cached + [1]))
+    kv.allocate_slots("0", 9, hit=hit)
+    kv.free("0")
+    tokens = cached + list(range(30, 37)) + [99]   # 15 positions with KV, then the first token
+    reserved = apply_kv_reserve(kv, KVReserve(1, tokens, 15))
+    assert reserved.num_hit_blocks == 2 and len(reserved.block_table) == 4
+    probe = KVRequest("probe", tokens)
+    assert kv.get_computed_blocks(probe).num_computed_tokens == 8   # the arriving blocks serve no hit yet
+    kv.trim("1", 15)   # KVConfirm: the KV is written
+    assert kv.get_computed_blocks(probe).num_computed_tokens == 12
+    assert kv.num_computed_tokens("1") == 15
+    assert apply_kv_reserve(kv, KVReserve(2, list(range(200, 240)), 39)).block_table is None   # no room
+    kv.check_invariants()
