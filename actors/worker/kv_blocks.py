@@ -25,8 +25,10 @@ class KVBlockIO:
 
     def read(self, block_ids: list[int]) -> memoryview:
         """The blocks' KV, gathered into one buffer (the only copy on this side)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.stack([t.index_select(0, ids) for t in self.tensors])
+        out = torch.empty(len(self.tensors), len(block_ids), *self.block_shape, dtype=self.dtype, device=self.device)
+        for at, first, n in _runs(block_ids):   # a pool hands out runs of neighbours: one slice each
+            for i, t in enumerate(self.tensors):
+                out[i, at:at + n].copy_(t[first:first + n])
         return memoryview(out.view(torch.uint8).cpu().numpy()).cast("B")
 
     def write(self, block_ids: list[int], data: bytes) -> None:
@@ -36,6 +38,17 @@ class KVBlockIO:
             raise ValueError(f"{len(data)} bytes for {len(block_ids)} blocks; expected {expected}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
         src = src.view(len(self.tensors), len(block_ids), *self.block_shape).to(self.device)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for i, t in enumerate(self.tensors):
-            t.index_copy_(0, ids, src[i])
+        for at, first, n in _runs(block_ids):
+            for i, t in enumerate(self.tensors):
+                t[first:first + n].copy_(src[i, at:at + n])
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, length) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for at, block_id in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((at, block_id, 1))
+    return runs

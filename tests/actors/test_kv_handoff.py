@@ -220,6 +220,9 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
     for (sk, sv), (dk, dv) in zip(src, dst):
         assert torch.equal(dk[0], sk[4]) and torch.equal(dk[7], sk[1]) and torch.equal(dv[7], sv[1])
         assert not dk[1].any()
+    b.write([3, 4, 5, 8], bytes(a.read([0, 1, 2, 5])))   # runs of neighbours on either side
+    for (sk, sv), (dk, dv) in zip(src, dst):
+        assert torch.equal(dk[3:6], sk[0:3]) and torch.equal(dv[8], sv[5])
     with pytest.raises(ValueError, match="expected"):
         b.write([0], bytes(data))
 
