@@ -129,6 +129,8 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
+    queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
+    queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
     # Disaggregation: prefill steps and tokens (a decode engine's stay 0 for handed-over requests),
     # KV handed over (sent on a prefill engine, received on a decode engine) and how long it took.
     prefill_steps: int = 0

@@ -94,29 +94,31 @@ async def _workload(session, base: str, args) -> dict:
             "output_tok_s": (sum(len(r["gaps"]) + 1 for r in ok_bg + ok_long)) / elapsed}
 
 
-async def _metrics(session, base: str) -> dict[str, float]:
-    async with session.get(base + "/metrics") as r:
-        text = await r.text()
+async def _metrics(session, urls: list[str]) -> dict[str, float]:
+    """The engines' handoff counters, summed over their own /metrics."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("matinee_kv_transfer_") or line.startswith("matinee_kv_handoffs_total"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for url in urls:
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+        for line in text.splitlines():
+            if line.startswith("matinee_kv_transfer_") or line.startswith("matinee_kv_handoffs_"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
-async def _run(args, base: str, engines: int) -> dict:
+async def _run(args, base: str, engines: list[str]) -> dict:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         deadline = time.monotonic() + args.startup_timeout
-        while await _engines_seen(session, base) < engines:
+        while await _engines_seen(session, base) < len(engines):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not come up; see the logs")
             await asyncio.sleep(1.0)
         await _stream(session, base, [101, 102, 103], 4)   # every path warmed once
         await _stream(session, base, [104, 105, 106], 4)
         result = await _workload(session, base, args)
-        result["metrics"] = await _metrics(session, base)
+        result["metrics"] = await _metrics(session, engines)
         return result
 
 
@@ -128,11 +130,13 @@ def _cluster(args, roles: list[str], label: str) -> dict:
     env = {"MATINEE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     serve = [sys.executable, "-m", "gateway.cli", "serve"]   # `matinee serve`
     model = ["--model", args.model] if args.model else []
+    metrics_ports = [_free_port() for _ in roles]
     try:
         procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                               "--save", "", "--appendonly", "no"])
         for i, role in enumerate(roles):
             procs.start(f"{role}-{i}", [*serve, "--role", role, *model, "--dtype", args.dtype,
+                                        "--metrics-port", str(metrics_ports[i]),
                                         "--num-threads", "1", "--num-blocks", str(args.num_blocks),
                                         "--max-num-batched-tokens", str(args.step_tokens),
                                         "--redis-url", redis_url, "--listen-port", str(_free_port()),
@@ -140,7 +144,7 @@ def _cluster(args, roles: list[str], label: str) -> dict:
         port = _free_port()
         procs.start("gateway", [*serve, "--role", "gateway", *model, "--redis-url", redis_url,
                                 "--port", str(port), "--routing", "kv"], env)
-        result = asyncio.run(_run(args, f"http://127.0.0.1:{port}", len(roles)))
+        result = asyncio.run(_run(args, f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in metrics_ports]))
     finally:
         procs.stop()
     result["logs"] = logdir

@@ -256,7 +256,8 @@ class SchedulerActor(Actor):
             kv_handoffs_failed=self.handoffs.failed, kv_handoffs_refused=self.handoffs.refused,
             kv_transfer_blocks=self.handoffs.blocks, kv_transfer_bytes=self.handoffs.bytes,
             kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
-            ttft_prefill_s=c.ttft_prefill_s)
+            ttft_prefill_s=c.ttft_prefill_s,
+            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum)
 
 
 class _HandoffCounters:

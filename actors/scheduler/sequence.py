@@ -7,6 +7,7 @@ prompt followed by what it generated; after a preemption it recomputes all of th
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 from actors.messages import SamplingParams
@@ -22,7 +23,7 @@ class RequestState:
     """One SubmitRequest: shared by its n sequences."""
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
-                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "handoff_to",
+                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at", "handoff_to",
                  "arrived_s", "first_step_s")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -40,6 +41,7 @@ class RequestState:
         room = max_model_len - len(prompt_token_ids)
         self.max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         self.seed = params.seed
+        self.queued_at: float | None = time.monotonic()   # None once first scheduled
         self.handoff_to: Any = None           # a decode engine's KV receiver (prefill engines)
         self.arrived_s = 0.0                  # when it reached the scheduler, and when it first ran
         self.first_step_s: float | None = None

@@ -25,11 +25,12 @@ def model(tmp_path_factory):
     return build_tiny_model("llama", str(tmp_path_factory.mktemp("disagg-tiny")))
 
 
-def role_args(role: str, model: str, redis_url: str, port: int) -> list[str]:
+def role_args(role: str, model: str, redis_url: str, port: int, metrics_port: int) -> list[str]:
     args = h.engine_args(model, redis_url, port)
     args[args.index("--role") + 1] = role
     args[args.index("--engine-id") + 1] = f"{role}-{port}"
-    return args + ["--kv-transfer-window", "4KiB"]   # a handoff takes many round trips
+    # A small window: a handoff takes many round trips.
+    return args + ["--kv-transfer-window", "4KiB", "--metrics-port", str(metrics_port)]
 
 
 class DisaggCluster:
@@ -37,13 +38,14 @@ class DisaggCluster:
         self.model, self.logs = model, logs
         self.redis = h.RedisServer()
         self.ports = {"engine": h.free_port(), "prefill": h.free_port(), "decode": h.free_port()}
+        self.metrics_ports = {role: h.free_port() for role in self.ports}
         self.gw_port = h.free_port()
         self.base = f"http://127.0.0.1:{self.gw_port}"
         self.nodes: dict[str, h.Node] = {}
 
     def start_engine(self, role: str) -> None:
         port = self.ports[role]
-        self.nodes[role] = h.Node(role_args(role, self.model, self.redis.url, port),
+        self.nodes[role] = h.Node(role_args(role, self.model, self.redis.url, port, self.metrics_ports[role]),
                                   str(self.logs / f"{role}-{port}.log")).start()
 
     def start_gateway(self) -> None:
@@ -156,7 +158,11 @@ def test_greedy_text_through_a_prefill_and_a_decode_engine_equals_the_colocated_
     assert p.kv_handoffs_sent >= n and p.kv_transfer_bytes > 0 and p.prefix_cache_hit_tokens >= 2 * 3 * BLOCK
     assert e.prompt_tokens == sum(map(len, prompts)) + sum(map(len, cluster.long_prompts))   # only the reference
     assert h.metric(cluster.base, "matinee_kv_handoffs_total") >= n
-    assert h.metric(cluster.base, "matinee_kv_transfer_bytes_total") >= p.kv_transfer_bytes
+    engine_http = f"http://127.0.0.1:{cluster.metrics_ports['prefill']}"
+    h.wait_until(lambda: h.metric(engine_http, "matinee_kv_transfer_bytes_total") >= p.kv_transfer_bytes, 10,
+                 "the prefill engine's /metrics")
+    assert h.metric(f"http://127.0.0.1:{cluster.metrics_ports['decode']}", "matinee_prefill_steps_total") == \
+        d.prefill_steps
 
 
 def _stream_and(cluster, i: int, action, at: int) -> None:
