@@ -218,7 +218,7 @@ class EnginePool:
         try:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
-                    engine, decode = await self._choose(prompt, req.cache_salt, params.n)
+                    engine, decode = await self._choose(prompt, req.cache_salt, params)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
                     # No engine, or every decode engine is full: wait for the next change or stats.
@@ -246,16 +246,18 @@ class EnginePool:
                                       handoff_to))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None,
-                      n: int) -> tuple[_Engine | None, _Engine | None]:
+                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to).
-        With prefill and decode engines up, requests are disaggregated (n > 1 runs whole on the
-        prefill engine); otherwise colocated engines serve them whole, or any engine left."""
+        With prefill and decode engines up, requests are disaggregated (with n > 1 or prompt
+        logprobs they run whole on the prefill engine); otherwise colocated engines serve them
+        whole, or any engine left."""
         routable = [e for e in self.engines.values() if e.routable]
         prefill = [e for e in routable if e.info.role == "prefill"]
         decode = [e for e in routable if e.info.role == "decode" and e.info.kv_receiver is not None]
         if prefill and decode:
-            target = self._choose_decode(decode, prompt) if n == 1 else None
-            if n == 1 and target is None:
+            whole = params.n > 1 or params.prompt_logprobs is not None
+            target = None if whole else self._choose_decode(decode, prompt)
+            if not whole and target is None:
                 return None, None
             return await self._choose_among(prefill, prompt, cache_salt), target
         colocated = [e for e in routable if e.info.role == "engine"]

@@ -131,7 +131,9 @@ class Scheduler:
         req = RequestState(msg.request_id, list(msg.prompt_token_ids), params, msg.reply_to,
                            priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
         req.arrived_s = self.clock()
-        if params.n == 1:   # n > 1 samples fork from one prompt here: such a request stays whole
+        # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
+        # forward: such a request stays whole.
+        if params.n == 1 and params.prompt_logprobs is None:
             req.handoff_to = msg.handoff_to
         if not msg.prompt_token_ids:  # bad input the front end should have refused
             self._end_unstarted(req, "error", EMPTY_PROMPT)
@@ -292,7 +294,7 @@ class Scheduler:
                 seq.request.first_step_s = now
             if not seq.known_to_worker:
                 seq.known_to_worker = True
-                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed,
+                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed,
                                        seq.output_token_ids))
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
@@ -354,7 +356,7 @@ class Scheduler:
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
                 self._first_token(seq.request)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
-            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason)
+            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
             if reason is not None:
                 self._retire(seq)
             elif seq.request.handoff_to is not None:
@@ -415,7 +417,11 @@ class Scheduler:
         return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
-        return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        # Prompt logprobs need logits at every prompt position: a cached one has none. Once the first
+        # token is out they have been sent, and a resumed sequence reads the cache again.
+        wants_logits = seq.request.params.prompt_logprobs is not None and seq.index == 0 \
+            and seq.num_output_tokens == 0
+        return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt, not wants_logits)
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to waiting with nothing computed: preemption, or a fork that found no room."""
@@ -515,13 +521,22 @@ class Scheduler:
                                                          len(req.prompt_token_ids), req.num_cached_tokens, error))
 
     def _queue_delta(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
-                     error: str | None = None) -> None:
+                     error: str | None = None, prompt_logprobs: list | None = None) -> None:
         req = seq.request
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                                     error))
+                                                     error, prompt_logprobs))
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:
     return seq.sort_key
+
+
+def _worker_params(seq: Sequence):
+    """The sampler's params for this sequence: the prompt's logprobs are sample 0's alone (the
+    others fork after the prompt and compute only its last block)."""
+    params = seq.request.params
+    if seq.index > 0 and params.prompt_logprobs is not None:
+        return msgspec.structs.replace(params, prompt_logprobs=None)
+    return params
 

@@ -66,8 +66,12 @@ class ScriptedPrefill(Actor):
             case SubmitRequest():
                 self.served.append(msg)
                 first = next_token(msg.prompt_token_ids)
-                msg.reply_to.tell(TokenDeltas([TokenDelta(msg.request_id, 0, [first], None, None,
+                whole = msg.handoff_to is None   # served here alone: one token is all it asks below
+                msg.reply_to.tell(TokenDeltas([TokenDelta(msg.request_id, 0, [first], None,
+                                                          "length" if whole else None,
                                                           len(msg.prompt_token_ids), 0)]))
+                if whole:
+                    return
                 offer = KVOffer("t", self.context.self_ref, msg.request_id, msg.prompt_token_ids, [first],
                                 msg.params, msg.reply_to, 0, None, 0, "layout")
                 reply = await msg.handoff_to.ask(offer)
@@ -135,6 +139,19 @@ async def test_with_every_decode_engine_full_a_request_waits_for_room():
         decode.stats = msgspec.structs.replace(decode.stats, kv_blocks_free=50)
         assert await _tokens(queue) == expected([2, 7], 4)
         assert prefill.served[0].handoff_to is not None
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_requests_that_need_their_prompt_forward_run_whole_on_the_prefill_engine():
+    decode = ScriptedDecode("d1", room=True, stats=_stats())
+    system, pool, prefill = await _cluster({"d1": decode})
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.submit("lp", [4, 4], SamplingParams(max_tokens=1, prompt_logprobs=1), queue)
+        assert await _tokens(queue) == expected([4, 4], 1)
+        assert prefill.served[0].handoff_to is None and not decode.offers
     finally:
         await pool.close()
         await system.shutdown()
