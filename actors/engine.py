@@ -23,6 +23,7 @@ from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.tokenizer import Tokenizer, load_tokenizer
 from actors.worker.model_config import ModelConfig
+from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model_runner import ModelRunner
 from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
 from runtime import ActorRef, ActorSystem, get_logger
@@ -45,6 +46,7 @@ class Engine:
     scheduler_actor: SchedulerActor
     owns_system: bool = False
     draft: ActorRef | None = None     # the draft worker, with speculative decoding
+    kv_blocks: KVBlockIO | None = None   # the cache's blocks as bytes, for a KV handoff
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
@@ -104,7 +106,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             await system.shutdown()
         raise
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft)
+                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft,
+                  KVBlockIO(worker_actor.runner.kv_caches))
 
 
 async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,

@@ -1,8 +1,10 @@
-"""The engine role of a cluster: one engine in its own node, reachable over TCP, found via Redis.
+"""The engine roles of a cluster: one engine in its own node, reachable over TCP, found via Redis.
 
-The node registers a front actor under `engines/<id>` (TTL heartbeat), publishes its KV events
-to the prefix index, and on SIGTERM drains: it leaves the registry, refuses new requests (their
-gateway routes them elsewhere) and finishes its running ones within a grace period.
+The node registers a front actor under `engines/<id>`, or `engines/prefill/<id>` and
+`engines/decode/<id>` for a disaggregated engine (TTL heartbeat), publishes its KV events to the
+prefix index, and on SIGTERM drains: it leaves the registry, refuses new requests (their gateway
+routes them elsewhere) and finishes its running ones within a grace period. Every role is a whole
+engine; the role says what gateways send it, and its KV transfer actor hands KV over or takes it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import msgspec
 
 from actors.config import EngineConfig
+from actors.kv.transfer import KVTransfer, KVTransferConfig
 from actors.messages import (AbortRequest, EngineInfo, GetEngineInfo, GetStats, KVEventsWaiting, SubmitRefused,
                              SubmitRequest, SubscribeKVEvents)
 from runtime import Actor, ActorRef, ActorSystem, get_logger
@@ -26,6 +29,7 @@ from runtime import Actor, ActorRef, ActorSystem, get_logger
 log = get_logger(component="engine-node")
 
 REGISTRY_PREFIX = "engines/"
+ENGINE_ROLES = ("engine", "prefill", "decode")
 
 
 @dataclass
@@ -52,10 +56,13 @@ class EngineNodeConfig:
     index_ttl_s: float = 10.0
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"
+    role: str = "engine"              # `--role`: engine (colocated), prefill or decode
 
     def __post_init__(self) -> None:
         if not self.secret:
             raise ValueError("an engine node needs the cluster secret (MATINEE_CLUSTER_SECRET)")
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"an engine's role is one of {ENGINE_ROLES}, got {self.role!r}")
         if not 0 <= self.listen_port < 65536:
             raise ValueError(f"listen_port must be in [0, 65535], got {self.listen_port}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
@@ -70,6 +77,11 @@ class EngineNodeConfig:
             self.advertise = f"{host}:{self.listen_port}" if self.listen_port else None
         if self.engine_id is None:
             self.engine_id = f"{socket.gethostname()}-{self.listen_port}"
+
+
+def registry_name(role: str, engine_id: str) -> str:
+    """The engine's registry entry: its role is in the name, so Redis shows it."""
+    return REGISTRY_PREFIX + ("" if role == "engine" else f"{role}/") + engine_id
 
 
 class BeginDrain:
@@ -136,8 +148,19 @@ async def start_node_system(node: EngineNodeConfig, name: str, stop: asyncio.Eve
     return system
 
 
+async def attach_kv_transfer(system: ActorSystem, engine: Any, config: KVTransferConfig | None = None,
+                             name: str = "engine") -> ActorRef:
+    """The engine's KV transfer actor (`{name}-kv-transfer`): it hands prefilled requests to decode
+    engines and takes them over from prefill engines."""
+    ref = await system.spawn(KVTransfer(engine.kv_blocks, engine.scheduler, engine.config.block_size, config),
+                             name=f"{name}-kv-transfer")
+    engine.scheduler_actor.transfer = ref
+    engine.scheduler_actor.block_layout = engine.kv_blocks.layout
+    return ref
+
+
 async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
-                          stop: asyncio.Event | None = None) -> int:
+                          stop: asyncio.Event | None = None, transfer: KVTransferConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
     from actors.engine import start_engine   # deferred: torch and the model code
     from actors.kv.kv_actor import KVActorEvents
@@ -154,11 +177,13 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     waker = await system.spawn(_IndexWaker(publisher.notify), name="engine-index-waker")
     engine.kv.tell(SubscribeKVEvents(waker))
     tasks = [asyncio.create_task(publisher.run())]
+    kv_transfer = await attach_kv_transfer(system, engine, transfer)
     info = EngineInfo(node.engine_id, engine.max_model_len, engine_config.block_size,
-                      engine_config.model or "", priority_scheduling=engine_config.scheduling_policy == "priority")
+                      engine_config.model or "", priority_scheduling=engine_config.scheduling_policy == "priority",
+                      role=node.role, kv_receiver=kv_transfer)
     # A fresh path per run: gateways tell a restarted engine from the one they saw die.
     front = await system.spawn(EngineFront(info, engine.scheduler), name=f"front-{uuid.uuid4().hex[:8]}")
-    name = REGISTRY_PREFIX + node.engine_id
+    name = registry_name(node.role, node.engine_id)
     await system.publish(name, front)
     serving = True
     http = None
@@ -169,8 +194,9 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
         app = create_engine_http(engine.scheduler, lambda: serving,
                                  model_name_from_path(engine_config.model or "") or "matinee", node.engine_id)
         http = await start_engine_http(app, node.listen_host, node.metrics_port)
-    log.info("engine node serving", engine_id=node.engine_id, address=system.address)
-    print(f"matinee engine {node.engine_id} serving at {system.address}", flush=True)
+    log.info("engine node serving", engine_id=node.engine_id, role=node.role, address=system.address)
+    print(f"matinee {node.role} engine {node.engine_id} serving at {system.address}", flush=True)
+
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([waiter, system.terminated], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()

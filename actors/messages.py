@@ -95,6 +95,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     reply_to: ActorRef
     priority: int = 0                 # lower value = more important, as in vLLM
     cache_salt: str | None = None     # separates tenants' prefix caches
+    handoff_to: ActorRef | None = None  # a decode engine's KV receiver: prefill here, decode there
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -155,6 +156,20 @@ class EngineStats(msgspec.Struct, tag=True):
     queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
     queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
     weight_bytes: int = 0                 # model weights resident in memory (WorkerInfo's)
+    # Disaggregation: prefill steps and tokens (a decode engine's stay 0 for handed-over requests),
+    # KV handed over (sent on a prefill engine, received on a decode engine) and how long it took.
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    kv_handoffs_sent: int = 0
+    kv_handoffs_received: int = 0
+    kv_handoffs_failed: int = 0       # sender side: cut, or refused by a full decode engine
+    kv_handoffs_refused: int = 0      # receiver side: no room for the blocks
+    kv_transfer_blocks: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0        # cumulative, offer to commit, on the sending side
+    ttft_count: int = 0               # first tokens sampled here (the split below sums over them)
+    ttft_queue_s: float = 0.0         # arrival to its first scheduled step
+    ttft_prefill_s: float = 0.0       # first scheduled step to its first token
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -167,6 +182,7 @@ class NewSequence(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int | None                  # the request's seed, offset per sample so n copies differ
+    output_token_ids: list[int] = []  # tokens it generated elsewhere (handed over): the penalties see them
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
@@ -352,6 +368,8 @@ class EngineInfo(msgspec.Struct, tag=True):
     model: str                        # the model path as the engine was started with
     draining: bool = False
     priority_scheduling: bool = False # requests' `priority` is honoured (else the gateway refuses it)
+    role: str = "engine"              # engine (colocated), prefill or decode
+    kv_receiver: ActorRef | None = None  # where a prefill engine hands this engine a request's KV
 
 
 class SubmitRefused(msgspec.Struct, tag=True):
@@ -361,6 +379,125 @@ class SubmitRefused(msgspec.Struct, tag=True):
     reason: str
 
 
+# ---- disaggregation: a prefill engine hands a request's KV to a decode engine ---------------------
+
+
+class KVOffer(msgspec.Struct, tag=True):
+    """Prefill -> decode (ask): room for this request? The first `len(prompt_token_ids)` positions
+    have KV; `output_token_ids` were sampled on the prefill engine (the last one has no KV yet)."""
+
+    transfer_id: str
+    sender: ActorRef                  # the prefill engine's transfer actor (watched for its death)
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    reply_to: ActorRef                # the request's front end
+    priority: int
+    cache_salt: str | None
+    num_cached_tokens: int            # the prefill engine's prefix hit, as the client is told
+    block_layout: str                 # KVBlockIO.layout: both caches must agree on it
+
+
+class KVOfferReply(msgspec.Struct, tag=True):
+    accepted: bool
+    skip_blocks: int = 0              # leading blocks the decode engine already caches: not sent
+    reason: str = ""
+    no_room: bool = False             # refused for now: its KV pool is full
+
+
+class KVChunk(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Blocks [first_block, first_block + num_blocks) of a transfer, as KVBlockIO lays them out."""
+
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    data: bytes
+
+
+class KVCommit(msgspec.Struct, tag=True):
+    """Every block is written: the decode engine starts decoding the request (ask; True on success)."""
+
+    transfer_id: str
+
+
+class KVHandedOver(msgspec.Struct, tag=True):
+    """Decode engine -> front end: the request decodes here now; its next deltas come from here."""
+
+    request_id: str
+
+
+class KVHandoffFailed(msgspec.Struct, tag=True):
+    """Prefill engine -> front end: the KV never reached the decode engine; continue the request
+    elsewhere. `refused`: the decode engine had no room (it is alive)."""
+
+    request_id: str
+    reason: str
+    refused: bool = False
+
+
+class KVReserve(msgspec.Struct, tag=True):
+    """Scheduler -> KV manager: blocks for a handed-over sequence's first `num_tokens` positions,
+    from the prefix cache where it can; nothing is hashed until KVConfirm."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_tokens: int
+    cache_salt: str | None = None
+
+
+class KVReserved(msgspec.Struct, tag=True):
+    block_table: list[int] | None     # None: no room
+    num_hit_blocks: int = 0           # leading blocks that came from the prefix cache
+    seq_id: int = -1                  # the sequence the scheduler made for it
+
+
+class HandOver(msgspec.Struct, tag=True):
+    """Scheduler -> its transfer actor: send this sequence's KV (`offer` says what it is) to `to`."""
+
+    seq_id: int
+    block_table: list[int]
+    offer: KVOffer
+    to: ActorRef
+
+
+class HandOverDone(msgspec.Struct, tag=True):
+    """Transfer actor -> scheduler: the sequence's blocks may go back to the pool."""
+
+    seq_id: int
+    ok: bool
+    refused: bool
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+class AdoptReserve(msgspec.Struct, tag=True):
+    """Transfer actor -> scheduler (ask): a sequence and blocks for an offered handoff (KVReserved)."""
+
+    offer: KVOffer
+
+
+class AdoptCommit(msgspec.Struct, tag=True):
+    """Transfer actor -> scheduler (ask): the reserved sequence's KV is written; it decodes now."""
+
+    seq_id: int
+
+
+class AdoptDrop(msgspec.Struct, tag=True):
+    """Transfer actor -> scheduler: the handoff was cut; the reserved blocks go back."""
+
+    seq_id: int
+
+
+class KVConfirm(msgspec.Struct, tag=True):
+    """The reserved positions now hold KV: they count as computed (and their full blocks are cached)."""
+
+    seq_id: int
+    num_tokens: int
+
+
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)
+register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed)

@@ -16,6 +16,7 @@ from actors.memory_plan import GB, DTYPE_BYTES, MemoryPlan, parse_size
 from actors.model_shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
 from actors.engine_node import EngineNodeConfig
+from actors.kv.transfer import KVTransferConfig
 from gateway.cluster import GatewayNodeConfig
 from gateway.config import GatewayConfig, ProcessConfig
 from gateway.engine_pool import PoolConfig
@@ -29,7 +30,8 @@ SECTIONS = (
     ("HTTP", (GatewayConfig,)),
     ("engine", (EngineConfig,)),
     ("speculative decoding", (SpeculativeConfig,)),
-    ("cluster (--role gateway|engine|draft)", (EngineNodeConfig, GatewayNodeConfig, PoolConfig)),
+    ("cluster (--role gateway|engine|prefill|decode|draft)",
+     (EngineNodeConfig, KVTransferConfig, GatewayNodeConfig, PoolConfig)),
 )
 
 

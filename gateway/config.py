@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-ROLES = ("all", "gateway", "engine", "draft")
+ROLES = ("all", "gateway", "engine", "draft", "prefill", "decode")
 
 
 @dataclass
 class ProcessConfig:
     role: str = field(default="all", metadata={
-        "help": "which part of the system this process runs: all (embedded), gateway, engine or draft",
+        "help": "which part of the system this process runs: all (embedded), gateway, engine or draft; "
+                "prefill and decode are engines that hand a prompt's KV over (disaggregation)",
         "choices": ROLES})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 

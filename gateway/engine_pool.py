@@ -1,6 +1,11 @@
 """The gateway's view of a cluster: engines found in the registry, routed to by prefix and load,
 and requests that lose their engine continued on another.
 
+With prefill and decode engines (disaggregation) a request goes to a prefill engine chosen as a
+colocated one would be, naming a decode engine chosen by load and free KV; the prefill engine
+streams the first token and hands the KV over. A handoff that fails, or an engine of the pair
+that dies before it, continues the request from its tokens so far, as a migration does.
+
 `EnginePool` offers the same calls as `EngineClient` (submit, abort, release, stats), so the
 HTTP side does not care whether one embedded engine or many remote ones serve it.
 """
@@ -13,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine_node import REGISTRY_PREFIX
-from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
-                             SubmitRefused, SubmitRequest, TokenDeltas)
+from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
+                             KVHandoffFailed, SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas)
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
@@ -60,12 +65,20 @@ class _Engine:
     sent: int = 0             # requests sent since the last stats
     missing: int = 0          # discovery rounds in a row that did not list it
     draining: bool = False    # it refused a request: it will never admit again
+    reserved: int = 0         # KV blocks of handoffs sent its way since the last stats (decode engines)
+    full: bool = False        # it refused a handoff for want of room, since its last stats
 
     @property
     def routable(self) -> bool:
         # Two rounds, so a Redis that restarted empty (the entries come back with the next
         # beat) does not take every engine out of routing.
         return not self.draining and self.missing < 2
+
+    def free_blocks(self) -> int | None:
+        """Free KV blocks as far as the gateway knows; None before its first stats."""
+        if self.full:
+            return 0
+        return None if self.stats is None else self.stats.kv_blocks_free - self.reserved
 
     def load(self) -> EngineLoad:
         s = self.stats
@@ -92,6 +105,10 @@ class PoolReceiver(Actor):
                 self.pool._on_deltas(deltas)
             case SubmitRefused(request_id=rid):
                 self.pool._on_refused(rid)
+            case KVHandedOver(request_id=rid):
+                self.pool._on_handed_over(rid)
+            case KVHandoffFailed(request_id=rid, reason=reason, refused=refused):
+                self.pool._on_handoff_failed(rid, reason, refused)
             case Terminated(ref=ref):
                 self.pool._on_engine_dead(ref)
             case _Watch(ref=ref):
@@ -114,6 +131,7 @@ class EnginePool:
         self._retry_at: dict[str, float] = {}   # registered but unreachable: try again later
         self._requests: dict[str, tuple[InflightRequest, asyncio.Queue]] = {}
         self._by_engine_rid: dict[str, str] = {}
+        self._orphans: dict[str, str] = {}   # engine request id -> decode engine, of dropped handoffs
         self._tasks: set[asyncio.Task] = set()
         self._turn = itertools.count()
         self._changed = asyncio.Event()
@@ -157,6 +175,7 @@ class EnginePool:
         entry = self._requests.get(request_id)
         if entry is None:
             return
+        self._forget_handoffs(entry[0], lambda part: index is None or part.index in (None, index))
         for key, erid, i in entry[0].abort_targets(index):
             if i is None:
                 self._by_engine_rid.pop(erid, None)
@@ -199,28 +218,66 @@ class EnginePool:
         try:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
-                    engine = await self._choose(prompt, req.cache_salt)
+                    engine, decode = await self._choose(prompt, req.cache_salt, params)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
+                    # No engine, or every decode engine is full: wait for the next change or stats.
                     self._changed.clear()
-                    if not self.alive:
-                        await self._changed.wait()
+                    await self._changed.wait()
         except TimeoutError:
             self._fail(req, EngineLost("no engine is available to serve the request"))
             return
         if req.finished or req.request_id not in self._requests:
             return
+        decode_key = decode.key if decode is not None else None
         if resub is None:
-            erid = req.place(engine.key)
+            erid = req.place(engine.key, decode_key)
         else:
             erid = resub.engine_request_id
-            req.place_continuation(resub, engine.key)
+            req.place_continuation(resub, engine.key, decode_key)
         self._by_engine_rid[erid] = req.request_id
         engine.sent += 1
-        engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt))
+        handoff_to = None
+        if decode is not None:
+            decode.sent += 1
+            decode.reserved += self._blocks_for(prompt)
+            handoff_to = decode.info.kv_receiver
+        engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
+                                      handoff_to))
 
-    async def _choose(self, prompt: list[int], cache_salt: str | None) -> _Engine | None:
-        pool = [e for e in self.engines.values() if e.routable]
+    async def _choose(self, prompt: list[int], cache_salt: str | None,
+                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
+        """(the engine that runs the request, or prefills it; the decode engine it hands over to).
+        With prefill and decode engines up, requests are disaggregated (with n > 1 or prompt
+        logprobs they run whole on the prefill engine); otherwise colocated engines serve them
+        whole, or any engine left."""
+        routable = [e for e in self.engines.values() if e.routable]
+        prefill = [e for e in routable if e.info.role == "prefill"]
+        decode = [e for e in routable if e.info.role == "decode" and e.info.kv_receiver is not None]
+        if prefill and decode:
+            whole = params.n > 1 or params.prompt_logprobs is not None
+            target = None if whole else self._choose_decode(decode, prompt)
+            if not whole and target is None:
+                return None, None
+            return await self._choose_among(prefill, prompt, cache_salt), target
+        colocated = [e for e in routable if e.info.role == "engine"]
+        return await self._choose_among(colocated or routable, prompt, cache_salt), None
+
+    def _blocks_for(self, prompt: list[int]) -> int:
+        return len(prompt) // self.hasher.block_size + 1 if self.hasher is not None else 1
+
+    def _choose_decode(self, decode: list[_Engine], prompt: list[int]) -> _Engine | None:
+        """The least loaded decode engine with room for the prompt's KV (before its first stats an
+        engine counts as having room); None when every one is full."""
+        need = self._blocks_for(prompt)
+        free = {e.key: e.free_blocks() for e in decode}
+        fits = [e for e in decode if free[e.key] is None or free[e.key] >= need]
+        if not fits:
+            return None
+        return min(fits, key=lambda e: (e.load().requests_running + e.load().requests_waiting,
+                                         -(free[e.key] or 0)))
+
+    async def _choose_among(self, pool: list[_Engine], prompt: list[int], cache_salt: str | None) -> _Engine | None:
         if not pool:
             return None
         if self.config.routing == "round_robin":
@@ -241,6 +298,19 @@ class EnginePool:
         entry = self._requests.get(req.request_id)
         if entry is not None:
             entry[1].put_nowait(error)
+
+    def _forget_handoffs(self, req: InflightRequest, which) -> None:
+        """Parts of `req` being handed over that `which` picks: their decode engine drops them now,
+        or when it reports the handover (which may be on its way)."""
+        for erid, part in req.parts.items():
+            if part.decode is not None and which(part):
+                self._orphans[erid] = part.decode
+                self._tell_abort(part.decode, erid)
+
+    def _tell_abort(self, key: str, engine_rid: str) -> None:
+        e = self.engines.get(key)
+        if e is not None:
+            e.ref.tell(AbortRequest(engine_rid))
 
     # ---- replies and deaths (from the receiver actor) ---------------------------------------
     def _on_deltas(self, deltas) -> None:
@@ -274,6 +344,45 @@ class EnginePool:
             if resub is not None:
                 self._spawn(self._send(req, resub))
 
+    def _on_handed_over(self, engine_rid: str) -> None:
+        rid = self._by_engine_rid.get(engine_rid)
+        entry = self._requests.get(rid) if rid is not None else None
+        if entry is not None and entry[0].hand_over(engine_rid):
+            self.metrics.handoffs += 1
+            return
+        key = self._orphans.pop(engine_rid, None)   # aborted, or continued elsewhere meanwhile
+        if key is not None:
+            self._tell_abort(key, engine_rid)
+
+    def _on_handoff_failed(self, engine_rid: str, reason: str, refused: bool) -> None:
+        """The KV never reached the decode engine: the request continues from its tokens so far,
+        prefilled again (mostly from the prefix cache). A full decode engine is skipped until
+        its next stats; a failure counts as a migration."""
+        self._orphans.pop(engine_rid, None)
+        rid = self._by_engine_rid.pop(engine_rid, None)
+        entry = self._requests.get(rid) if rid is not None else None
+        part = entry[0].parts.pop(engine_rid, None) if entry is not None else None
+        if part is None:
+            return
+        req, queue = entry
+        decode = self.engines.get(part.decode) if part.decode is not None else None
+        log.warning("KV handoff failed", request_id=req.request_id, reason=reason, refused=refused)
+        if refused:
+            if decode is not None:
+                decode.full = True
+        else:
+            self.metrics.handoff_failures += 1
+            if req.migrations >= self.config.max_migrations:
+                queue.put_nowait(EngineLost("the request's KV could not be handed over"))
+                return
+            req.migrations += 1
+        index = part.index or 0
+        resub = req.continuation(index)
+        if resub is None:
+            queue.put_nowait(req.finish_locally(index, "length"))
+        else:
+            self._spawn(self._send(req, resub))
+
     def _on_engine_dead(self, ref: ActorRef) -> None:
         key = f"{ref.node}/{ref.path}"
         engine = self.engines.pop(key, None)
@@ -285,6 +394,7 @@ class EnginePool:
         for req, queue in list(self._requests.values()):
             if key not in req.engines():
                 continue
+            self._forget_handoffs(req, lambda part: key in (part.engine_id, part.decode))
             lost = req.lose_engine(key)
             if not lost:
                 continue
@@ -353,6 +463,7 @@ class EnginePool:
                 return_exceptions=True)
             for e, r in zip(engines, results):
                 if isinstance(r, EngineStats):
-                    e.stats, e.sent = r, 0
+                    e.stats, e.sent, e.reserved, e.full = r, 0, 0, False
+            self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
 

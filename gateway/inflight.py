@@ -1,5 +1,6 @@
 """One request in flight across a cluster: which engine runs which of its samples, what each
-sample generated so far, and how to continue it elsewhere when that engine dies.
+sample generated so far, and how to continue it elsewhere when that engine dies. A part being
+prefilled for a decode engine involves both: it is lost when either dies before the handover.
 
 Pure and synchronous. A continuation is the prompt plus the sample's tokens so far, submitted
 under a new engine request id, so stray deltas from the lost engine can never be mistaken for it.
@@ -20,6 +21,7 @@ class Part:
 
     engine_id: str
     index: int | None
+    decode: str | None = None   # the decode engine its KV goes to, until it is handed over
 
 
 @dataclass
@@ -41,6 +43,7 @@ class InflightRequest:
     done: list[bool] = field(default_factory=list)
     parts: dict[str, Part] = field(default_factory=dict)
     migrations: int = 0
+    resubmits: int = 0          # continuations made, for their engine request ids
     num_cached_tokens: int | None = None
     aborted: bool = False
 
@@ -53,10 +56,24 @@ class InflightRequest:
     def finished(self) -> bool:
         return self.aborted or all(self.done)
 
-    def place(self, engine_id: str) -> str:
+    def place(self, engine_id: str, decode: str | None = None) -> str:
         """The first submission: every sample on one engine, under the request's own id."""
-        self.parts[self.request_id] = Part(engine_id, None)
+        self.parts[self.request_id] = Part(engine_id, None, decode)
         return self.request_id
+
+    def hand_over(self, engine_request_id: str) -> bool:
+        """The part's decode engine took it over; False when the request no longer has the part."""
+        part = self.parts.get(engine_request_id)
+        if part is None or part.decode is None:
+            return False
+        part.engine_id, part.decode = part.decode, None
+        return True
+
+    def handoff_peers(self, engine_id: str) -> list[tuple[str, str]]:
+        """(the other engine, engine request id) of each part being handed over from or to
+        `engine_id`: when it dies, the other one drops the part."""
+        return [(p.decode if p.engine_id == engine_id else p.engine_id, rid) for rid, p in self.parts.items()
+                if p.decode is not None and engine_id in (p.engine_id, p.decode)]
 
     def on_delta(self, engine_request_id: str, d: TokenDelta) -> TokenDelta | None:
         """The delta as the client sees it (its sample index, the original prompt's length),
@@ -99,13 +116,13 @@ class InflightRequest:
         return out
 
     def engines(self) -> set[str]:
-        return {p.engine_id for p in self.parts.values()}
+        return {p.engine_id for p in self.parts.values()} | {p.decode for p in self.parts.values() if p.decode}
 
     def lose_engine(self, engine_id: str) -> list[int]:
         """Forget the parts on a dead engine; the unfinished samples they carried, in order."""
         lost: list[int] = []
         for rid, part in list(self.parts.items()):
-            if part.engine_id != engine_id:
+            if engine_id not in (part.engine_id, part.decode):
                 continue
             del self.parts[rid]
             indices = range(len(self.done)) if part.index is None else [part.index]
@@ -121,11 +138,12 @@ class InflightRequest:
             if left <= 0:
                 return None
             params = msgspec.structs.replace(params, max_tokens=left)
-        return Resubmission(f"{self.request_id}@{self.migrations}.{index}", index,
+        self.resubmits += 1
+        return Resubmission(f"{self.request_id}@{self.resubmits}.{index}", index,
                             self.prompt_token_ids + made, params)
 
-    def place_continuation(self, r: Resubmission, engine_id: str) -> None:
-        self.parts[r.engine_request_id] = Part(engine_id, r.index)
+    def place_continuation(self, r: Resubmission, engine_id: str, decode: str | None = None) -> None:
+        self.parts[r.engine_request_id] = Part(engine_id, r.index, decode)
 
     def finish_locally(self, index: int, reason: str) -> TokenDelta:
         """End a sample without an engine (its token budget ran out as its engine died)."""

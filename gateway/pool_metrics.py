@@ -1,5 +1,6 @@
 """The cluster's own metrics as a prometheus_client collector: routing decisions by reason,
-prefix-index lookup latency, request migrations and live engines. Registered with the gateway's
+prefix-index lookup latency, request migrations, live engines and KV handoffs from prefill to
+decode engines. Registered with the gateway's
 registry once the pool is up; the engines' own metrics are on each engine's /metrics."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ class PoolMetrics(Collector):
     def __init__(self, routing: RoutingMetrics, engines: Callable[[], int] = lambda: 0):
         self.routing = routing
         self.migrations = 0
+        self.handoffs = 0           # requests a decode engine took over
+        self.handoff_failures = 0   # handoffs cut on the way (refusals of a full engine not counted)
         self._engines = engines
 
     def collect(self) -> Iterator:
@@ -39,3 +42,8 @@ class PoolMetrics(Collector):
         yield CounterMetricFamily("matinee_request_migrations",
                                   "Requests continued on another engine after theirs died.", value=self.migrations)
         yield GaugeMetricFamily("matinee_engines", "Engines this gateway routes to.", value=self._engines())
+        handoffs = CounterMetricFamily("matinee_kv_handoffs", "Requests handed from a prefill to a decode "
+                                       "engine, by outcome.", labels=["outcome"])
+        handoffs.add_metric(["handed_over"], self.handoffs)
+        handoffs.add_metric(["failed"], self.handoff_failures)
+        yield handoffs

@@ -1,4 +1,4 @@
-"""What `matinee serve --role all|engine|draft|gateway` runs, one function per role.
+"""What `matinee serve --role all|engine|prefill|decode|draft|gateway` runs, one function per role.
 
 Each builds its configs from the parsed flags, raising ValueError before anything starts, and
 returns the function that serves. The cluster secret comes only from the environment.
@@ -16,6 +16,7 @@ from typing import Callable
 from actors.config import EngineConfig
 from actors.draft.config import SpeculativeConfig
 from actors.engine_node import EngineNodeConfig
+from actors.kv.transfer import KVTransferConfig
 from gateway.cluster import GatewayNodeConfig
 from gateway.config import GatewayConfig
 from gateway.engine_pool import PoolConfig
@@ -98,12 +99,14 @@ def _announce(config: GatewayConfig):
 
 
 def engine(args: argparse.Namespace) -> Serve:
+    """An engine node: colocated (`engine`), or one half of a disaggregated pair (`prefill`, `decode`)."""
     from actors.engine_node import run_engine_node
     from runtime import run
 
-    node = build(EngineNodeConfig, args, secret=_secret())
+    node = build(EngineNodeConfig, args, secret=_secret(), role=args.role)
     config = EngineConfig(**engine_kwargs(args))
-    return lambda: run(run_engine_node(node, config))
+    transfer = build(KVTransferConfig, args)
+    return lambda: run(run_engine_node(node, config, transfer=transfer))
 
 
 def draft(args: argparse.Namespace) -> Serve:
@@ -146,4 +149,4 @@ def gateway(args: argparse.Namespace) -> Serve:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], Serve]] = {
-    "all": all_in_one, "engine": engine, "draft": draft, "gateway": gateway}
+    "all": all_in_one, "engine": engine, "prefill": engine, "decode": engine, "draft": draft, "gateway": gateway}

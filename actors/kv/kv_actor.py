@@ -12,8 +12,9 @@ from typing import Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
-from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVEvents, KVEventsWaiting, KVFree,
-                             KVSnapshot, KVStats, KVStep, KVStepResult, SubscribeKVEvents)
+from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents,
+                             KVEventsWaiting, KVFree, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep,
+                             KVStepResult, SubscribeKVEvents)
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
 from runtime import Actor, ActorRef
@@ -99,6 +100,19 @@ def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
     _free(kv, msg.seq_ids)
 
 
+def apply_kv_reserve(kv: KVCacheManager, msg: KVReserve) -> KVReserved:
+    """Blocks for a handed-over sequence: cached leading blocks where the prefix cache has them,
+    fresh ones for the rest, held as lookahead slots so that nothing is hashed before the KV is
+    written (KVConfirm does that)."""
+    seq_id = str(msg.seq_id)
+    hit = kv.get_computed_blocks(KVRequest(seq_id, msg.token_ids, msg.cache_salt))
+    rest = msg.num_tokens - hit.num_computed_tokens
+    if not kv.can_allocate(seq_id, 0, num_lookahead_tokens=rest, hit=hit):
+        return KVReserved(None)
+    kv.allocate_slots(seq_id, 0, num_lookahead_tokens=rest, hit=hit)
+    return KVReserved(kv.block_table(seq_id), len(hit.block_ids))
+
+
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
     for seq_id in seq_ids:
         seq_id = str(seq_id)
@@ -122,6 +136,13 @@ class KVManagerActor(Actor):
             case KVFree():
                 before = self.kv.next_event_seq
                 apply_kv_free(self.kv, msg)
+                self._events_recorded(before)
+                return None
+            case KVReserve():
+                return apply_kv_reserve(self.kv, msg)
+            case KVConfirm(seq_id=seq_id, num_tokens=n):
+                before = self.kv.next_event_seq
+                self.kv.trim(str(seq_id), n)
                 self._events_recorded(before)
                 return None
             case GetKVStats():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,8 +22,9 @@ import msgspec
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
 from actors.engine_metrics import QUEUE_TIME_BUCKETS
-from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVStep, KVStepResult, KVTrim, KVUnwritten,
-                             NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
+from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
+                             KVUnwritten, NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest,
+                             TokenDelta)
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
@@ -67,6 +69,11 @@ class Counters:
     spec_num_drafts: int = 0        # verifications with at least one drafted token
     # Seconds from arrival here to first scheduled (a preempted request's wait again is not counted).
     queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_TIME_BUCKETS))
+    prefill_steps: int = 0          # steps that computed some sequence's prompt (or its recompute)
+    prefill_tokens: int = 0
+    ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill
+    ttft_queue_s: float = 0.0
+    ttft_prefill_s: float = 0.0
 
 
 @dataclass
@@ -83,8 +90,10 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, spec: SpecController | None = None):
+    def __init__(self, cfg: SchedulerConfig, spec: SpecController | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
+        self.clock = clock
         self.spec = spec                       # speculative decoding: k per decoding sequence
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -106,6 +115,8 @@ class Scheduler:
         self._propose: Propose | None = None   # the draft worker's share of the planned step
         self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
         self._draft_released: list[int] = []   # sequences whose draft state goes at once
+        self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
+        self._adopting: dict[int, Sequence] = {}   # handed to us, blocks reserved, KV arriving
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -119,6 +130,11 @@ class Scheduler:
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
         req = RequestState(msg.request_id, list(msg.prompt_token_ids), params, msg.reply_to,
                            priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
+        req.arrived_s = self.clock()
+        # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
+        # forward: such a request stays whole.
+        if params.n == 1 and params.prompt_logprobs is None:
+            req.handoff_to = msg.handoff_to
         if not msg.prompt_token_ids:  # bad input the front end should have refused
             self._end_unstarted(req, "error", EMPTY_PROMPT)
             return
@@ -158,6 +174,50 @@ class Scheduler:
         msg = KVFree(self._frees, self._unwritten)
         self._frees, self._unwritten = [], []
         return msg
+
+    # --- disaggregation: handing a prefilled request over, and taking one over ------------------
+
+    def take_handoffs(self) -> list[Sequence]:
+        """Sequences whose prompt this engine computed for a decode engine: their first token is
+        out; their blocks stay held until `handoff_done`."""
+        out, self._handoffs = self._handoffs, []
+        return out
+
+    def handoff_done(self, seq_id: int) -> None:
+        """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
+        self._frees.append(seq_id)
+
+    def reserve_adoption(self, offer: KVOffer) -> KVReserve | None:
+        """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
+        transaction that reserves its blocks. None when the request is here already."""
+        if offer.request_id in self.requests or any(s.request.request_id == offer.request_id
+                                                    for s in self._adopting.values()):
+            return None
+        self._arrivals += 1
+        priority = offer.priority if self.cfg.priority_scheduling else 0
+        req = RequestState(offer.request_id, list(offer.prompt_token_ids), offer.params, offer.reply_to,
+                           priority, self._arrivals, offer.cache_salt, self.cfg.max_model_len)
+        req.num_cached_tokens = offer.num_cached_tokens
+        seq = self._new_seq(req, 0)
+        seq.token_ids += offer.output_token_ids
+        self._adopting[seq.seq_id] = seq
+        return KVReserve(seq.seq_id, seq.token_ids, seq.num_tokens - 1, offer.cache_salt)
+
+    def adopt(self, seq_id: int) -> Sequence:
+        """The reserved sequence's KV is in the cache (all but its last token's): it decodes."""
+        seq = self._adopting.pop(seq_id)
+        seq.num_computed = seq.num_tokens - 1
+        seq.status = SeqStatus.RUNNING
+        self.requests[seq.request.request_id] = seq.request
+        self.seqs[seq_id] = seq
+        self.counters.prompt_tokens += seq.num_prompt_tokens
+        bisect.insort(self.running, seq, key=_key)
+        return seq
+
+    def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
+        """The handoff was cut (or found no room): its reserved blocks go back."""
+        if self._adopting.pop(seq_id, None) is not None and reserved:
+            self._frees.append(seq_id)
 
     # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
 
@@ -225,11 +285,17 @@ class Scheduler:
     def plan(self) -> StepPlan:
         seqs, new, drafts, starts = [], [], [], {}
         tables = self._step.tables
+        prefill_tokens, now = 0, self.clock()
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
+            if start < seq.num_tokens - 1:   # not just the last sampled token: a prompt (or a recompute)
+                prefill_tokens += n
+            if seq.request.first_step_s is None:
+                seq.request.first_step_s = now
             if not seq.known_to_worker:
                 seq.known_to_worker = True
-                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed))
+                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed,
+                                       seq.output_token_ids))
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
@@ -244,6 +310,8 @@ class Scheduler:
         self._in_flight = InFlightStep(starts, readers)
         self._step_id += 1
         self.counters.steps += 1
+        self.counters.prefill_steps += prefill_tokens > 0
+        self.counters.prefill_tokens += prefill_tokens
         self.counters.kv_slots_allocated += num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
@@ -285,13 +353,23 @@ class Scheduler:
                 self._verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
+            if seq.index == 0 and seq.num_output_tokens == kept and kept:
+                self._first_token(seq.request)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
             self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
             if reason is not None:
                 self._retire(seq)
+            elif seq.request.handoff_to is not None:
+                self._retire(seq, hand_over=True)
         return failures
 
     # --- internals --------------------------------------------------------------------------------
+
+    def _first_token(self, req: RequestState) -> None:
+        c = self.counters
+        c.ttft_count += 1
+        c.ttft_queue_s += req.first_step_s - req.arrived_s
+        c.ttft_prefill_s += self.clock() - req.first_step_s
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, InFlightStep()
@@ -382,8 +460,9 @@ class Scheduler:
             self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
             bisect.insort(self.running, child, key=_key)
 
-    def _retire(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues; its blocks go back to the pool."""
+    def _retire(self, seq: Sequence, hand_over: bool = False) -> None:
+        """Take a finished or aborted sequence out of the queues; its blocks go back to the pool,
+        or, when it is handed over, once its KV has left (`handoff_done`)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -396,7 +475,9 @@ class Scheduler:
             self._unwritten += self._in_flight.unwritten([seq.seq_id])
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
-        if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
+        if hand_over:
+            self._handoffs.append(seq)
+        elif any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
             self._deferred_frees.append(seq.seq_id)
         else:
             self._frees.append(seq.seq_id)

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
+
+import msgspec
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
-from actors.messages import (AbortRequest, EngineStats, GetKVStats, GetStats, StepPlan, StepResult, SubmitRequest,
-                             TokenDeltas)
+from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
+                             HandOver, HandOverDone, KVConfirm, KVHandedOver, KVOffer, KVReserved, StepPlan,
+                             StepResult, SubmitRequest, TokenDeltas)
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
 
@@ -39,6 +43,11 @@ class SchedulerActor(Actor):
         self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
+        # The KV transfer actor (a cluster node's, see actors/kv/transfer.py): without one, a request
+        # that names a decode engine is served whole here.
+        self.transfer: ActorRef | None = None
+        self.block_layout = ""
+        self.handoffs = _HandoffCounters()
 
     async def on_start(self) -> None:
         """At the start, and after a restart (the same instance, its requests kept): the step the
@@ -58,6 +67,8 @@ class SchedulerActor(Actor):
     async def receive(self, msg: Any) -> Any:
         match msg:
             case SubmitRequest():
+                if msg.handoff_to is not None and self.transfer is None:
+                    msg = msgspec.structs.replace(msg, handoff_to=None)
                 try:
                     self.scheduler.add(msg)
                 except ValueError as e:
@@ -69,6 +80,17 @@ class SchedulerActor(Actor):
                 self._send_outputs()
             case Piped(result=outcome, error=error):
                 await self._on_step(outcome, error)
+            case HandOverDone():
+                self.handoffs.sent(msg)
+                self.scheduler.handoff_done(msg.seq_id)
+                self._send_outputs()
+            case AdoptReserve(offer=offer):
+                return await self._reserve(offer)
+            case AdoptCommit(seq_id=seq_id):
+                await self._adopt(seq_id)
+            case AdoptDrop(seq_id=seq_id):
+                self.scheduler.drop_adoption(seq_id)
+                self._send_outputs()
             case GetStats():
                 return await self._stats()
             case _:
@@ -162,12 +184,45 @@ class SchedulerActor(Actor):
         for failed in self.scheduler.update(result):
             self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
                                    error=failed.detail)
+        self._hand_over(plan)
         self.forward_s += result.forward_s
         self.compute_s += result.compute_s
         wall = time.perf_counter() - self._started
         self.step_s += wall
         if self.spec is not None and shape is not None:
             self.spec.observe_step(*shape, wall)
+
+    def _hand_over(self, plan: StepPlan) -> None:
+        """Prefilled sequences go to their decode engines: the transfer actor sends their blocks."""
+        handoffs = self.scheduler.take_handoffs()
+        if not handoffs:
+            return
+        tables = {s.seq_id: s.block_table for s in plan.seqs}
+        for seq in handoffs:
+            req = seq.request
+            offer = KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
+                            seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
+                            req.num_cached_tokens, self.block_layout)
+            self.transfer.tell(HandOver(seq.seq_id, tables[seq.seq_id], offer, req.handoff_to))
+
+    async def _reserve(self, offer: KVOffer) -> KVReserved:
+        """Blocks for a request another engine prefilled; a table of None when there is no room."""
+        reserve = self.scheduler.reserve_adoption(offer)
+        if reserve is None:
+            return KVReserved(None)
+        reserved: KVReserved = await self.kv.ask(reserve)
+        if reserved.block_table is None:
+            self.scheduler.drop_adoption(reserve.seq_id, reserved=False)
+            self.handoffs.refused += 1
+        return msgspec.structs.replace(reserved, seq_id=reserve.seq_id)
+
+    async def _adopt(self, seq_id: int) -> None:
+        """The handed-over KV is written: the sequence decodes from its first token on."""
+        seq = self.scheduler.adopt(seq_id)   # no step is planned before the confirmation is in
+        await self.kv.ask(KVConfirm(seq_id, seq.num_computed))
+        self.handoffs.received += 1
+        seq.request.reply_to.tell(KVHandedOver(seq.request.request_id))
+        await self._maybe_step()
 
     def _send_outputs(self) -> None:
         """Blocks of finished sequences go back (once no step computes them); deltas go out, one
@@ -197,8 +252,31 @@ class SchedulerActor(Actor):
             spec_decode_num_drafts=c.spec_num_drafts,
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
+            prefill_steps=c.prefill_steps, prefill_tokens=c.prefill_tokens,
+            kv_handoffs_sent=self.handoffs.ok, kv_handoffs_received=self.handoffs.received,
+            kv_handoffs_failed=self.handoffs.failed, kv_handoffs_refused=self.handoffs.refused,
+            kv_transfer_blocks=self.handoffs.blocks, kv_transfer_bytes=self.handoffs.bytes,
+            kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
+            ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
             weight_bytes=self.weight_bytes)
+
+
+class _HandoffCounters:
+    """Handoffs this engine sent (with what they moved) and took over."""
+
+    def __init__(self) -> None:
+        self.ok = self.failed = self.received = self.refused = self.blocks = self.bytes = 0
+        self.seconds = 0.0
+
+    def sent(self, done: HandOverDone) -> None:
+        if done.ok:
+            self.ok += 1
+            self.blocks += done.num_blocks
+            self.bytes += done.num_bytes
+            self.seconds += done.seconds
+        else:
+            self.failed += 1
 
 
 def _step_error(error: BaseException) -> str:

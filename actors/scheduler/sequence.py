@@ -23,7 +23,8 @@ class RequestState:
     """One SubmitRequest: shared by its n sequences."""
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
-                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at")
+                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at", "handoff_to",
+                 "arrived_s", "first_step_s")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int):
@@ -41,6 +42,9 @@ class RequestState:
         self.max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         self.seed = params.seed
         self.queued_at: float | None = time.monotonic()   # None once first scheduled
+        self.handoff_to: Any = None           # a decode engine's KV receiver (prefill engines)
+        self.arrived_s = 0.0                  # when it reached the scheduler, and when it first ran
+        self.first_step_s: float | None = None
 
 
 class Sequence:

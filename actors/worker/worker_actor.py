@@ -76,7 +76,8 @@ class WorkerActor(Actor):
         refused: dict[int, str] = {}
         for new in plan.new_seqs:
             try:
-                self.states[new.seq_id] = self._new_state(new)
+                state = self.states[new.seq_id] = self._new_state(new)
+                state.append(new.output_token_ids)   # generated before a handover
             except ValueError as e:   # a grammar that does not compile: this sequence alone fails
                 refused[new.seq_id] = f"structured output: {e}"
         seqs = [s for s in plan.seqs if s.seq_id not in refused]

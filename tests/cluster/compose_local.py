@@ -16,9 +16,10 @@ import yaml
 from tests.cluster import harness as h
 
 # The port each service's containers listen on (the test checks compose.yaml agrees).
-CONTAINER_PORTS = {"redis": 6379, "draft": 7200, "engine": 7100, "gateway": 8000, "lb": 80}
+CONTAINER_PORTS = {"redis": 6379, "draft": 7200, "engine": 7100, "gateway": 8000, "lb": 80,
+                   "prefill": 7100, "decode": 7100}
 # A second port some containers serve: an engine's own /metrics and /ready.
-METRICS_PORTS = {"engine": 9100}
+METRICS_PORTS = {"engine": 9100, "prefill": 9100, "decode": 9100}
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 

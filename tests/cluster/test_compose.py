@@ -72,6 +72,16 @@ def test_compose_file_describes_the_cluster():
     draft = cl.load(COMPOSE, ENV, profiles=("draft",))["services"]["draft"]
     assert draft["command"][-2:] == ["--role", "draft"]
     assert draft["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["draft"])
+    assert "prefill" not in s and "decode" not in s          # optional: only with --profile disagg
+    disagg = cl.load(COMPOSE, ENV, profiles=("disagg",))["services"]
+    for role in ("prefill", "decode"):
+        svc = disagg[role]
+        assert svc["command"][-2:] == ["--role", role]
+        assert "replicas" not in svc.get("deploy", {})        # scaled with --scale prefill=N
+        assert svc["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS[role])
+        assert svc["environment"]["MATINEE_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0"
+        assert svc["environment"]["MATINEE_METRICS_PORT"] == str(cl.METRICS_PORTS[role])
+        assert f"{cl.METRICS_PORTS[role]}/ready" in " ".join(svc["healthcheck"]["test"])
 
 
 def test_monitoring_profile_scrapes_every_gateway_and_engine_and_provisions_grafana():

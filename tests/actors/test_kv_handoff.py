@@ -1,0 +1,250 @@
+"""KV handoff between two engines in one process, through their transfer actors' messages: the
+decode engine's greedy tokens equal a colocated run's and it runs no prefill for them; a full
+decode engine refuses; a sender that dies halfway leaves no blocks taken; a slow receiver holds
+the sender to its window; the block bytes survive the trip; and reserved blocks serve no prefix
+hit before their KV is in."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+import torch
+
+from actors.config import EngineConfig
+from actors.engine import start_engine
+from actors.engine_node import attach_kv_transfer
+from actors.kv.transfer import KVTransfer, KVTransferConfig
+from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVChunk, KVCommit, KVHandedOver,
+                             KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDeltas)
+from actors.worker.kv_blocks import KVBlockIO
+from runtime import Actor, ActorSystem
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class Front(Actor):
+    """What a gateway hears: deltas, handovers and failed handoffs."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.handed_over: list[str] = []
+        self.failed: list[KVHandoffFailed] = []
+        self.changed = asyncio.Event()
+
+    async def receive(self, msg):
+        match msg:
+            case TokenDeltas(deltas=deltas):
+                for d in deltas:
+                    self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
+                    if d.finish_reason is not None:
+                        self.finished.add(d.request_id)
+            case KVHandedOver(request_id=rid):
+                self.handed_over.append(rid)
+            case KVHandoffFailed():
+                self.failed.append(msg)
+        self.changed.set()
+
+    async def wait(self, pred, timeout=60.0):
+        async def loop():
+            while not pred():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(loop(), timeout)
+
+
+def _config(model: str, num_blocks: int) -> EngineConfig:
+    return EngineConfig(model=model, dtype="float32", num_threads=1, block_size=16, num_blocks=num_blocks,
+                        max_num_batched_tokens=128)
+
+
+@pytest.fixture
+async def pair(tiny_model_dir):
+    """A prefill and a decode engine, each with its transfer actor, and a small window."""
+    model = tiny_model_dir("llama")
+    system = ActorSystem("handoff-test")
+    await system.start()
+    prefill = await start_engine(_config(model, 96), system, name="pre")
+    decode = await start_engine(_config(model, 24), system, name="dec")
+    config = KVTransferConfig(window_bytes=2 * prefill.kv_blocks.bytes_per_block,
+                              chunk_bytes=prefill.kv_blocks.bytes_per_block)
+    pre_tx = await attach_kv_transfer(system, prefill, config, name="pre")
+    dec_tx = await attach_kv_transfer(system, decode, config, name="dec")
+    front = Front()
+    front_ref = await system.spawn(front, name="front")
+    yield system, prefill, decode, dec_tx, front, front_ref
+    for ref in (pre_tx, dec_tx):
+        await system.stop(ref)
+    await prefill.stop()
+    await decode.stop()
+    await system.shutdown()
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    shared = [rng.randrange(4, 300) for _ in range(40)]
+    return [[rng.randrange(4, 300) for _ in range(n)] for n in (3, 16, 37, 70)] + \
+        [shared + [5, 6], shared + [7, 8, 9]]   # the second finds the first's blocks on both engines
+
+
+async def _run(engine, front_ref, front, prompts, tag, handoff_to=None):
+    for i, p in enumerate(prompts):
+        engine.scheduler.tell(SubmitRequest(f"{tag}{i}", p, GREEDY, front_ref, handoff_to=handoff_to))
+        await front.wait(lambda: f"{tag}{i}" in front.finished)   # one by one: the second prompt's hit
+    return [front.tokens[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+async def test_a_handed_over_request_decodes_the_colocated_tokens_without_a_prefill_there(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    prompts = _prompts()
+    colocated = await _run(prefill, front_ref, front, prompts, "c")
+    before = await prefill.scheduler.ask(GetStats())
+    handed = await _run(prefill, front_ref, front, prompts, "d", handoff_to=dec_tx)
+    assert handed == colocated
+    assert front.handed_over == [f"d{i}" for i in range(len(prompts))] and not front.failed
+    d = await decode.scheduler.ask(GetStats())
+    assert d.prefill_steps == 0 and d.prefill_tokens == 0
+    assert d.kv_handoffs_received == len(prompts) and d.generation_tokens == len(prompts) * (GREEDY.max_tokens - 1)
+    p = await prefill.scheduler.ask(GetStats())
+    assert p.kv_handoffs_sent == len(prompts) and p.kv_handoffs_failed == 0
+    assert p.generation_tokens - before.generation_tokens == len(prompts)   # the first token only
+    # The repeated prompts found their leading blocks already on the decode engine: not sent again.
+    total_blocks = sum(-(-len(q) // 16) for q in prompts)
+    assert 0 < p.kv_transfer_blocks < total_blocks
+    assert p.kv_transfer_bytes == p.kv_transfer_blocks * prefill.kv_blocks.bytes_per_block
+    assert p.ttft_count == 2 * len(prompts) and p.ttft_prefill_s > 0
+    await front.wait(lambda: True)
+    kv = await prefill.kv.ask(GetKVStats())
+    assert kv.num_free_blocks == kv.num_blocks   # every handed-over sequence gave its blocks back
+
+
+async def test_a_full_decode_engine_refuses_and_the_prefill_engine_lets_go(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    long = [random.Random(1).randrange(4, 300) for _ in range(30 * 16)]   # more blocks than it has
+    prefill.scheduler.tell(SubmitRequest("big", long, GREEDY, front_ref, handoff_to=dec_tx))
+    await front.wait(lambda: front.failed)
+    assert front.failed[0].refused and front.failed[0].request_id == "big"
+    assert front.tokens["big"] and "big" not in front.finished   # its first token went out
+    p = await prefill.scheduler.ask(GetStats())
+    d = await decode.scheduler.ask(GetStats())
+    assert p.kv_handoffs_failed == 1 and d.kv_handoffs_refused == 1
+    kv = await prefill.kv.ask(GetKVStats())
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+class HalfSender(Actor):
+    """Offers a handoff and sends its first chunk only: a prefill engine that dies mid-transfer."""
+
+    def __init__(self, to, chunk: KVChunk):
+        self.to, self.chunk = to, chunk
+
+    async def receive(self, offer: KVOffer):
+        reply = await self.to.ask(msgspec.structs.replace(offer, sender=self.context.self_ref))
+        assert reply.accepted
+        return await self.to.ask(self.chunk)
+
+
+async def test_a_handoff_cut_halfway_gives_the_decode_engine_its_blocks_back(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    prompt = [random.Random(2).randrange(4, 300) for _ in range(50)]   # 4 blocks
+    ref = await system.spawn(HalfSender(dec_tx, KVChunk("cut", 0, 1, bytes(io.bytes_per_block))), name="half")
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert await ref.ask(KVOffer("cut", ref, "half", prompt, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4   # reserved, one block written
+    await system.stop(ref)   # the sender dies before it commits
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
+    assert not front.handed_over and "half" not in front.tokens
+    stats = await decode.scheduler.ask(GetStats())
+    assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
+
+
+class SlowReceiver(Actor):
+    """Accepts an offer, then takes its time over every chunk: a decode engine that lags."""
+
+    def __init__(self):
+        self.blocks: list[int] = []
+
+    async def receive(self, msg):
+        match msg:
+            case KVOffer():
+                return KVOfferReply(True)
+            case KVChunk():
+                await asyncio.sleep(0.02)
+                self.blocks.append(msg.first_block)
+                return msg.num_blocks
+            case KVCommit():
+                return True
+
+
+async def test_a_slow_receiver_holds_the_sender_to_its_window():
+    system = ActorSystem("window-test")
+    await system.start()
+    blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    class Scheduler(Actor):
+        async def receive(self, msg):
+            if isinstance(msg, HandOverDone):
+                done.set_result(msg)
+
+    sched = await system.spawn(Scheduler(), name="sched")
+    receiver_actor = SlowReceiver()
+    receiver = await system.spawn(receiver_actor, name="receiver")
+    tx_actor = KVTransfer(blocks, sched, 4, KVTransferConfig(window_bytes=3 * blocks.bytes_per_block,
+                                                             chunk_bytes=blocks.bytes_per_block))
+    tx = await system.spawn(tx_actor, name="tx")
+    offer = KVOffer("t1", tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
+    tx.tell(HandOver(0, list(range(10)), offer, receiver))
+    result = await asyncio.wait_for(done, 5)
+    assert result.ok and result.num_blocks == 10 and result.num_bytes == 10 * blocks.bytes_per_block
+    assert receiver_actor.blocks == list(range(10))
+    assert tx_actor.peak_in_flight_bytes == 3 * blocks.bytes_per_block   # full window, never more
+    await system.shutdown()
+
+
+def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
+    src = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(3)]
+    dst = [(torch.zeros(9, 4, 2, 8), torch.zeros(9, 4, 2, 8)) for _ in range(3)]
+    a, b = KVBlockIO(src), KVBlockIO(dst)
+    assert a.layout == b.layout == "float32:3x2x4x2x8"
+    data = a.read([4, 1])
+    assert len(data) == 2 * a.bytes_per_block
+    b.write([0, 7], bytes(data))
+    for (sk, sv), (dk, dv) in zip(src, dst):
+        assert torch.equal(dk[0], sk[4]) and torch.equal(dk[7], sk[1]) and torch.equal(dv[7], sv[1])
+        assert not dk[1].any()
+    b.write([3, 4, 5, 8], bytes(a.read([0, 1, 2, 5])))   # runs of neighbours on either side
+    for (sk, sv), (dk, dv) in zip(src, dst):
+        assert torch.equal(dk[3:6], sk[0:3]) and torch.equal(dv[8], sv[5])
+    with pytest.raises(ValueError, match="expected"):
+        b.write([0], bytes(data))
+
+
+def test_reserved_blocks_reuse_the_prefix_cache_and_are_hashed_only_once_confirmed():
+    from actors.kv.kv_actor import apply_kv_reserve
+    from actors.kv.manager import KVCacheManager
+    from actors.kv.structs import KVCacheConfig, KVRequest
+    from actors.messages import KVReserve
+
+    kv = KVCacheManager(KVCacheConfig(num_blocks=12, block_size=4))
+    cached = list(range(10, 18))   # two full blocks, computed and cached by an earlier sequence
+    hit = kv.get_computed_blocks(KVRequest("0", cached + [1]))
+    kv.allocate_slots("0", 9, hit=hit)
+    kv.free("0")
+    tokens = cached + list(range(30, 37)) + [99]   # 15 positions with KV, then the first token
+    reserved = apply_kv_reserve(kv, KVReserve(1, tokens, 15))
+    assert reserved.num_hit_blocks == 2 and len(reserved.block_table) == 4
+    probe = KVRequest("probe", tokens)
+    assert kv.get_computed_blocks(probe).num_computed_tokens == 8   # the arriving blocks serve no hit yet
+    kv.trim("1", 15)   # KVConfirm: the KV is written
+    assert kv.get_computed_blocks(probe).num_computed_tokens == 12
+    assert kv.num_computed_tokens("1") == 15
+    assert apply_kv_reserve(kv, KVReserve(2, list(range(200, 240)), 39)).block_table is None   # no room
+    kv.check_invariants()
