@@ -128,6 +128,8 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
+    kv_bytes_per_token: float = 0.0       # K and V of one token over all layers, with an int8/fp8 cache's scales
+    kv_token_capacity: int = 0            # tokens the KV pool holds (blocks x block size)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -185,6 +187,8 @@ class WorkerInfo(msgspec.Struct, tag=True):
     max_model_len: int                # the model's own context length
     vocab_size: int
     eos_token_ids: list[int]
+    kv_bytes_per_token: float = 0.0   # with an int8 or fp8 cache's scales
+    kv_cache_dtype: str = ""          # the cache's torch dtype, e.g. "int8"
 
 
 # --- scheduler <-> KV manager ---------------------------------------------------------------------

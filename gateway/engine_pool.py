@@ -178,6 +178,7 @@ class EnginePool:
         drafts = total["spec_decode_num_drafts"]
         total["spec_decode_mean_accepted_length"] = (total["spec_decode_accepted_tokens"] + drafts) / max(drafts, 1)
         total["spec_decode_token_cost"] = _mean_token_cost(latest)
+        total["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in latest), default=0.0)   # one model's
         return EngineStats(**total)
 
     async def wait_for_engine(self) -> EngineInfo:

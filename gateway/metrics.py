@@ -111,6 +111,9 @@ class GatewayMetrics:
         self.requests_waiting = r.gauge("matinee_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_blocks_total = r.gauge("matinee_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_blocks_free = r.gauge("matinee_kv_blocks_free", "KV cache blocks free or evictable.")
+        self.kv_bytes_per_token = r.gauge("matinee_kv_bytes_per_token", "KV cache bytes per token over all "
+                                          "layers (an int8/fp8 cache's scales included).")
+        self.kv_token_capacity = r.gauge("matinee_kv_token_capacity", "Tokens the KV cache pool holds.")
         self.prefix_queried = r.counter("matinee_prefix_cache_queried_tokens_total",
                                         "Prompt tokens looked up in the prefix cache.")
         self.prefix_hit = r.counter("matinee_prefix_cache_hit_tokens_total",
@@ -136,6 +139,8 @@ class GatewayMetrics:
         self.requests_waiting.set(stats.requests_waiting)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
+        self.kv_token_capacity.set(stats.kv_token_capacity)
         self.prefix_queried.set(stats.prefix_cache_queried_tokens)
         self.prefix_hit.set(stats.prefix_cache_hit_tokens)
         self.prompt_tokens.set(stats.prompt_tokens)

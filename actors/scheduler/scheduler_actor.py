@@ -27,8 +27,10 @@ NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
 class SchedulerActor(Actor):
     def __init__(self, cfg: SchedulerConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
-                 draft: ActorRef | None = None, spec: SpecController | None = None):
+                 draft: ActorRef | None = None, spec: SpecController | None = None,
+                 kv_bytes_per_token: float = 0.0):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
+        self.kv_bytes_per_token = kv_bytes_per_token   # reported in the stats
         self.spec = self.scheduler.spec
         self.kv = kv
         self.worker = worker
@@ -195,7 +197,9 @@ class SchedulerActor(Actor):
             spec_decode_draft_tokens=c.spec_draft_tokens, spec_decode_accepted_tokens=c.spec_accepted_tokens,
             spec_decode_num_drafts=c.spec_num_drafts,
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
-            spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0)
+            spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size)
 
 
 def _step_error(error: BaseException) -> str:
