@@ -25,6 +25,12 @@ So a block's contents depend only on the values written into it and their order,
 writes were split into calls or batched with other sequences. Each requantization rounds again, by
 at most half a step of the new scale: at most block_size - 1 times per block, in practice a few in
 its first tokens, where the scale settles.
+
+Speculative decoding: a verification writes every drafted token, and the rollback of rejected ones
+moves no bytes; a rejected token may have grown its block's scale (and requantized its earlier
+tokens), so with a quantized cache speculative decoding gives plain decoding's tokens only up to
+that rounding, where a float cache gives them exactly. Preemption recomputes into fresh blocks,
+whose first write resets their scales.
 """
 
 from __future__ import annotations

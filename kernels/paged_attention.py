@@ -29,7 +29,7 @@ def _gather_context(
     return gathered[:, :max_seq_len].transpose(1, 2)
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, k_scales, v_scales):
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, k_scales=None, v_scales=None):
     """One query per sequence, rows in batch order: q[B, Hq, D] -> [B, Hq, D]."""
     keys = _gather_context(k_cache, block_tables, max_seq_len, k_scales).to(q.dtype)
     values = _gather_context(v_cache, block_tables, max_seq_len, v_scales).to(q.dtype)
@@ -45,7 +45,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, k_s
 
 
 def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_lens, seq_of_token, max_query_len, max_seq_len, scale,
-             k_scales, v_scales):
+             k_scales=None, v_scales=None):
     """Query chunks of several tokens: q[T, Hq, D], token t in sequence seq_of_token[t]."""
     device = q.device
     batch = seq_lens.shape[0]

@@ -148,10 +148,11 @@ class DecoderModel:
                 q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps).view(num_tokens, -1, head_dim)
                 k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps).view(num_tokens, -1, head_dim)
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            ops.write_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scales, kv.v_scales)
-            attn = ops.paged_attention(q, kv.k, kv.v, meta.block_tables, meta.seq_lens,
+            k_cache, v_cache, k_scales, v_scales = LayerKV(*kv)   # a plain (K, V) pair too
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
-                                       k_scales=kv.k_scales, v_scales=kv.v_scales)
+                                       k_scales=k_scales, v_scales=v_scales)
             hidden = ops.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, layer.gate_up_weight)), layer.down_weight)

@@ -111,6 +111,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --index-timeout --routing --max-migrations""".split()
+FLAGS += ["--kv-cache-dtype"]
 
 
 def _serve_flags(parser) -> list[str]:
