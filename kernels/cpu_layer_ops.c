@@ -97,33 +97,42 @@ static inline float f32_round(float f) { return f; }
         return 0;                                                                                          \
     }
 
+static inline float clampf(float x, float bound) { return x < -bound ? -bound : x > bound ? bound : x; }
+
 /* One quantized value: int8 (clamped to +-127) or fp8 e4m3 (clamped to +-448), from x already divided
  * by its scale, to nearest even. */
 static inline uint8_t quantize1(float x, int fp8) {
-    if (fp8) return f32_to_e4m3(fminf(448.f, fmaxf(-448.f, x)));
-    return (uint8_t)(int8_t)fminf(127.f, fmaxf(-127.f, rintf(x)));
+    if (fp8) return f32_to_e4m3(clampf(x, 448.f));
+    return (uint8_t)(int8_t)rintf(clampf(x, 127.f));
 }
 
 static inline float code_value(uint8_t c, int fp8) { return fp8 ? e4m3_to_f32(c) : (float)(int8_t)c; }
 
 /* kv_quant.py's rule for one head's D values x written at offset `off` of a block: head[j * stride + i]
- * is value i of the block's slot j for this head; *scale is the (block, head) scale. */
-static void write_quantized_head(const float *x, uint8_t *head, float *scale, long off, long block_size, long stride,
-                                 long D, int fp8) {
+ * is value i of the block's slot j for this head; *scale is the (block, head) scale. The loops are
+ * plain so that they vectorise: requantizing a block's earlier tokens is most of a prefill's write. */
+static void write_quantized_head(const float *x, uint8_t *head, float *scale, long off, long stride, long D,
+                                 int fp8) {
     float qmax = fp8 ? 448.f : 127.f, amax = 0.f;
-    for (long i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    for (long i = 0; i < D; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
     float old = off == 0 ? 0.f : *scale, s = old;
     if (amax > old * qmax) {
         s = amax / qmax;
-        if (old > 0.f) {   /* the scale grows: what the block holds for this head moves to it */
+        if (old > 0.f) {   /* the scale grows: the tokens already written for this head move to it */
             float factor = old / s;
-            for (long j = 0; j < block_size; j++)
-                for (long i = 0; i < D; i++) head[j * stride + i] = quantize1(code_value(head[j * stride + i], fp8) * factor, fp8);
+            for (long j = 0; j < off; j++) {
+                uint8_t *row = head + j * stride;
+                for (long i = 0; i < D; i++) row[i] = quantize1(code_value(row[i], fp8) * factor, fp8);
+            }
         }
     }
     *scale = s;
     float divisor = s > 0.f ? s : 1.f;   /* 0: nothing but zeros so far */
-    for (long i = 0; i < D; i++) head[off * stride + i] = quantize1(x[i] / divisor, fp8);
+    uint8_t *row = head + off * stride;
+    for (long i = 0; i < D; i++) row[i] = quantize1(x[i] / divisor, fp8);
 }
 
 /* Row t of k and v ([Hk, D] each, token strides k_stride, v_stride) into an int8 (fp8 = 0) or fp8 e4m3
@@ -143,11 +152,9 @@ static void write_quantized_head(const float *x, uint8_t *head, float *scale, lo
             for (long h = 0; h < Hk; h++) {                                                                \
                 long head = block * block_size * Hk * D + h * D;   /* slot 0 of the block, this head */    \
                 for (long i = 0; i < D; i++) x[i] = LOAD(k + t * k_stride + h * D + i);                    \
-                write_quantized_head(x, k_cache + head, k_scales + block * Hk + h, off, block_size, Hk * D, \
-                                     D, fp8);                                                              \
+                write_quantized_head(x, k_cache + head, k_scales + block * Hk + h, off, Hk * D, D, fp8);   \
                 for (long i = 0; i < D; i++) x[i] = LOAD(v + t * v_stride + h * D + i);                    \
-                write_quantized_head(x, v_cache + head, v_scales + block * Hk + h, off, block_size, Hk * D, \
-                                     D, fp8);                                                              \
+                write_quantized_head(x, v_cache + head, v_scales + block * Hk + h, off, Hk * D, D, fp8);   \
             }                                                                                              \
         }                                                                                                  \
         return 0;                                                                                          \

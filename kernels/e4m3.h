@@ -18,17 +18,23 @@ static inline float e4m3_to_f32(uint8_t c) {
     return f * E4M3_BIAS_SHIFT;
 }
 
-/* Round to nearest even; |x| <= 448 (the caller clamps). Below 2^-6 e4m3 is subnormal, in steps of 2^-9. */
+/* Round to nearest even; |x| <= 448 (the caller clamps). Below 2^-6 e4m3 is subnormal, in steps of 2^-9.
+ * Branch-free, so that a loop of it vectorises: the step and its inverse are powers of two made from
+ * the exponent bits, so dividing by the step and multiplying back are exact. */
 static inline uint8_t f32_to_e4m3(float x) {
     uint32_t u;
     memcpy(&u, &x, 4);
-    uint8_t sign = (uint8_t)((u >> 24) & 0x80);
-    int e = (int)((u >> 23) & 0xff) - 127;
-    if (e < -6) e = -6;
-    float step = ldexpf(1.f, e - 3);
-    float r = rintf(fabsf(x) / step) * step;   /* exact: the steps are powers of two */
-    if (r < 0x1p-6f) return sign | (uint8_t)(r * 512.f);
-    memcpy(&u, &r, 4);
-    return sign | (uint8_t)((u >> 20) - (120u << 3));
+    uint32_t sign = (u >> 24) & 0x80;
+    int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
+    e = e < -6 ? -6 : e;
+    uint32_t step_bits = (uint32_t)(e - 3 + 127) << 23, inverse_bits = (uint32_t)(127 - (e - 3)) << 23;
+    float step, inverse;
+    memcpy(&step, &step_bits, 4);
+    memcpy(&inverse, &inverse_bits, 4);
+    float r = rintf(fabsf(x) * inverse) * step;
+    uint32_t r_bits;
+    memcpy(&r_bits, &r, 4);
+    uint32_t code = r < 0x1p-6f ? (uint32_t)(r * 512.f) : (r_bits >> 20) - (120u << 3);
+    return (uint8_t)(sign | code);
 }
 #endif

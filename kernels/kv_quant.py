@@ -15,8 +15,9 @@ kernel (kv_write.py's reference here, cpu_layer_ops.c, kv_write_triton.py):
 - Tokens are written in the order of the slot mapping. Writing offset 0 of a block starts it afresh
   (its scale is reset: a block is filled from its start, and a freed block's old scale means nothing).
 - A head's scale only grows: when a token's largest |value| exceeds what the scale reaches
-  (scale x QMAX), the scale becomes amax / QMAX and the block's values already written for that head
-  are requantized to it (q' = quantize(q x old / new)); then the token is quantized with the scale.
+  (scale x QMAX), the scale becomes amax / QMAX and the block's tokens before it (offsets below its
+  own) are requantized to it for that head (q' = quantize(q x old / new)); then the token is
+  quantized with the scale.
 - Quantizing is x / scale rounded to nearest even: int8 clamped to [-127, 127]; fp8 clamped to
   [-448, 448] (e4m3's largest finite value; its NaN codes are never written). A scale of 0 (a head
   with only zeros so far) stores zeros.
@@ -83,9 +84,14 @@ def _write_one(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots
     new = torch.where(grows, amax / qmax, old)
     requant = grows & (old > 0)
     if bool(requant.any()):
-        # A factor of 1 leaves a value as it is: requantizing what is already on the grid is exact.
+        # The block's tokens before this one, of the heads whose scale grows.
+        earlier = torch.arange(block_size, device=slots.device)[None, :] < offsets[:, None]
+        moved = earlier[:, :, None] & requant[:, None, :]                  # [n, block_size, Hk]
         factor = torch.where(requant, old / torch.where(new > 0, new, 1.0), 1.0)
-        cache[blocks] = quantize(cache[blocks].to(torch.float32) * factor[:, None, :, None], cache.dtype)
+        held = cache[blocks]
+        requantized = quantize(held.to(torch.float32) * factor[:, None, :, None], cache.dtype)
+        codes = torch.where(moved[..., None], requantized.view(torch.uint8), held.view(torch.uint8))
+        cache[blocks] = codes.view(cache.dtype)
     scales[blocks] = new
     safe = torch.where(new > 0, new, 1.0)
     cache.view(-1, *cache.shape[2:])[slots] = quantize(x / safe[:, :, None], cache.dtype)

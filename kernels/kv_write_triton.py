@@ -56,7 +56,6 @@ def _write_kv_quantized_kernel(
     cols = tl.arange(0, HEAD_PAD)
     col_ok = cols < head_dim
     rows = tl.arange(0, BLOCK_S)
-    held_mask = (rows < block_size)[:, None] & col_ok[None, :]
     for i in range(lo, hi):
         token = tl.load(order_ptr + i).to(tl.int64)
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -69,8 +68,9 @@ def _write_kv_quantized_kernel(
         old = tl.where(offset == 0, 0.0, tl.load(scale_at))
         grows = amax > old * QMAX
         new = tl.where(grows, amax / QMAX, old)
-        if grows & (old > 0.0):
+        if grows & (old > 0.0):   # the block's tokens before this one move to the new scale
             held_at = head_base + rows[:, None] * stride_cs + cols[None, :]
+            held_mask = (rows < offset)[:, None] & col_ok[None, :]
             held = code_values(tl.load(held_at, mask=held_mask, other=0), FP8) * (old / new)
             tl.store(held_at, quantize_values(held, QMAX, FP8), mask=held_mask)
         tl.store(scale_at, new)
