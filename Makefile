@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # and on a machine whose pip is pointed at a local CPU wheel the same pin takes that one.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# The dashboard's browser test drives Debian's chromium through chromium-driver; installed when
+# missing (apt-get: as root, as CI runs). Without them that test skips.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
 clean:
 	rm -rf $(VENV)

@@ -46,6 +46,9 @@ class EngineNodeConfig:
         "help": "seconds a stopping engine lets its running requests finish", "flag": "drain-grace"})
     registry_ttl_s: float = field(default=3.0, metadata={
         "help": "seconds a dead engine stays in the registry", "flag": "registry-ttl"})
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "the engine node's HTTP port for its own /metrics and /ready, on --listen-host (unset: none)",
+        "type": "int_or_none"})
     index_ttl_s: float = 10.0
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"
@@ -55,6 +58,8 @@ class EngineNodeConfig:
             raise ValueError("an engine node needs the cluster secret (MATINEE_CLUSTER_SECRET)")
         if not 0 <= self.listen_port < 65536:
             raise ValueError(f"listen_port must be in [0, 65535], got {self.listen_port}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [1, 65535], got {self.metrics_port}")
         for name in ("drain_grace_s", "registry_ttl_s", "index_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -155,15 +160,27 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     front = await system.spawn(EngineFront(info, engine.scheduler), name=f"front-{uuid.uuid4().hex[:8]}")
     name = REGISTRY_PREFIX + node.engine_id
     await system.publish(name, front)
+    serving = True
+    http = None
+    if node.metrics_port is not None:
+        from actors.engine_http import create_engine_http, start_engine_http
+        from actors.engine_metrics import model_name_from_path
+
+        app = create_engine_http(engine.scheduler, lambda: serving,
+                                 model_name_from_path(engine_config.model or "") or "matinee", node.engine_id)
+        http = await start_engine_http(app, node.listen_host, node.metrics_port)
     log.info("engine node serving", engine_id=node.engine_id, address=system.address)
     print(f"matinee engine {node.engine_id} serving at {system.address}", flush=True)
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([waiter, system.terminated], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
+    serving = False
     try:
         if not system.terminated.done():
             await _drain(system, name, front, engine.scheduler, node.drain_grace_s)
     finally:
+        if http is not None:
+            await http.cleanup()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

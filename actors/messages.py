@@ -130,6 +130,8 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
     kv_bytes_per_token: float = 0.0       # K and V of one token over all layers, with an int8/fp8 cache's scales
     kv_token_capacity: int = 0            # tokens the KV pool holds (blocks x block size)
+    queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
+    queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------

@@ -43,15 +43,15 @@ class GatewayNodeConfig:
 
 
 class ClusterMetrics(GatewayMetrics):
-    """The gateway's metrics followed by the pool's (routing, index latency, migrations)."""
+    """The gateway's own metrics and the pool's (routing, index latency, migrations); no engine's."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(engine_in_process=False)
         self.pool: PoolMetrics | None = None
 
-    def render(self) -> str:
-        text = super().render()
-        return text + self.pool.render() if self.pool is not None else text
+    def attach_pool(self, pool: PoolMetrics) -> None:
+        self.pool = pool
+        self.registry.register(pool)
 
 
 def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = None):
@@ -76,7 +76,7 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
             await registry.close()
 
         if metrics is not None:   # shown once the gateway can serve
-            metrics.pool = pool.metrics
+            metrics.attach_pool(pool.metrics)
         return EngineHandle(scheduler=pool.receiver, tokenizer=tokenizer, max_model_len=info.max_model_len,
                             model_path=info.model or tokenizer_path, close=close, client=pool,
                             priority_scheduling=info.priority_scheduling)

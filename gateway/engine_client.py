@@ -90,3 +90,7 @@ class EngineClient:
 
     async def stats(self, timeout: float = 2.0) -> EngineStats:
         return await self.scheduler.ask(GetStats(), timeout=timeout)
+
+    async def engine_stats(self, timeout: float = 2.0) -> dict[str, EngineStats]:
+        """The pool's interface: this one engine's stats, as engine "0"."""
+        return {"0": await self.stats(timeout)}

@@ -170,16 +170,10 @@ class EnginePool:
             for erid in entry[0].parts:
                 self._by_engine_rid.pop(erid, None)
 
-    async def stats(self, timeout: float = 2.0) -> EngineStats:
-        """The cluster's totals, from the latest stats of every engine. Counters and gauges add up;
-        the two means do not, so they are recomputed from the summed counters or weighted."""
-        latest = [e.stats for e in self.engines.values() if e.stats is not None]
-        total = {f: sum(getattr(s, f) for s in latest) for f in EngineStats.__struct_fields__}
-        drafts = total["spec_decode_num_drafts"]
-        total["spec_decode_mean_accepted_length"] = (total["spec_decode_accepted_tokens"] + drafts) / max(drafts, 1)
-        total["spec_decode_token_cost"] = _mean_token_cost(latest)
-        total["kv_bytes_per_token"] = max((s.kv_bytes_per_token for s in latest), default=0.0)   # one model's
-        return EngineStats(**total)
+    async def engine_stats(self, timeout: float = 2.0) -> dict[str, EngineStats]:
+        """Each routable engine's latest stats, by engine id, for the dashboard (never summed: each
+        engine serves its own /metrics, and a sum across gateways would count it twice)."""
+        return {e.info.engine_id: e.stats for e in self.engines.values() if e.stats is not None and e.routable}
 
     async def wait_for_engine(self) -> EngineInfo:
         while not self.alive:
@@ -362,12 +356,3 @@ class EnginePool:
                     e.stats, e.sent = r, 0
             await asyncio.sleep(self.config.stats_interval_s)
 
-
-def _mean_token_cost(stats: list[EngineStats]) -> float:
-    """A drafted token's cost over the engines that draft, weighted by their verifications (a
-    plain mean of their priors before any has verified)."""
-    drafting = [s for s in stats if s.spec_decode_token_cost > 0]
-    weight = sum(s.spec_decode_num_drafts for s in drafting)
-    if weight == 0:
-        return sum(s.spec_decode_token_cost for s in drafting) / max(len(drafting), 1)
-    return sum(s.spec_decode_token_cost * s.spec_decode_num_drafts for s in drafting) / weight

@@ -121,7 +121,7 @@ class Generation:
             # after the sample finished here): either way the client hears of an error.
             ch.finish_reason, ch.engine_done = "error", True
             self._open -= 1
-            self._metrics.requests_total.inc(1, "error")
+            self._metrics.finished("error")
             raise RequestFailed(d.error or "The engine ended this request before it finished.")
         if ch.finish_reason is not None:
             ch.engine_done = ch.engine_done or d.finish_reason is not None
@@ -131,8 +131,8 @@ class Generation:
         if self._first_token_at is None:
             self._first_token_at = now
             m.ttft.observe(now - self._arrival)
-        elif ch.last_t and d.token_ids:
-            m.itl.observe(now - ch.last_t)
+        elif ch.last_t and d.token_ids:   # per token: a delta may carry several (speculative decoding)
+            m.itl.observe((now - ch.last_t) / len(d.token_ids), len(d.token_ids))
         if d.token_ids:
             ch.last_t = now
         sub.num_prompt_tokens = d.num_prompt_tokens or sub.num_prompt_tokens
@@ -148,7 +148,7 @@ class Generation:
             ch.engine_done = True
         if ch.finish_reason is not None:
             self._open -= 1
-            m.requests_total.inc(1, ch.finish_reason)
+            m.finished(ch.finish_reason)
             if not ch.engine_done:   # a stop string matched: this sample need not go on
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
@@ -177,7 +177,7 @@ class Generation:
                 self._client.abort(sub.request_id)
                 for c in sub.choices:
                     if c.finish_reason is None:
-                        self._metrics.requests_total.inc(1, "abort")
+                        self._metrics.finished("abort")
             self._client.release(sub.request_id)
         self.num_waiting = 0
         if self._open == 0:

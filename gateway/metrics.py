@@ -1,153 +1,92 @@
-"""A small Prometheus registry (counters, gauges, histograms) rendered in the text format.
+"""The gateway's /metrics: its own request metrics, under Matinee's names and vLLM's (with
+`model_name`), in one prometheus_client registry per app; and, when the engine runs in this
+process, the engine's (actors/engine_metrics.py) copied from EngineStats on each scrape.
 
-The gateway's own request metrics live here; the engine's counters and gauges are copied in
-from EngineStats on each scrape. No locks: everything runs on the event loop.
+In a cluster every engine serves its own /metrics, so a gateway renders only what it measured
+itself: summing engines here would count each once per gateway. No locks: the event loop owns it.
 """
 from __future__ import annotations
 
-import math
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from prefix_store.metrics import Histogram as Buckets
+from actors.engine_metrics import REQUEST_LATENCY_BUCKETS, EngineCollector
+from gateway.recent import RecentSamples
+
+disable_created_metrics()   # no `_created` series: Matinee's and vLLM's dashboards read none
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# vLLM's own bucket ranges, so its dashboards' quantiles read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+VLLM_LABELS = ("model_name",)
 
 
-def _fmt(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    return repr(float(v)) if not float(v).is_integer() else str(int(v))
+class Latency:
+    """One latency under both names: Matinee's histogram and vLLM's (labelled with the model)."""
 
+    def __init__(self, registry: CollectorRegistry, name: str, help: str, vllm_buckets=None,
+                 vllm_name: str | None = None) -> None:
+        self.matinee = Histogram(f"matinee_{name}", help, buckets=LATENCY_BUCKETS, registry=registry)
+        self.vllm = None if vllm_buckets is None else Histogram(
+            f"vllm:{vllm_name or name}", help, VLLM_LABELS, buckets=vllm_buckets, registry=registry)
+        self.model_name = ""
+        self.recent = RecentSamples()   # the dashboard's p50 and p90 of the last seconds
 
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{v}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
-        self.name, self.help, self.label_names = name, help, labels
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name, help, labels=()):
-        super().__init__(name, help, labels)
-        self.values: dict[tuple[str, ...], float] = {} if labels else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
-
-    def set(self, value: float, *labels: str) -> None:
-        """For counters kept elsewhere (the engine's cumulative stats)."""
-        self.values[labels] = value
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_labels(self.label_names, k)} {_fmt(v)}"
-                                for k, v in sorted(self.values.items())]
-
-
-class Gauge(Counter):
-    kind = "gauge"
-
-
-class Histogram(_Metric):
-    """A named, rendered histogram; the bucket counting is prefix_store's `Histogram`, so the
-    router's lookup latency renders through here too (pass its counts as `values`)."""
-
-    kind = "histogram"
-
-    def __init__(self, name, help, buckets=LATENCY_BUCKETS, values: Buckets | None = None):
-        super().__init__(name, help)
-        self.values = values if values is not None else Buckets(buckets)
-
-    def observe(self, value: float) -> None:
-        self.values.observe(value)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for bound, cumulative in self.values.cumulative():
-            lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-        lines.append(f"{self.name}_sum {_fmt(self.values.sum)}")
-        lines.append(f"{self.name}_count {self.values.count}")
-        return lines
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list[_Metric] = []
-
-    def _add(self, metric):
-        self.metrics.append(metric)
-        return metric
-
-    def counter(self, name, help, labels=()) -> Counter:
-        return self._add(Counter(name, help, labels))
-
-    def gauge(self, name, help) -> Gauge:
-        return self._add(Gauge(name, help))
-
-    def histogram(self, name, help, buckets=LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, help, buckets))
-
-    def render(self) -> str:
-        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
+    def observe(self, value: float, times: int = 1) -> None:
+        for _ in range(times):
+            self.matinee.observe(value)
+            if self.vllm is not None:
+                self.vllm.labels(self.model_name).observe(value)
+        self.recent.add(value, times)
 
 
 class GatewayMetrics:
     """The metric names dashboards and tests rely on."""
 
-    def __init__(self) -> None:
-        r = self.registry = Registry()
-        self.requests_running = r.gauge("matinee_requests_running", "Requests being generated.")
-        self.requests_waiting = r.gauge("matinee_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_blocks_total = r.gauge("matinee_kv_blocks_total", "KV cache blocks in the pool.")
-        self.kv_blocks_free = r.gauge("matinee_kv_blocks_free", "KV cache blocks free or evictable.")
-        self.kv_bytes_per_token = r.gauge("matinee_kv_bytes_per_token", "KV cache bytes per token over all "
-                                          "layers (an int8/fp8 cache's scales included).")
-        self.kv_token_capacity = r.gauge("matinee_kv_token_capacity", "Tokens the KV cache pool holds.")
-        self.prefix_queried = r.counter("matinee_prefix_cache_queried_tokens_total",
-                                        "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hit = r.counter("matinee_prefix_cache_hit_tokens_total",
-                                    "Prompt tokens served from the prefix cache.")
-        self.prompt_tokens = r.counter("matinee_prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = r.counter("matinee_generation_tokens_total", "Tokens generated.")
-        self.preemptions = r.counter("matinee_preemptions_total", "Requests preempted.")
-        self.spec_draft = r.counter("matinee_spec_decode_draft_tokens_total",
-                                    "Drafted tokens the target verified (speculative decoding).")
-        self.spec_accepted = r.counter("matinee_spec_decode_accepted_tokens_total",
-                                       "Drafted tokens the target accepted.")
-        self.requests_total = r.counter("matinee_requests_total", "Finished requests.",
-                                        labels=("finish_reason",))
-        self.ttft = r.histogram("matinee_time_to_first_token_seconds", "Time to first token.")
-        self.itl = r.histogram("matinee_inter_token_latency_seconds", "Time between tokens.")
-        self.e2e = r.histogram("matinee_e2e_request_latency_seconds", "Request latency, end to end.")
-        self.queue = r.histogram("matinee_request_queue_seconds",
-                                 "Time from arrival until the request was handed to the engine "
-                                 "(validation, templating, tokenization).")
+    def __init__(self, engine_in_process: bool = True) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = ""
+        self.engine = EngineCollector() if engine_in_process else None
+        if self.engine is not None:
+            r.register(self.engine)
+        self.ttft = Latency(r, "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = Latency(r, "inter_token_latency_seconds", "Time between tokens, observed per token.",
+                           ITL_BUCKETS)
+        self.e2e = Latency(r, "e2e_request_latency_seconds", "Request latency, end to end.",
+                           REQUEST_LATENCY_BUCKETS)
+        self.queue = Latency(r, "request_queue_seconds", "Time from arrival until the request was handed to "
+                             "the engine (validation, templating, tokenization).")
+        self._finished = Counter("matinee_requests", "Finished requests.", ("finish_reason",), registry=r)
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                VLLM_LABELS + ("finished_reason",), registry=r)
+
+    def set_model(self, name: str, engine: str = "0") -> None:
+        self.model_name = name
+        for latency in (self.ttft, self.itl, self.e2e, self.queue):
+            latency.model_name = name
+        if self.engine is not None:
+            self.engine.model_name, self.engine.engine = name, engine
+
+    def finished(self, reason: str, n: int = 1) -> None:
+        self._finished.labels(reason).inc(n)
+        if reason in ("stop", "length", "abort"):   # vLLM's finished_reason values
+            self._success.labels(self.model_name, reason).inc(n)
 
     def update_engine(self, stats) -> None:
-        self.requests_running.set(stats.requests_running)
-        self.requests_waiting.set(stats.requests_waiting)
-        self.kv_blocks_total.set(stats.kv_blocks_total)
-        self.kv_blocks_free.set(stats.kv_blocks_free)
-        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
-        self.kv_token_capacity.set(stats.kv_token_capacity)
-        self.prefix_queried.set(stats.prefix_cache_queried_tokens)
-        self.prefix_hit.set(stats.prefix_cache_hit_tokens)
-        self.prompt_tokens.set(stats.prompt_tokens)
-        self.generation_tokens.set(stats.generation_tokens)
-        self.preemptions.set(stats.preemptions)
-        self.spec_draft.set(stats.spec_decode_draft_tokens)
-        self.spec_accepted.set(stats.spec_decode_accepted_tokens)
+        if self.engine is not None:
+            self.engine.update(stats)
+
+    async def refresh(self, client) -> None:
+        """Before a scrape: the in-process engine's latest stats (a slow or gone engine keeps the last)."""
+        if self.engine is None or client is None or not client.alive:
+            return
+        try:
+            self.update_engine(await client.stats(timeout=2.0))
+        except Exception:   # a slow or gone engine must not break scraping of the rest
+            pass
 
     def render(self) -> str:
-        return self.registry.render()
+        return generate_latest(self.registry).decode()

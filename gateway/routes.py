@@ -5,8 +5,9 @@ import time
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import handlers, protocol
+from gateway import dashboard, handlers, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 
@@ -52,13 +53,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.client is not None and state.client.alive:
-        try:
-            state.metrics.update_engine(await state.client.stats(timeout=2.0))
-        except Exception:   # a slow or gone engine must not break scraping of the rest
-            pass
-    return web.Response(text=state.metrics.render(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    await state.metrics.refresh(state.client)
+    return web.Response(text=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -101,5 +97,7 @@ ROUTES = [
     web.get("/metrics", metrics),
     web.post("/tokenize", tokenize),
     web.post("/detokenize", detokenize),
+    *dashboard.ROUTES,
+    *planner.ROUTES,
 ]
-UNPROTECTED = frozenset({"/health", "/ready"})
+UNPROTECTED = frozenset({"/health", "/ready"}) | dashboard.PUBLIC

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from actors.engine_metrics import model_name_from_path
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import APIError, not_found, unavailable
@@ -34,11 +35,6 @@ class EngineHandle:
 
 
 EngineLauncher = Callable[[ActorSystem], Awaitable[EngineHandle]]
-
-
-def model_name_from_path(path: str) -> str:
-    base = os.path.basename(os.path.normpath(path)) or path
-    return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
 
 
 @dataclass
@@ -66,6 +62,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
             or "matinee"
+        self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
     @property

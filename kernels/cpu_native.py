@@ -30,6 +30,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_atte
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma"]
+X86 = ("x86_64", "amd64", "i386", "i686")   # the sources use x86 vector intrinsics (immintrin.h)
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -66,6 +67,8 @@ def build(directory: Path | None = None, flags: list[str] | None = None) -> Path
     (NATIVE), or AVX2 where the compiler does not take them. Raises RuntimeError when there is
     no C compiler or it fails."""
     directory = directory or cache_dir()
+    if platform.machine().lower() not in X86:   # an arm64 host: no x86 flags, no build; torch's ops serve
+        raise RuntimeError(f"the CPU C kernels are written for x86-64; this machine is {platform.machine()}")
     choices = [NATIVE, AVX2] if flags is None else [flags]
     for isa in choices:   # a cached build needs no compiler (a container may have none)
         if _target(directory, isa).exists():

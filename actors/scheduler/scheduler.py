@@ -11,6 +11,7 @@ sequences and queues the TokenDeltas for their front ends. It never awaits.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -19,11 +20,13 @@ import msgspec
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
+from actors.engine_metrics import QUEUE_TIME_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVStep, KVStepResult, KVTrim, KVUnwritten,
                              NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest, TokenDelta)
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
+from prefix_store.metrics import Histogram
 
 
 # What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
@@ -62,6 +65,8 @@ class Counters:
     spec_draft_tokens: int = 0      # drafted tokens verified
     spec_accepted_tokens: int = 0   # of those, the ones kept
     spec_num_drafts: int = 0        # verifications with at least one drafted token
+    # Seconds from arrival here to first scheduled (a preempted request's wait again is not counted).
+    queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_TIME_BUCKETS))
 
 
 @dataclass
@@ -212,6 +217,9 @@ class Scheduler:
             step.scheduled.append((seq, adm.num_new_tokens))
             if seq.index == 0 and not seq.known_to_worker:
                 seq.request.num_cached_tokens = adm.num_cached_tokens
+            if seq.request.queued_at is not None:
+                self.counters.queue_time.observe(time.monotonic() - seq.request.queued_at)
+                seq.request.queued_at = None
         return None
 
     def plan(self) -> StepPlan:

@@ -199,7 +199,8 @@ class SchedulerActor(Actor):
             spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
             kv_bytes_per_token=self.kv_bytes_per_token,
-            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size)
+            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
+            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum)
 
 
 def _step_error(error: BaseException) -> str:

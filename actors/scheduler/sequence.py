@@ -7,6 +7,7 @@ prompt followed by what it generated; after a preemption it recomputes all of th
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 from actors.messages import SamplingParams
@@ -22,7 +23,7 @@ class RequestState:
     """One SubmitRequest: shared by its n sequences."""
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
-                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed")
+                 "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int):
@@ -39,6 +40,7 @@ class RequestState:
         room = max_model_len - len(prompt_token_ids)
         self.max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         self.seed = params.seed
+        self.queued_at: float | None = time.monotonic()   # None once first scheduled
 
 
 class Sequence:

@@ -367,3 +367,17 @@ def test_min_tokens_holds_off_every_eos_id_the_engine_stops_on():
     params = {rid: h.scheduler.requests[rid].params for rid in ("held", "free", "plain")}
     assert params["held"].eos_token_ids == [EOS]
     assert params["free"].eos_token_ids == [] and params["plain"].eos_token_ids == []
+
+
+def test_queue_time_is_measured_once_per_request_from_arrival_to_first_scheduled():
+    h = Harness(num_blocks=40, block_size=4, budget=64, max_model_len=160)
+    ps = prompts(8, 1, 60, seed=3)
+    for i, p in enumerate(ps):
+        h.submit(f"r{i}", p, max_tokens=30)
+    h.step()
+    waits = h.scheduler.counters.queue_time
+    assert 0 < waits.count < len(ps)   # a 64-token budget admits some of them in the first step
+    h.run()
+    assert h.scheduler.counters.preemptions > 0
+    assert waits.count == len(ps)      # a preempted request's second wait is not counted again
+    assert 0 <= waits.sum < 60

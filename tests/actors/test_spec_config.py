@@ -65,5 +65,5 @@ def test_gateway_exposes_the_spec_counters():
     m.update_engine(EngineStats(0, 0, 10, 10, 0, 0, 0, 0, 0, spec_decode_draft_tokens=40,
                                 spec_decode_accepted_tokens=25))
     text = m.render()
-    assert "matinee_spec_decode_draft_tokens_total 40" in text
-    assert "matinee_spec_decode_accepted_tokens_total 25" in text
+    assert "matinee_spec_decode_draft_tokens_total 40.0" in text
+    assert "matinee_spec_decode_accepted_tokens_total 25.0" in text

@@ -17,6 +17,8 @@ from tests.cluster import harness as h
 
 # The port each service's containers listen on (the test checks compose.yaml agrees).
 CONTAINER_PORTS = {"redis": 6379, "draft": 7200, "engine": 7100, "gateway": 8000, "lb": 80}
+# A second port some containers serve: an engine's own /metrics and /ready.
+METRICS_PORTS = {"engine": 9100}
 
 _VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 
@@ -38,10 +40,20 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def load(path: str, env: dict[str, str], profiles: tuple[str, ...] = ()) -> dict:
-    """The file as compose runs it: services of a profile not asked for are left out."""
-    with open(path) as f:
-        spec = yaml.safe_load(interpolate(f.read(), env))
+def merge(base, override):
+    """`docker compose -f base -f override`: mappings merge key by key, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: merge(base[k], v) if k in base else v for k, v in override.items()}}
+    return override
+
+
+def load(path: str, env: dict[str, str], profiles: tuple[str, ...] = (), overrides: tuple[str, ...] = ()) -> dict:
+    """The file (and override files after it) as compose runs it: services of a profile not asked
+    for are left out."""
+    spec = {}
+    for name in (path, *overrides):
+        with open(name) as f:
+            spec = merge(spec, yaml.safe_load(interpolate(f.read(), env)))
     spec["services"] = {name: svc for name, svc in spec["services"].items()
                         if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
     return spec
@@ -50,6 +62,7 @@ def load(path: str, env: dict[str, str], profiles: tuple[str, ...] = ()) -> dict
 class Replica:
     def __init__(self, service: str, index: int, port: int):
         self.service, self.index, self.port = service, index, port
+        self.metrics_port = h.free_port() if service in METRICS_PORTS else None
         self.proc: subprocess.Popen | None = None
         self.log_path = ""
 
@@ -79,6 +92,8 @@ class LocalCompose:
         value = value.replace("0.0.0.0", "127.0.0.1")
         if value == str(CONTAINER_PORTS[replica.service]):
             value = str(replica.port)
+        if value == str(METRICS_PORTS.get(replica.service)):
+            value = str(replica.metrics_port)
         return value
 
     def _argv(self, svc: dict, replica: Replica) -> list[str]:
@@ -125,6 +140,9 @@ class LocalCompose:
         port = re.compile(rf"(?<![0-9]){CONTAINER_PORTS[name]}(?![0-9])")
         argv = [port.sub(str(replica.port), a).replace("http://127.0.0.1/", f"http://127.0.0.1:{replica.port}/")
                 for a in test[1:]]
+        if name in METRICS_PORTS:
+            metrics = re.compile(rf"(?<![0-9]){METRICS_PORTS[name]}(?![0-9])")
+            argv = [metrics.sub(str(replica.metrics_port), a) for a in argv]
         if argv[0] == "python":
             argv[0] = sys.executable
         elif argv[0] == "redis-cli":
@@ -182,4 +200,4 @@ def dockerfile_entrypoint(path: str) -> list[str]:
     return yaml.safe_load(line.split(None, 1)[1])
 
 
-__all__ = ["CONTAINER_PORTS", "LocalCompose", "dockerfile_entrypoint", "interpolate", "load", "start_order"]
+__all__ = ["CONTAINER_PORTS", "METRICS_PORTS", "LocalCompose", "merge", "dockerfile_entrypoint", "interpolate", "load", "start_order"]

@@ -16,7 +16,9 @@ from tests.cluster import compose_local as cl
 from tests.cluster import harness as h
 
 COMPOSE = os.path.join(h.ROOT, "compose.yaml")
+GPU = os.path.join(h.ROOT, "compose.gpu.yaml")
 DOCKERFILE = os.path.join(h.ROOT, "Dockerfile")
+MONITORING = os.path.join(h.ROOT, "gateway", "monitoring")
 REDIS_PASSWORD = "0123456789abcdef"
 ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET, "MATINEE_REDIS_PASSWORD": REDIS_PASSWORD}
 
@@ -38,6 +40,10 @@ def test_compose_file_is_valid_under_the_compose_specification():
     broken["services"]["gateway"]["healthcheck"]["intervall"] = "5s"
     with pytest.raises(ValueError):
         compose_spec.PyCompose.from_json(json.dumps(broken))
+    every = cl.load(COMPOSE, ENV, profiles=("draft", "monitoring"), overrides=(GPU,))
+    parsed = compose_spec.PyCompose.from_json(json.dumps(every))
+    parsed.to_spec()
+    assert set(parsed.service_names()) >= {"redis", "engine", "gateway", "lb", "draft", "prometheus", "grafana"}
 
 
 def test_compose_file_describes_the_cluster():
@@ -49,8 +55,12 @@ def test_compose_file_describes_the_cluster():
     s = spec["services"]
     assert s["gateway"]["deploy"]["replicas"] == 2
     assert "replicas" not in s["engine"].get("deploy", {})   # scaled with --scale engine=N
-    for name in ("gateway", "lb"):
+    for name in ("gateway", "lb", "engine"):   # "serving", not "the port is open"
         assert "/ready" in " ".join(s[name]["healthcheck"]["test"])
+    assert f"127.0.0.1:{s['engine']['environment']['MATINEE_METRICS_PORT']}/ready" in \
+        " ".join(s["engine"]["healthcheck"]["test"])
+    for name in ("engine", "gateway"):   # the models, read-only, wherever a model or tokenizer loads
+        assert any(v.endswith(":/models:ro") for v in s[name]["volumes"]), s[name].get("volumes")
     assert s["engine"]["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["engine"])
     assert s["gateway"]["environment"]["MATINEE_PORT"] == str(cl.CONTAINER_PORTS["gateway"])
     assert s["redis"]["command"][-2:] == ["--requirepass", REDIS_PASSWORD]
@@ -64,6 +74,71 @@ def test_compose_file_describes_the_cluster():
     assert draft["environment"]["MATINEE_LISTEN_PORT"] == str(cl.CONTAINER_PORTS["draft"])
 
 
+def test_monitoring_profile_scrapes_every_gateway_and_engine_and_provisions_grafana():
+    import yaml
+
+    s = cl.load(COMPOSE, ENV, profiles=("monitoring",))["services"]
+    assert "prometheus" not in cl.load(COMPOSE, ENV)["services"]   # only with --profile monitoring
+    mounts = {v.split(":")[1]: v for v in s["prometheus"]["volumes"]}
+    config_path = os.path.join(h.ROOT, mounts["/etc/prometheus/prometheus.yml"].split(":")[0])
+    with open(config_path) as f:
+        jobs = {j["job_name"]: j for j in yaml.safe_load(f)["scrape_configs"]}
+    targets = {(sd["names"][0], sd["port"]) for j in jobs.values() for sd in j["dns_sd_configs"]}
+    assert targets == {("gateway", int(s["gateway"]["environment"]["MATINEE_PORT"])),
+                       ("engine", int(s["engine"]["environment"]["MATINEE_METRICS_PORT"]))}
+    key_file = jobs["matinee-gateway"]["authorization"]["credentials_file"]
+    assert any(c["target"] == key_file for c in s["prometheus"]["configs"])   # the API key, when set
+    assert cl.load(COMPOSE, {**ENV, "MATINEE_API_KEY": "k3y"})["configs"]["prometheus-api-key"]["content"] == "k3y"
+    grafana = {v.split(":")[1]: v for v in s["grafana"]["volumes"]}
+    assert all(v.endswith(":ro") for v in grafana.values())
+    provisioning = os.path.join(h.ROOT, grafana["/etc/grafana/provisioning"].split(":")[0])
+    with open(os.path.join(provisioning, "datasources", "prometheus.yml")) as f:
+        (source,) = yaml.safe_load(f)["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    with open(os.path.join(provisioning, "dashboards", "matinee.yml")) as f:
+        (provider,) = yaml.safe_load(f)["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards" in grafana
+    dashboard = grafana_dashboard()
+    titles = " ".join(p["title"] for p in dashboard["panels"])
+    for word in ("first token", "Inter-token", "tokens/s", "KV cache", "hit rate"):
+        assert word in titles, word
+    for p in dashboard["panels"]:
+        assert p["datasource"]["uid"] == source["uid"] and p["targets"], p["title"]
+        if "by engine" in p["title"]:
+            assert all("by (engine)" in t["expr"] or "by (le, engine)" in t["expr"] for t in p["targets"])
+
+
+def test_gpu_variant_reserves_a_gpu_per_engine_on_the_cuda_image():
+    s = cl.load(COMPOSE, ENV, overrides=(GPU,))["services"]
+    (device,) = s["engine"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    assert s["engine"]["environment"]["MATINEE_DEVICE"] == "cuda"
+    assert s["engine"]["environment"]["MATINEE_LISTEN_PORT"] == "7100"   # the rest of the engine stays
+    assert s["engine"]["build"]["args"]["TORCH_INDEX"] == "" and s["engine"]["image"] != s["gateway"]["image"]
+    assert "deploy" not in s["redis"] and s["gateway"]["deploy"] == {"replicas": 2}
+    with open(DOCKERFILE) as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines   # the CPU image's torch
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    # The kernels compile where they run (-march=native), never for the machine that built the image.
+    assert not any("kernels.cpu_native" in ln for ln in lines)
+
+
+def grafana_dashboard() -> dict:
+    with open(os.path.join(MONITORING, "grafana", "dashboards", "matinee.json")) as f:
+        return json.load(f)
+
+
+def dashboard_metric_names() -> set[str]:
+    import re
+    names = set()
+    for p in grafana_dashboard()["panels"]:
+        for t in p["targets"]:
+            names |= set(re.findall(r"\b((?:vllm:|matinee_)[A-Za-z0-9_:]+)", t["expr"]))
+    return names
+
+
 @pytest.mark.slow
 def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, model_dir):
     if shutil.which("redis-server") is None:
@@ -71,7 +146,9 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
     # With the draft profile: the engine drafts (ngram) on the separate draft service.
     spec = cl.load(COMPOSE, {**ENV, "MATINEE_MODEL": model_dir, "MATINEE_DTYPE": "float32",
                              "MATINEE_SPECULATIVE_METHOD": "ngram", "MATINEE_SPECULATIVE_DRAFT_NODE": "draft"},
-                   profiles=("draft",))
+                   profiles=("draft", "monitoring"))
+    for name in ("prometheus", "grafana"):   # their images are no local programs: their targets are scraped below
+        spec["services"].pop(name)
     scale = {"engine": 1}
     if shutil.which("nginx") is None:   # the balancer's image; the rest still runs
         spec["services"].pop("lb")
@@ -102,6 +179,16 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
                   for r in stack.replicas["gateway"]]
         served = [0.0 if math.isnan(n) else n for n in served]
         assert sum(served) == 4 and (front == "gateway" or all(n >= 1 for n in served)), served
+        # What Prometheus scrapes: every gateway and engine replica, each on its own, and every
+        # metric the Grafana dashboard reads is among theirs.
+        from prometheus_client.parser import text_string_to_metric_families
+        scraped = set()
+        ports = [r.port for r in stack.replicas["gateway"]] + [r.metrics_port for r in stack.replicas["engine"]]
+        for port in ports:
+            status, text = h.http_json("GET", f"http://127.0.0.1:{port}/metrics")
+            assert status == 200, text
+            scraped |= {s.name for f in text_string_to_metric_families(str(text)) for s in f.samples}
+        assert dashboard_metric_names() <= scraped, dashboard_metric_names() - scraped
         draft_log = stack.replicas["draft"][0].log()
         assert '"draft attached"' in draft_log, draft_log     # the engine drafts on the draft service
     finally:

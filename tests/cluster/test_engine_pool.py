@@ -211,26 +211,18 @@ async def test_a_request_that_cannot_be_sent_fails_instead_of_hanging():
         await engine_node.shutdown()
 
 
-async def test_the_cluster_stats_sum_counters_and_recompute_means():
+async def test_each_engine_keeps_its_own_stats_and_none_are_summed():
     system, pool, engines = await _cluster()
     try:
-        # a: 10 verifications keeping 2 drafted tokens each (3 tokens per verification);
-        # b: 30 verifications keeping none (1 token each). Over the cluster: 60 tokens in 40.
-        engines["a"][0].stats = EngineStats(0, 0, 100, 40, 0, 0, 0, 0, 0, steps=10, spec_decode_draft_tokens=30,
-                                            spec_decode_accepted_tokens=20, spec_decode_num_drafts=10,
-                                            spec_decode_mean_accepted_length=3.0, spec_decode_token_cost=0.1)
-        engines["b"][0].stats = EngineStats(0, 0, 100, 60, 0, 0, 0, 0, 0, steps=30, spec_decode_draft_tokens=90,
-                                            spec_decode_accepted_tokens=0, spec_decode_num_drafts=30,
-                                            spec_decode_mean_accepted_length=1.0, spec_decode_token_cost=0.3)
+        engines["a"][0].stats = EngineStats(1, 0, 100, 40, 0, 0, 0, 7, 0, steps=10)
+        engines["b"][0].stats = EngineStats(2, 3, 100, 60, 0, 0, 0, 9, 0, steps=30)
         async with asyncio.timeout(5):
             while any(e.stats is None or e.stats.steps == 0 for e in pool.engines.values()):
                 await asyncio.sleep(0.01)
-        stats = await pool.stats()
-        assert (stats.kv_blocks_total, stats.kv_blocks_free, stats.steps) == (200, 100, 40)
-        assert stats.spec_decode_num_drafts == 40 and stats.spec_decode_accepted_tokens == 20
-        assert stats.spec_decode_mean_accepted_length == pytest.approx(60 / 40)
-        # a drafted token's cost, weighted by how many verifications paid it
-        assert stats.spec_decode_token_cost == pytest.approx((0.1 * 10 + 0.3 * 30) / 40)
+        stats = await pool.engine_stats()
+        assert sorted(stats) == ["a", "b"]
+        assert (stats["a"].generation_tokens, stats["a"].kv_blocks_free, stats["a"].steps) == (7, 40, 10)
+        assert (stats["b"].generation_tokens, stats["b"].requests_waiting, stats["b"].steps) == (9, 3, 30)
     finally:
         await pool.close()
         await system.shutdown()

@@ -110,7 +110,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
---engine-id --drain-grace --registry-ttl --index-timeout --routing --max-migrations""".split()
+--engine-id --drain-grace --registry-ttl --metrics-port --index-timeout --routing --max-migrations""".split()
 FLAGS += ["--kv-cache-dtype"]
 
 

@@ -153,18 +153,28 @@ def test_completion_prompt_forms():
 
 
 def test_metrics_render_prometheus_text():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.messages import EngineStats
+
     m = GatewayMetrics()
+    m.set_model("tiny")
     m.ttft.observe(0.03)
     m.ttft.observe(100.0)
-    m.requests_total.inc(1, "stop")
-    m.requests_total.inc(2, "length")
+    m.finished("stop")
+    m.finished("length", 2)
+    m.update_engine(EngineStats(1, 2, 10, 4, 0, 0, 0, 0, 3))
     text = m.render()
-    assert 'matinee_requests_total{finish_reason="stop"} 1' in text
-    assert 'matinee_requests_total{finish_reason="length"} 2' in text
-    assert 'matinee_time_to_first_token_seconds_bucket{le="0.05"} 1' in text
-    assert 'matinee_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
-    assert "matinee_time_to_first_token_seconds_count 2" in text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("matinee_requests_total", (("finish_reason", "stop"),))] == 1
+    assert samples[("matinee_requests_total", (("finish_reason", "length"),))] == 2
+    assert samples[("matinee_time_to_first_token_seconds_bucket", (("le", "0.05"),))] == 1
+    assert samples[("matinee_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == 2
+    assert samples[("matinee_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("vllm:time_to_first_token_seconds_count", (("model_name", "tiny"),))] == 2
     assert "# TYPE matinee_inter_token_latency_seconds histogram" in text
     for name in ("matinee_requests_running", "matinee_kv_blocks_free", "matinee_preemptions_total",
                  "matinee_prefix_cache_hit_tokens_total", "matinee_request_queue_seconds_sum"):
         assert name in text
+    assert samples[("matinee_preemptions_total", ())] == 3 and samples[("matinee_kv_blocks_free", ())] == 4

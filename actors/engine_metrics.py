@@ -1,0 +1,125 @@
+"""The engine's metrics in Prometheus form, from its latest EngineStats: Matinee's names and vLLM's.
+
+A prometheus_client collector, served by the one process that runs the engine (the embedded
+gateway's /metrics, or an engine node's own HTTP port), so a scrape per process never counts an
+engine twice. Adding a metric is one row in `SERIES`.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from actors.messages import EngineStats
+
+# vLLM's request-latency buckets (queue, e2e): 0.3 s to a little over 2 hours.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Finer at the bottom than vLLM's: on an idle engine a request waits well under 0.3 s.
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATENCY_BUCKETS
+
+
+def model_name_from_path(path: str) -> str:
+    """The model's name as clients and `model_name` labels see it: the folder's or file's name."""
+    base = os.path.basename(os.path.normpath(path)) or path
+    return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
+
+
+def kv_usage(s: EngineStats) -> float:
+    """The fraction of the KV pool held by sequences (free and evictable blocks are not)."""
+    return 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str                              # counters without `_total`: the exposition adds it
+    kind: str                              # "counter" or "gauge"
+    help: str
+    value: Callable[[EngineStats], float]
+    vllm: bool = False                     # labelled with model_name and engine, as vLLM's are
+
+
+SERIES = (
+    Series("matinee_requests_running", "gauge", "Requests being generated.", lambda s: s.requests_running),
+    Series("matinee_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda s: s.requests_waiting),
+    Series("matinee_kv_blocks_total", "gauge", "KV cache blocks in the pool.", lambda s: s.kv_blocks_total),
+    Series("matinee_kv_blocks_free", "gauge", "KV cache blocks free or evictable.", lambda s: s.kv_blocks_free),
+    Series("matinee_kv_bytes_per_token", "gauge", "KV cache bytes per token over all layers (an int8 or fp8 "
+           "cache's scales included).", lambda s: s.kv_bytes_per_token),
+    Series("matinee_kv_token_capacity", "gauge", "Tokens the KV cache pool holds.", lambda s: s.kv_token_capacity),
+    Series("matinee_prefix_cache_queried_tokens", "counter", "Prompt tokens looked up in the prefix cache.",
+           lambda s: s.prefix_cache_queried_tokens),
+    Series("matinee_prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache.",
+           lambda s: s.prefix_cache_hit_tokens),
+    Series("matinee_prompt_tokens", "counter", "Prompt tokens processed.", lambda s: s.prompt_tokens),
+    Series("matinee_generation_tokens", "counter", "Tokens generated.", lambda s: s.generation_tokens),
+    Series("matinee_preemptions", "counter", "Requests preempted.", lambda s: s.preemptions),
+    Series("matinee_spec_decode_draft_tokens", "counter",
+           "Drafted tokens the target verified (speculative decoding).", lambda s: s.spec_decode_draft_tokens),
+    Series("matinee_spec_decode_accepted_tokens", "counter", "Drafted tokens the target accepted.",
+           lambda s: s.spec_decode_accepted_tokens),
+    Series("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+           lambda s: s.requests_running, vllm=True),
+    Series("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+           lambda s: s.requests_waiting, vllm=True),
+    Series("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", kv_usage, vllm=True),
+    Series("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+           lambda s: s.prefix_cache_queried_tokens, vllm=True),
+    Series("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           lambda s: s.prefix_cache_hit_tokens, vllm=True),
+    Series("vllm:num_preemptions", "counter", "Cumulative number of preemptions from the engine.",
+           lambda s: s.preemptions, vllm=True),
+    Series("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", lambda s: s.prompt_tokens,
+           vllm=True),
+    Series("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+           lambda s: s.generation_tokens, vllm=True),
+    Series("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.",
+           lambda s: s.spec_decode_num_drafts, vllm=True),
+    Series("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
+           lambda s: s.spec_decode_draft_tokens, vllm=True),
+    Series("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+           lambda s: s.spec_decode_accepted_tokens, vllm=True),
+)
+
+
+class EngineCollector(Collector):
+    """Renders the stats last given to `update`; nothing before the first."""
+
+    def __init__(self, model_name: str = "", engine: str = "0") -> None:
+        self.model_name, self.engine = model_name, engine
+        self.stats: EngineStats | None = None
+
+    def update(self, stats: EngineStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator:
+        s = self.stats
+        if s is None:
+            return
+        labels = {"model_name": self.model_name, "engine": self.engine}
+        for series in SERIES:
+            family = CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily
+            if series.vllm:
+                metric = family(series.name, series.help, labels=list(labels))
+                metric.add_metric(list(labels.values()), series.value(s))
+            else:
+                metric = family(series.name, series.help, value=series.value(s))
+            yield metric
+        yield self._queue_time(s, labels)
+
+    @staticmethod
+    def _queue_time(s: EngineStats, labels: dict[str, str]) -> HistogramMetricFamily:
+        """Arrival at the scheduler to first scheduled, measured in the engine."""
+        metric = HistogramMetricFamily("vllm:request_queue_time_seconds",
+                                       "Histogram of time spent in WAITING phase for request.",
+                                       labels=list(labels))
+        counts = s.queue_time_buckets or [0] * (len(QUEUE_TIME_BUCKETS) + 1)
+        cumulative, running = [], 0
+        for bound, n in zip((*QUEUE_TIME_BUCKETS, float("inf")), counts):
+            running += n
+            cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        metric.add_metric(list(labels.values()), cumulative, s.queue_time_sum)
+        return metric
