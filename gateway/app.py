@@ -1,4 +1,5 @@
-"""The aiohttp application factory: routes, middlewares (errors, API key), startup and shutdown.
+"""The aiohttp application factory: routes, middlewares (request id and access log, CORS, errors,
+API keys), startup and shutdown.
 
 The actor system and the engine start in a cleanup_ctx; the engine loads in a background task
 so /health answers at once and /ready turns 200 when the engine can serve.
@@ -12,7 +13,9 @@ from aiohttp import web
 
 from gateway.app_keys import STATE
 from gateway.config import GatewayConfig
+from gateway.cors import CorsPolicy
 from gateway.errors import APIError, internal
+from gateway.request_log import request_log_middleware, send_request_id
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
 from gateway.tenant import tenant_middleware
@@ -40,14 +43,15 @@ async def errors_middleware(request: web.Request, handler):
         return internal().response()
 
 
-def auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+def auth_middleware(api_keys: tuple[str, ...]):
+    expected = [f"Bearer {k}".encode() for k in api_keys]
 
     @web.middleware
     async def check_key(request: web.Request, handler):
         if request.path not in UNPROTECTED:
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            # Every key compared, so the time taken tells nothing about which one came close.
+            if sum(hmac.compare_digest(given, e) for e in expected) == 0:
                 return APIError(401, "Incorrect or missing API key.", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"}).response()
         return await handler(request)
@@ -66,11 +70,15 @@ def server_options(config: GatewayConfig) -> dict:
 def create_app(config: GatewayConfig, launcher: EngineLauncher,
                system: ActorSystem | None = None) -> web.Application:
     """`launcher(system)` starts or reaches an engine; `system` defaults to a new one."""
-    middlewares = [errors_middleware]
-    if config.api_key:
-        middlewares.append(auth_middleware(config.api_key))
+    cors = CorsPolicy(config.allowed_origins)
+    middlewares = [request_log_middleware(not config.disable_access_log), cors.middleware(),
+                   errors_middleware]
+    if config.api_keys:
+        middlewares.append(auth_middleware(config.api_keys))
     middlewares.append(tenant_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(send_request_id)
+    app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = GatewayState(config=config, launcher=launcher, system=system)
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(_lifecycle)

@@ -57,6 +57,7 @@ class ClusterMetrics(GatewayMetrics):
 def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = None):
     async def launch(system: ActorSystem) -> EngineHandle:
         from actors.config import default_model_path
+        from actors.hub_model import TOKENIZER_FILES, local_model_path
         from actors.tokenizer import load_tokenizer
         from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
         from runtime.redis_registry import RedisRegistry
@@ -67,7 +68,8 @@ def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = N
         salts = TenantSalts(b"tenant-salt:" + node.secret)
         pool = EnginePool(system, registry, router, node.pool, salts)
         await pool.start()
-        tokenizer_path = node.tokenizer or default_model_path()
+        tokenizer_path = await asyncio.to_thread(local_model_path, node.tokenizer or default_model_path(),
+                                                 TOKENIZER_FILES)
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         info = await pool.wait_for_engine()
 

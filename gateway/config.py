@@ -3,6 +3,7 @@ flags (a field with `metadata={"help": ...}` is one, see gateway/flags.py), vali
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ROLES = ("all", "gateway", "engine", "draft")
@@ -20,10 +21,12 @@ class ProcessConfig:
 class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "where the HTTP API listens"})
     port: int = field(default=8000, metadata={"help": "the HTTP API's port"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "require `Authorization: Bearer KEY` (default: $MATINEE_API_KEY, else none)", "secret": True})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "the `model` name clients use (unset: derived from the model path)"})
+    api_key: list[str] | None = field(default=None, metadata={
+        "help": "require `Authorization: Bearer KEY`; repeat it, or give several, for several keys "
+                "(default: $MATINEE_API_KEY, else none)", "secret": True, "nargs": "+", "metavar": "KEY"})
+    served_model_name: list[str] | None = field(default=None, metadata={
+        "help": "the `model` names clients may use, the first one reported (unset: derived from the "
+                "model path)", "nargs": "+", "metavar": "NAME"})
     max_waiting: int = field(default=256, metadata={
         "help": "requests waiting for their first token before new ones get 429"})
     max_body_bytes: int = field(default=4 << 20, metadata={
@@ -33,7 +36,18 @@ class GatewayConfig:
     read_timeout_s: float = field(default=30.0, metadata={
         "help": "seconds a client has to send a request's headers, and then its body",
         "flag": "read-timeout"})
+    api_key_file: str | None = field(default=None, metadata={
+        "help": "a file of API keys, one a line (blank lines and lines starting with # are skipped), "
+                "accepted besides --api-key"})
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "origins a browser page may call the API from (CORS), as vLLM: * for any", "nargs": "+",
+        "metavar": "ORIGIN"})
+    disable_access_log: bool = field(default=False, metadata={
+        "help": "no log line per HTTP request (method, path, status, duration, request id)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, or a file holding one, instead of the model's own"})
     retry_after_s: int = 1
+    api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -46,5 +60,51 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
-        if self.api_key is not None and not self.api_key:
+        if isinstance(self.api_key, str):   # one key, as before several were allowed
+            self.api_key = [self.api_key]
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.api_key is not None and not all(self.api_key):
             raise ValueError("api_key must not be empty")
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise ValueError("served_model_name must not be empty")
+        self.api_keys = tuple(self.api_key or ()) + (read_api_keys(self.api_key_file) if self.api_key_file else ())
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.served_model_name or ())
+
+
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """One key a line; a file that holds none is an error (it would leave the server open)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = tuple(k for line in f if (k := line.strip()) and not k.startswith("#"))
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path}: {e.strerror}") from None
+    if not keys:
+        raise ValueError(f"the API key file {path} holds no key")
+    if any(any(c.isspace() for c in k) for k in keys):
+        raise ValueError(f"the API key file {path} has a line with spaces inside a key")
+    return keys
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's rule: a path to a file, else the template itself when it looks like Jinja. The
+    template is parsed here, so a broken one fails at start, not on the first chat request."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+    return template

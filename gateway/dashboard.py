@@ -65,7 +65,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 async def auth(request: web.Request) -> web.Response:
     """Whether the data routes want a key: the page asks for one before its first request."""
-    return web.Response(body=_encode({"key_required": bool(request.app[STATE].config.api_key)}),
+    return web.Response(body=_encode({"key_required": bool(request.app[STATE].config.api_keys)}),
                         content_type="application/json")
 
 

@@ -51,6 +51,8 @@ def dest(f: Field) -> str:
 
 
 def default(f: Field) -> Any:
+    if f.default is MISSING and f.default_factory is not MISSING:
+        return f.default_factory()
     return None if f.default is MISSING else f.default
 
 
@@ -66,7 +68,19 @@ def _negated(f: Field) -> bool:
 
 
 def _parser(f: Field):
+    if "nargs" in f.metadata:   # a list of values: each one parsed by metadata["type"], str by default
+        return PARSERS[f.metadata.get("type", "str")]
     return PARSERS[f.metadata.get("type", _type(f))]
+
+
+class _Many(argparse.Action):
+    """`--flag A B --flag C` -> [A, B, C]; the first use on the command line replaces the default
+    (which may have come from the environment) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = getattr(namespace, self.dest)
+        items = [] if items is self.default or items is None else items
+        setattr(namespace, self.dest, items + list(values))
 
 
 def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
@@ -79,6 +93,8 @@ def _from_env(f: Field, environ: Mapping[str, str]) -> Any:
     if _type(f) == "bool":
         return raw.strip().lower() in ("1", "true", "yes", "on")
     try:
+        if "nargs" in f.metadata:   # several values, separated by spaces
+            return [_parser(f)(v) for v in raw.split()]
         value = _parser(f)(raw)
     except (ValueError, argparse.ArgumentTypeError) as e:
         raise ValueError(f"{name}={raw!r}: {e}") from None
@@ -105,6 +121,10 @@ def add_flags(group, cls: type, environ: Mapping[str, str] | None = None) -> Non
         if _type(f) == "bool":
             action = group.add_argument(flag_name(f), action="store_true", default=_from_env(f, environ),
                                         help=f.metadata["help"])
+        elif "nargs" in f.metadata:
+            action = group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
+                                        nargs=f.metadata["nargs"], action=_Many, help=f.metadata["help"],
+                                        metavar=f.metadata.get("metavar"))
         else:
             action = group.add_argument(flag_name(f), type=_parser(f), default=_from_env(f, environ),
                                         choices=f.metadata.get("choices"), help=f.metadata["help"])

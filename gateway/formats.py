@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from gateway.generation import ChoiceDelta
 from gateway.responses import (Envelope, TokenStrings, chat_choice, chat_delta, chat_logprobs,
-                               completion_choice, completion_logprobs, merge_completion_logprobs)
+                               completion_choice, completion_logprobs, echoed_logprobs,
+                               merge_completion_logprobs, prompt_logprobs)
 
 
 class _Collected:
@@ -20,10 +21,18 @@ class _Collected:
 
 class ChatFormat:
     def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
-                 top_logprobs: int | None) -> None:
+                 top_logprobs: int | None, prompt_top: int | None = None) -> None:
         self.env, self.strings, self.top = env, strings, top_logprobs
         self.num_choices = num_choices
         self.acc = _Collected(num_choices)
+        self.prompt_top = prompt_top
+        self._prompt_lps: list | None = None   # the response's, from the first delta carrying them
+
+    def _take_prompt_lps(self, cd: ChoiceDelta) -> list | None:
+        if self.prompt_top is None or cd.prompt_logprobs is None or self._prompt_lps is not None:
+            return None
+        self._prompt_lps = prompt_logprobs(cd.prompt_logprobs, self.strings, self.prompt_top)
+        return self._prompt_lps
 
     def first_events(self) -> list[dict]:
         return [self.env.chat_chunk([chat_delta(i, {"role": "assistant", "content": ""}, None, None)
@@ -31,10 +40,14 @@ class ChatFormat:
 
     def chunk(self, cd: ChoiceDelta) -> dict | None:
         lp = chat_logprobs(cd.logprobs, self.strings, self.top) if self.top is not None else None
-        if not cd.text and cd.finish_reason is None and not lp:
+        prompt_lps = self._take_prompt_lps(cd)
+        if not cd.text and cd.finish_reason is None and not lp and prompt_lps is None:
             return None
         delta = {"content": cd.text} if cd.text else {}
-        return self.env.chat_chunk([chat_delta(cd.index, delta, cd.finish_reason, lp)])
+        chunk = self.env.chat_chunk([chat_delta(cd.index, delta, cd.finish_reason, lp)])
+        if prompt_lps is not None:
+            chunk["prompt_logprobs"] = prompt_lps
+        return chunk
 
     def usage_event(self, usage: dict) -> dict:
         return self.env.chat_chunk([], usage)
@@ -45,22 +58,33 @@ class ChatFormat:
         a.finish[cd.index] = cd.finish_reason or a.finish[cd.index]
         if cd.logprobs and self.top is not None:
             a.logprobs[cd.index].extend(chat_logprobs(cd.logprobs, self.strings, self.top)["content"])
+        self._take_prompt_lps(cd)
 
     def whole(self, usage: dict) -> dict:
         a = self.acc
-        return self.env.chat([
+        body = self.env.chat([
             chat_choice(i, a.texts[i], a.finish[i],
                         {"content": a.logprobs[i]} if self.top is not None else None)
             for i in range(self.num_choices)], usage)
+        if self.prompt_top is not None:
+            body["prompt_logprobs"] = self._prompt_lps
+        return body
 
 
 class CompletionFormat:
+    """`echo` holds each choice's prompt text, put before its completion (and with `logprobs`, the
+    prompt tokens' logprobs before the completion's); `prompt_ids` are each choice's prompt tokens."""
+
     def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, echo: list[str] | None = None,
+                 prompt_ids: list[list[int]] | None = None, prompt_top: int | None = None) -> None:
         self.env, self.strings, self.logprobs = env, strings, logprobs
         self.num_choices = num_choices
         self.acc = _Collected(num_choices)
-        self._offsets = [0] * num_choices
+        self.echo, self.prompt_ids, self.prompt_top = echo, prompt_ids, prompt_top
+        self._offsets = [len(e) for e in echo] if echo is not None else [0] * num_choices
+        self._started = [False] * num_choices
+        self._prompt_lps: list[list | None] = [None] * num_choices
 
     def first_events(self) -> list[dict]:
         return []
@@ -74,29 +98,46 @@ class CompletionFormat:
                 tops.popitem()
         return lp
 
+    def _piece(self, cd: ChoiceDelta) -> tuple[str, dict | None, list | None]:
+        """This delta's text and logprobs, after the echoed prompt on a choice's first delta; and
+        the choice's prompt_logprobs, on that delta."""
+        text, lp, prompt_lps, i = cd.text, self._lp(cd), None, cd.index
+        if not self._started[i]:
+            self._started[i] = True
+            if self.echo is not None:
+                text = self.echo[i] + text
+                if self.logprobs is not None and cd.prompt_logprobs is not None:
+                    head = echoed_logprobs(self.prompt_ids[i], cd.prompt_logprobs, self.strings, self.logprobs)
+                    lp = merge_completion_logprobs([head, lp]) if lp is not None else head
+            if self.prompt_top is not None and cd.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs(cd.prompt_logprobs, self.strings, self.prompt_top)
+        self._offsets[i] += len(cd.text)
+        return text, lp, prompt_lps
+
     def chunk(self, cd: ChoiceDelta) -> dict | None:
-        lp = self._lp(cd)
-        self._offsets[cd.index] += len(cd.text)
-        if not cd.text and cd.finish_reason is None and not lp:
+        text, lp, prompt_lps = self._piece(cd)
+        if not text and cd.finish_reason is None and not lp and prompt_lps is None:
             return None
-        return self.env.completion([completion_choice(cd.index, cd.text, cd.finish_reason, lp)])
+        return self.env.completion([completion_choice(cd.index, text, cd.finish_reason, lp, prompt_lps)])
 
     def usage_event(self, usage: dict) -> dict:
         return self.env.completion([], usage)
 
     def add(self, cd: ChoiceDelta) -> None:
         a = self.acc
-        lp = self._lp(cd)
-        self._offsets[cd.index] += len(cd.text)
-        a.texts[cd.index] += cd.text
+        text, lp, prompt_lps = self._piece(cd)
+        a.texts[cd.index] += text
         a.finish[cd.index] = cd.finish_reason or a.finish[cd.index]
         if lp is not None:
             a.logprobs[cd.index].append(lp)
+        if prompt_lps is not None:
+            self._prompt_lps[cd.index] = prompt_lps
 
     def whole(self, usage: dict) -> dict:
         a = self.acc
         return self.env.completion([
             completion_choice(i, a.texts[i], a.finish[i],
                               merge_completion_logprobs(a.logprobs[i])
-                              if self.logprobs is not None else None)
+                              if self.logprobs is not None else None,
+                              self._prompt_lps[i] if self.prompt_top is not None else None)
             for i in range(self.num_choices)], usage)

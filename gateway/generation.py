@@ -23,11 +23,13 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    # On each choice's first delta when the request asked for them: its prompt's logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class _Choice:
     __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t", "started",
-                 "abort_pending")
+                 "abort_pending", "prompt_sent")
 
     def __init__(self, sample: SampleText) -> None:
         self.sample = sample
@@ -37,12 +39,14 @@ class _Choice:
         self.last_t = 0.0
         self.started = False        # the engine has sent this sample something
         self.abort_pending = False  # stopped by a stop string; abort once every sample started
+        self.prompt_sent = False    # its prompt logprobs went out with a delta
 
 
 class _Sub:
     """One prompt's engine request (n samples)."""
 
-    __slots__ = ("request_id", "first", "choices", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "first", "choices", "num_prompt_tokens", "num_cached_tokens",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, first: int, choices: list[_Choice], num_prompt: int) -> None:
         self.request_id = request_id
@@ -50,6 +54,7 @@ class _Sub:
         self.choices = choices
         self.num_prompt_tokens = num_prompt
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None   # from sample 0, for every sample
 
 
 class Generation:
@@ -138,6 +143,11 @@ class Generation:
         sub.num_prompt_tokens = d.num_prompt_tokens or sub.num_prompt_tokens
         sub.num_cached_tokens = max(sub.num_cached_tokens, d.num_cached_tokens)
         ch.num_tokens += len(d.token_ids)
+        if d.prompt_logprobs is not None:
+            sub.prompt_logprobs = d.prompt_logprobs
+        prompt_lps = None
+        if sub.prompt_logprobs is not None and not ch.prompt_sent:
+            ch.prompt_sent, prompt_lps = True, sub.prompt_logprobs
         text = ch.sample.push(d.token_ids)
         if ch.sample.stopped:
             ch.finish_reason = "stop"
@@ -152,7 +162,7 @@ class Generation:
             if not ch.engine_done:   # a stop string matched: this sample need not go on
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
-        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason)
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0

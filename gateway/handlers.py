@@ -16,9 +16,11 @@ from gateway import protocol
 from gateway.app_keys import STATE
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.errors import APIError, internal, invalid, unavailable
+from gateway.fill_in_middle import fim_prompt
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
 from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
@@ -66,10 +68,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top)
+    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
+                             prompt_logprobs=req.prompt_logprobs)
     state.check_capacity(params.n)
-    rid = uuid.uuid4().hex
-    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top)
+    rid = _engine_request_id(request)
+    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top,
+                     req.prompt_logprobs)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
@@ -80,14 +84,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state, req, client, engine = await _accept(request, protocol.CompletionRequest,
                                                protocol.validate_completion)
     tok = engine.tokenizer
-    prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p)
-               for p in protocol.completion_prompts(req.prompt, tok.vocab_size)]
+    given = protocol.completion_prompts(req.prompt, tok.vocab_size)
+    if req.suffix is not None:
+        prompts = [await off_loop(len(p) + len(req.suffix), fim_prompt, tok, p, req.suffix) for p in given]
+    else:
+        prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p) for p in given]
+    # The engine computes the prompt's logprobs for `prompt_logprobs`, and for `echo` with `logprobs`.
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
-                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS)
+                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS,
+                             prompt_logprobs=max(wanted) if wanted else None)
     state.check_capacity(params.n * len(prompts))
-    rid = uuid.uuid4().hex
+    rid = _engine_request_id(request)
+    echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
+            for p in given for _ in range(params.n)] if req.echo else None
     fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,
-                           params.n * len(prompts), req.logprobs)
+                           params.n * len(prompts), req.logprobs, echo,
+                           [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
                      state.metrics, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
@@ -113,6 +126,11 @@ async def off_loop(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _engine_request_id(request: web.Request) -> str:
+    """The HTTP request's id, unless the client chose it: the engine's ids must be unique."""
+    return uuid.uuid4().hex if request[CLIENT_REQUEST_ID] else request_id(request)
+
+
 def _include_usage(req: protocol._Common) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
@@ -120,7 +138,7 @@ def _include_usage(req: protocol._Common) -> bool:
 async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
                    include_usage: bool) -> web.StreamResponse:
     state.generations.add(gen)
-    with bound(request_id=gen.request_id):   # on every log line of this request
+    with bound(engine_request_id=gen.request_id):   # beside the HTTP request's id on its log lines
         try:
             gen.start()
             if stream:

@@ -15,7 +15,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
                     prompt_param: str, logprobs: int | None,
-                    default_max_tokens: int | None = None) -> SamplingParams:
+                    default_max_tokens: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """`engine` is the gateway's EngineHandle (max_model_len, tokenizer, priority_scheduling)."""
     max_model_len = engine.max_model_len
     longest = max(len(p) for p in prompts)
@@ -68,6 +69,7 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             logit_bias=bias,
             min_tokens=req.min_tokens or 0,
             skip_special_tokens=req.skip_special_tokens is not False,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed
         raise invalid(str(e)) from None

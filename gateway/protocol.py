@@ -68,6 +68,7 @@ class _Common(_Body, kw_only=True):
     skip_special_tokens: bool | None = None
     user: str | None = None               # accepted: an end-user id, not used
     safety_identifier: str | None = None  # accepted: OpenAI's successor to `user`, not used
+    prompt_logprobs: int | None = None    # vLLM's: each prompt token's logprob and the top k
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -85,6 +86,8 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: Any
     logprobs: int | None = None
     best_of: int | None = None   # accepted only where it asks for nothing more than `n`
+    echo: bool | None = None     # the prompt before each completion (and its logprobs with `logprobs`)
+    suffix: str | None = None    # fill in the middle, before this text (models with FIM tokens)
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -163,6 +166,7 @@ def validate_common(req: _Common) -> None:
     if req.stream_options is not None and not req.stream:
         raise invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     stop_list(req.stop)
+    _range(req.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
     _range(req.min_tokens, "min_tokens", 0)
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP:
         raise invalid(f"At most {MAX_STOP} stop_token_ids are allowed.", param="stop_token_ids")
@@ -220,6 +224,8 @@ def validate_completion(req: CompletionRequest) -> None:
     _range(req.logprobs, "logprobs", 0, MAX_LOGPROBS)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise invalid("`best_of` other than `n` is not supported.", param="best_of")
+    if req.echo and req.suffix is not None:
+        raise invalid("`echo` cannot be combined with `suffix`.", param="echo")
 
 
 def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:

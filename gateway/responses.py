@@ -63,6 +63,35 @@ def completion_logprobs(lps: list[TokenLogprobs] | None, strings: TokenStrings,
     return out
 
 
+def prompt_logprobs(lps: list[TokenLogprobs], strings: TokenStrings, top_n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a dict from token id
+    to its logprob, rank and text, holding the prompt's own token and the top `top_n`."""
+    out: list[dict | None] = [None]
+    for t in lps:
+        entry = {str(tid): {"logprob": _lp(lp), "rank": rank, "decoded_token": strings(tid)}
+                 for rank, (tid, lp) in enumerate(t.top[:top_n], start=1)}
+        entry.setdefault(str(t.token_id), {"logprob": _lp(t.logprob), "rank": t.rank,
+                                           "decoded_token": strings(t.token_id)})
+        out.append(entry)
+    return out
+
+
+def echoed_logprobs(prompt_ids: list[int], lps: list[TokenLogprobs], strings: TokenStrings,
+                    top_n: int) -> dict:
+    """The prompt's part of a completion's logprobs with `echo` (the first token has none)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        s = strings(token_id)
+        t = lps[i - 1] if i else None
+        out["tokens"].append(s)
+        out["token_logprobs"].append(None if t is None else _lp(t.logprob))
+        out["top_logprobs"].append(None if t is None else {strings(tid): _lp(lp) for tid, lp in t.top[:top_n]})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
 def merge_completion_logprobs(parts: list[dict]) -> dict:
     merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for p in parts:
@@ -107,5 +136,9 @@ def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dic
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      prompt_lps: list | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_lps is not None:
+        choice["prompt_logprobs"] = prompt_lps
+    return choice

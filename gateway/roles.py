@@ -45,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def curl_line(config: GatewayConfig, model: str) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
+    auth = f" -H 'Authorization: Bearer {config.api_keys[0]}'" if config.api_keys else ""
     return (f"curl http://{host}:{config.port}/v1/chat/completions "
             f"-H 'Content-Type: application/json'{auth} -d '{body}'")
 

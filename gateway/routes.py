@@ -1,18 +1,22 @@
-"""The route table: generation endpoints plus models, health, readiness, metrics, tokenize."""
+"""The route table: generation endpoints plus models, health, readiness, metrics, tokenize, and
+the OpenAPI document of them all."""
 from __future__ import annotations
 
+import importlib.metadata
 import time
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import dashboard, handlers, planner, protocol
+from gateway import api_types, dashboard, handlers, openapi, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
+from gateway.openapi import Endpoint
 
 _encode = msgspec.json.Encoder().encode
 _STARTED = int(time.time())
+_VERSION = importlib.metadata.version("matinee")
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -33,22 +37,23 @@ async def ready(request: web.Request) -> web.Response:
     return unavailable(f"Not ready: {reason}.").response()
 
 
-def _model_card(state) -> dict:
-    return {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "matinee",
+def _model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "matinee",
             "root": state.engine.model_path, "max_model_len": state.engine.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
-    return _json({"object": "list", "data": [_model_card(state)]})
+    return _json({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
-    state.check_model(request.match_info["model"])
-    return _json(_model_card(state))
+    name = request.match_info["model"]
+    state.check_model(name)
+    return _json(_model_card(state, name))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -87,17 +92,44 @@ async def detokenize(request: web.Request) -> web.Response:
     return _json({"prompt": text})
 
 
-ROUTES = [
-    web.post("/v1/chat/completions", handlers.chat_completions),
-    web.post("/v1/completions", handlers.completions),
-    web.get("/v1/models", list_models),
-    web.get("/v1/models/{model:.+}", get_model),
-    web.get("/health", health),
-    web.get("/ready", ready),
-    web.get("/metrics", metrics),
-    web.post("/tokenize", tokenize),
-    web.post("/detokenize", detokenize),
-    *dashboard.ROUTES,
-    *planner.ROUTES,
+async def openapi_json(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json(openapi.document(ENDPOINTS, "Matinee", _VERSION, with_keys=bool(state.config.api_keys)))
+
+
+ENDPOINTS = [
+    Endpoint("POST", "/v1/chat/completions", handlers.chat_completions, "A chat completion",
+             protocol.ChatRequest, api_types.ChatCompletion, streams=True,
+             example={"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 16}),
+    Endpoint("POST", "/v1/completions", handlers.completions, "A text completion",
+             protocol.CompletionRequest, api_types.Completion, streams=True,
+             example={"prompt": "The capital of France is", "max_tokens": 8}),
+    Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
+    Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
+    Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,
+             protected=False),
+    Endpoint("GET", "/ready", ready, "Whether the engine can serve (503 until then)",
+             response=api_types.Status, protected=False),
+    Endpoint("GET", "/metrics", metrics, "Prometheus metrics", content_type="text/plain"),
+    Endpoint("POST", "/tokenize", tokenize, "Token ids of a prompt or a conversation",
+             protocol.TokenizeRequest, api_types.TokenizeResponse, example={"prompt": "Hello world"}),
+    Endpoint("POST", "/detokenize", detokenize, "The text of token ids",
+             protocol.DetokenizeRequest, api_types.DetokenizeResponse, example={"tokens": [5, 6]}),
+    Endpoint("GET", "/openapi.json", openapi_json, "This document", content_type="application/json",
+             protected=False),
 ]
-UNPROTECTED = frozenset({"/health", "/ready"}) | dashboard.PUBLIC
+
+
+def _dashboard(route: web.RouteDef) -> Endpoint:
+    """A route of the dashboard (gateway/dashboard.py, gateway/planner.py): a page, a script or
+    style sheet, or the data the pages draw; the planner's body is its PlanRequest."""
+    plans = route.handler is planner.compute
+    return Endpoint(route.method, route.path, route.handler, "The dashboard: a page, an asset or its data",
+                    planner.PlanRequest if plans else None, content_type="*/*",
+                    protected=route.path not in dashboard.PUBLIC, endless=route.handler is dashboard.stream,
+                    example={"model": "llama-3-8b", "context_len": 8192, "concurrency": 4} if plans else None)
+
+
+ENDPOINTS += [_dashboard(r) for r in dashboard.ROUTES + planner.ROUTES]
+ROUTES = [web.route(e.method, e.path, e.handler) for e in ENDPOINTS]
+UNPROTECTED = frozenset(e.path for e in ENDPOINTS if not e.protected)

@@ -6,6 +6,7 @@ The engine comes up in the background (loading weights takes a while), so until 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -46,7 +47,8 @@ class GatewayState:
     engine: EngineHandle | None = None
     client: EngineClient | None = None
     token_strings: TokenStrings | None = None
-    model_name: str = ""
+    model_name: str = ""                 # the name responses report: the first of model_names
+    model_names: list[str] = field(default_factory=list)   # every name `model` may give
     draining: bool = False
     startup_error: str | None = None
     generations: set[Generation] = field(default_factory=set)
@@ -54,14 +56,18 @@ class GatewayState:
 
     async def connect(self) -> None:
         """Start the engine (or reach it) and the receiver; then the gateway is ready."""
-        self.engine = engine = await self.launcher(self.system)
+        engine = await self.launcher(self.system)
+        if self.config.chat_template is not None:   # this gateway's own, the engine's untouched
+            engine = dataclasses.replace(
+                engine, tokenizer=engine.tokenizer.with_chat_template(self.config.chat_template))
+        self.engine = engine
         # One engine in this process: its prefix cache lives as long as the process, so a random
         # secret salts tenants apart as the cluster's shared secret does across processes.
         self.client = engine.client or await EngineClient.start(
             self.system, engine.scheduler, salts=TenantSalts(os.urandom(32)))
         self.token_strings = TokenStrings(engine.tokenizer)
-        self.model_name = self.config.served_model_name or model_name_from_path(engine.model_path) \
-            or "matinee"
+        self.model_names = self.config.model_names or [model_name_from_path(engine.model_path) or "matinee"]
+        self.model_name = self.model_names[0]
         self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
@@ -77,7 +83,7 @@ class GatewayState:
         return self.client, self.engine
 
     def check_model(self, model: str | None) -> None:
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return
         if self.engine is not None and model == self.engine.model_path:
             return

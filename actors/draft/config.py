@@ -23,7 +23,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "k: the most tokens drafted per sequence and step"})
     model: str | None = field(default=None, metadata={
-        "help": "the draft model (method draft): HF folder or .gguf", "flag": "speculative-model"})
+        "help": "the draft model (method draft): HF folder, .gguf or hub id", "flag": "speculative-model"})
     draft_layers: int | None = field(default=None, metadata={
         "help": "L: the target's first L layers draft (method layerskip)",
         "flag": "speculative-draft-layers"})

@@ -66,7 +66,8 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         if budget <= 0:
             break
         seq_id = str(admit.seq_id)
-        hit = kv.get_computed_blocks(KVRequest(seq_id, admit.token_ids, admit.cache_salt))
+        hit = kv.get_computed_blocks(KVRequest(seq_id, admit.token_ids, admit.cache_salt,
+                                               admit.read_prefix_cache))
         num_new = min(len(admit.token_ids) - hit.num_computed_tokens, budget)
         if not kv.can_allocate(seq_id, num_new, hit=hit):
             break  # first come, first served: nobody jumps a request that does not fit

@@ -49,7 +49,7 @@ class KVCacheManager:
         """
         if request.seq_id in self._seqs:
             raise ValueError(f"sequence {request.seq_id!r} already holds blocks")
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or not request.read_cache:
             return PrefixHit(request, [], [], 0)
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)
         max_hit = max(len(request.token_ids) - 1, 0) // self.block_size

@@ -35,6 +35,7 @@ class KVRequest(msgspec.Struct, frozen=True):
     seq_id: str
     token_ids: list[int]  # the prompt, plus the output so far when a preempted request resumes
     cache_salt: str | None = None  # per tenant: different salts never share cached blocks
+    read_cache: bool = True  # False: no hit, every position computed (its blocks are still cached)
 
 
 class PrefixHit(msgspec.Struct, frozen=True):

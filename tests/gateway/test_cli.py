@@ -110,7 +110,9 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
---engine-id --drain-grace --registry-ttl --metrics-port --index-timeout --routing --max-migrations""".split()
+--engine-id --drain-grace --registry-ttl --metrics-port --index-timeout --routing --max-migrations
+--api-key-file --allowed-origins --disable-access-log --chat-template
+""".split()
 FLAGS += ["--kv-cache-dtype"]
 
 
@@ -128,7 +130,7 @@ def test_each_config_field_with_help_is_a_flag_with_its_default():
         for cls in classes:
             for f in flags.flag_fields(cls):
                 parsed = getattr(defaults, flags.dest(f))
-                assert (not parsed if f.type == "bool" else parsed) == flags.default(f), f.name
+                assert (not parsed if f.type == "bool" and f.default is True else parsed) == flags.default(f), f.name
     assert not any("secret" in name for name in FLAGS)   # the cluster secret: environment only
 
 
@@ -191,4 +193,4 @@ def test_help_never_shows_the_api_key_from_the_environment():
     text = serve.format_help()
     assert "sk-do-not-print" not in text and "$MATINEE_API_KEY" in text
     assert "9123" in text   # other defaults are still shown
-    assert parser.parse_args(["serve"]).api_key == "sk-do-not-print"
+    assert parser.parse_args(["serve"]).api_key == ["sk-do-not-print"]

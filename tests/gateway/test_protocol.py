@@ -79,7 +79,7 @@ UNSUPPORTED_CHAT = ["audio", "function_call", "functions", "metadata", "modaliti
                     "tool_choice", "tools", "verbosity", "web_search_options",
                     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                     "structured_outputs", "zz"]
-UNSUPPORTED_COMPLETION = ["suffix", "echo", "response_format", "guided_json", "structured_outputs"]
+UNSUPPORTED_COMPLETION = ["response_format", "guided_json", "structured_outputs"]
 
 
 @pytest.mark.parametrize("field", UNSUPPORTED_CHAT)

@@ -1,0 +1,157 @@
+"""The API's response bodies as msgspec Structs: what /openapi.json documents.
+
+The handlers build these bodies as dicts (gateway/responses.py); these structs are their schema,
+and the schemathesis test checks every real response against it, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's shape: one of these per token id, in a dict per prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+class AssistantMessage(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    # vLLM's extension: the prompt's tokens, each with its logprob and the top ones (the first is null).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class ChatDelta(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One `data:` event of a streamed chat completion (text/event-stream)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class Completion(msgspec.Struct):
+    """The whole completion, or one `data:` event of a streamed one."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class Status(msgspec.Struct):
+    status: str
+    model: str | None = None

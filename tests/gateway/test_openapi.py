@@ -1,0 +1,103 @@
+"""/openapi.json: a valid OpenAPI 3 document listing every route the gateway serves, each of which
+answers; schemathesis then sends generated requests to every operation: never a 5xx, and every
+response matches the documented schema."""
+import openapi_spec_validator
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
+
+from gateway.config import GatewayConfig
+from gateway.routes import ENDPOINTS
+from tests.gateway import http_util as http
+
+KEY = "openapi-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def short_server(tiny_model_folder):
+    """A tiny engine with a 96-token context, so no generated request runs long."""
+    from actors.config import EngineConfig
+    from tests.gateway.live import LiveServer
+
+    live = LiveServer(EngineConfig(model=tiny_model_folder, dtype="float32", num_blocks=128, block_size=16,
+                                   max_num_seqs=32, max_num_batched_tokens=256, max_model_len=96,
+                                   num_threads=1))
+    live.start()
+    try:
+        yield live.add_app(GatewayConfig(api_key=KEY, served_model_name="tiny", max_body_bytes=64 << 10,
+                                         disable_access_log=True))
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def document(short_server):
+    r = http.get(short_server + "/openapi.json")   # no key needed
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    return r.json()
+
+
+def test_the_document_is_valid_openapi_3(document):
+    openapi_spec_validator.validate(document)
+    assert document["openapi"].startswith("3.1")
+    schemas = document["components"]["schemas"]
+    assert {"ChatRequest", "CompletionRequest", "ChatCompletion", "Completion", "ErrorResponse"} <= set(schemas)
+    assert "messages" in schemas["ChatRequest"]["required"]
+    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert "security" not in document["paths"]["/health"]["get"]
+
+
+def test_every_route_is_documented_and_every_documented_route_answers(short_server, document):
+    from gateway.routes import ROUTES
+
+    served = {(r.method, r.path) for r in ROUTES}
+    assert served == {(e.method, e.path) for e in ENDPOINTS}
+    documented = {(m.upper(), p): op for p, ops in document["paths"].items() for m, op in ops.items()}
+    assert set(documented) == {(e.method, e.openapi_path) for e in ENDPOINTS}
+    endless = {e.openapi_path for e in ENDPOINTS if e.endless}
+    for (method, path), op in sorted(documented.items()):
+        url = short_server + path.replace("{model}", "tiny")
+        body = op["requestBody"]["content"]["application/json"]["example"] if "requestBody" in op else None
+        if path in endless:   # its headers say it answers; its body never ends
+            conn, resp = http.open_request(method, url, headers=AUTH)
+            conn.close()
+            assert resp.status == 200, path
+            continue
+        r = http.request(method, url, headers=AUTH, json_body=body)   # the documented example works
+        assert r.status_code == 200, (method, path, r.status_code, r.text[:300])
+
+
+@pytest.fixture(scope="module")
+def api_schema(document):
+    return schemathesis.openapi.from_dict(document)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", [e for e in ENDPOINTS if not e.endless],
+                         ids=lambda e: f"{e.method} {e.openapi_path}")
+def test_generated_requests_never_get_a_5xx_and_match_the_schema(short_server, api_schema, endpoint):
+    """40 requests the schema allows (most fail the range checks: 400s), and for a body 20 it does
+    not (wrong types, missing fields, a wrong key: 4xx) and the documented example."""
+    operation = api_schema[endpoint.openapi_path][endpoint.method]
+    strategies = [(operation.as_strategy(GenerationMode.POSITIVE), 40)]
+    if endpoint.request is not None:   # a body to get wrong, and a documented example
+        strategies.append((operation.as_strategy(GenerationMode.NEGATIVE), 20))
+        strategies += [(s, 1) for s in operation.get_strategies_from_examples()]
+    statuses = []
+    for strategy, examples in strategies:
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def generated(case):
+            r = case.call_and_validate(base_url=short_server, headers=AUTH,
+                                       checks=[not_a_server_error, content_type_conformance,
+                                               response_schema_conformance])
+            statuses.append(r.status_code)
+
+        generated()
+    assert statuses
+    if endpoint.request is not None:   # and the engine was reached, not only the checks before it
+        assert 200 in statuses and 400 in statuses
