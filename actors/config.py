@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none")   # weight formats; auto: a GGUF file's own types, served packed
 KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The step's token budget. A CPU computes ~1k tokens a second with a small model: 2048-token steps
 # stall every decode for two seconds behind a wave of prompts and batch them no better (SmolLM2 on
@@ -55,6 +56,9 @@ class EngineConfig:
         "help": "KV pool size exactly, in blocks (unset: as many as --kv-cache-memory holds)"})
     kv_cache_memory: int = field(default=1 << 30, metadata={
         "help": "bytes for K and V of all layers (e.g. 2GiB)", "type": "bytes"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto: the model dtype; int8 or fp8 (e4m3): a byte a value with a scale per block and KV head, "
+                "twice bfloat16's tokens in the same memory", "choices": KV_CACHE_DTYPES})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences running in one step"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": f"tokens computed in one step (unset: {CPU_STEP_TOKENS} on the CPU, {GPU_STEP_TOKENS} on CUDA)"})
@@ -87,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -83,6 +83,9 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         spawned.append(worker)
         info: WorkerInfo = await worker.ask(GetWorkerInfo())
         max_model_len = config.context_len(info.max_model_len, info.num_blocks)
+        log.info("KV pool", blocks=info.num_blocks, block_size=info.block_size,
+                 token_capacity=info.num_blocks * info.block_size, kv_cache_dtype=info.kv_cache_dtype,
+                 kv_bytes_per_token=info.kv_bytes_per_token)
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching))
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
@@ -96,7 +99,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
             spawned.append(draft)
         scheduler_actor = SchedulerActor(scheduler_config, kv, worker, config.step_timeout_s, draft, spec,
-                                         weight_bytes=info.weight_bytes)
+                                         weight_bytes=info.weight_bytes, kv_bytes_per_token=info.kv_bytes_per_token)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()
@@ -153,4 +156,5 @@ def _make_runner(config: EngineConfig) -> ModelRunner:
     return ModelRunner(config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
                        block_size=config.block_size, num_blocks=config.num_blocks,
                        kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
-                       num_threads=config.num_threads, quantization=config.quantization)
+                       num_threads=config.num_threads, quantization=config.quantization,
+                       kv_cache_dtype=config.kv_cache_dtype)

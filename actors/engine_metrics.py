@@ -53,6 +53,9 @@ SERIES = (
     Series("matinee_kv_blocks_free", "gauge", "KV cache blocks free or evictable.", lambda s: s.kv_blocks_free),
     Series("matinee_model_weight_bytes", "gauge", "Model weight bytes resident (quantized or not).",
            lambda s: s.weight_bytes),
+    Series("matinee_kv_bytes_per_token", "gauge", "KV cache bytes per token over all layers (an int8 or fp8 "
+           "cache's scales included).", lambda s: s.kv_bytes_per_token),
+    Series("matinee_kv_token_capacity", "gauge", "Tokens the KV cache pool holds.", lambda s: s.kv_token_capacity),
     Series("matinee_prefix_cache_queried_tokens", "counter", "Prompt tokens looked up in the prefix cache.",
            lambda s: s.prefix_cache_queried_tokens),
     Series("matinee_prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache.",

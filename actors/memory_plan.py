@@ -51,6 +51,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return num_layers * num_kv_heads * head_dim * 2 * dtype_size
 
 
+KV_SCALE_BYTES = 4   # an int8 or fp8 cache's float32 scale per (block, KV head), for K and for V
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: float, block_size: int,
+                       scaled: bool = False) -> int:
+    """One pool block over all layers: block_size tokens' K and V, and with `scaled` (an int8 or fp8
+    cache) the scales beside them (kernels/kv_quant.py)."""
+    scales = num_layers * num_kv_heads * 2 * KV_SCALE_BYTES if scaled else 0
+    return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_size) * block_size) + scales
+
+
 def blocks_that_fit(budget: int, bytes_per_token: int, block_size: int) -> int:
     """KV pool blocks of `block_size` tokens that `budget` bytes hold (the engine's pool size)."""
     return int(budget // (bytes_per_token * block_size))

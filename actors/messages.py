@@ -153,6 +153,8 @@ class EngineStats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int = 0       # verifications (one sequence, one step, at least one draft)
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
     spec_decode_token_cost: float = 0.0   # one drafted token's cost over a batch-1 decode step (learned)
+    kv_bytes_per_token: float = 0.0       # K and V of one token over all layers, with an int8/fp8 cache's scales
+    kv_token_capacity: int = 0            # tokens the KV pool holds (blocks x block size)
     queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
     queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
     weight_bytes: int = 0                 # model weights resident in memory (WorkerInfo's)
@@ -230,6 +232,8 @@ class WorkerInfo(msgspec.Struct, tag=True):
     vocab_size: int
     eos_token_ids: list[int]
     weight_bytes: int = 0             # the model's weights as they sit in memory (quantized or not)
+    kv_bytes_per_token: float = 0.0   # with an int8 or fp8 cache's scales
+    kv_cache_dtype: str = ""          # the cache's torch dtype, e.g. "int8"
 
 
 # --- scheduler <-> KV manager ---------------------------------------------------------------------

@@ -7,7 +7,8 @@ float32 on the CPU through Matinee's whole engine, through transformers' padded 
 (batches of 16) and through transformers' continuous-batching manager (what `generate_batch` drives,
 fed each request's own length), then Matinee again in bfloat16, then vLLM's CPU build in bfloat16
 and float32, each in a process of its own after the others have finished (bench/peers.py). Figures
-are ratios against the peers of the same run.
+are ratios against the peers of the same run. `--kv-cache-dtype int8` (or fp8) also runs Matinee's
+float32 and bfloat16 with that KV cache, each right after its peer in the model dtype's cache.
 """
 
 from __future__ import annotations
@@ -84,11 +85,11 @@ def matmul_params(cfg) -> int:
     return cfg.num_layers * (attn + mlp) + cfg.vocab_size * cfg.hidden_size
 
 
-def run_matinee(model: str, wl: Workload, dtype: str, threads: int, budget: int) -> dict:
+def run_matinee(model: str, wl: Workload, dtype: str, threads: int, budget: int, kv_cache_dtype: str = "auto") -> dict:
     from actors import LLM, SamplingParams
 
     with LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=len(wl.prompts),
-             max_num_batched_tokens=budget) as llm:
+             max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype) as llm:
         llm.generate([wl.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         before = llm.stats()
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
@@ -208,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bf16-requests", type=int, default=None,
                     help="run bfloat16 on the first N requests only (a CPU without bf16 units is slow at it)")
     ap.add_argument("--bf16-scale", type=float, default=None, help="output scale of the bfloat16 run")
+    ap.add_argument("--kv-cache-dtype", choices=("int8", "fp8"), default=None,
+                    help="also run Matinee with this KV cache, against the model dtype's")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(PEERS):
@@ -245,6 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
                loop_idle_frac=m["loop_idle_frac"], kv_waste_frac=m["kv_waste_frac"], steps=m["steps"],
                preemptions=m["preemptions"],
                roofline_frac=m["model_flops"] / m["wall_s"] / (out["fp32_matmul_gflops"] * 1e9))
+    kv = args.kv_cache_dtype
+    if kv:
+        q = run_matinee(model, wl, "float32", threads, args.budget, kv)
+        log(f"matinee fp32, {kv} KV cache", q)
+        out.update({f"matinee_kv_{kv}_tok_s": q["tok_s"], f"kv_{kv}_speedup": q["tok_s"] / m["tok_s"]})
     if not {"hf_static", "hf_batch"} <= skip:
         hf = load_hf(model)
         if "hf_static" not in skip:
@@ -270,6 +278,10 @@ def main(argv: list[str] | None = None) -> dict:
         log("matinee bf16", b16)
         ref = out.get("matinee_fp32_subset_tok_s", m["tok_s"])
         out.update(matinee_bf16_tok_s=b16["tok_s"], bf16_speedup=b16["tok_s"] / ref)
+        if kv:
+            q = run_matinee(model, sub, "bfloat16", threads, args.budget, kv)
+            log(f"matinee bf16, {kv} KV cache", q)
+            out.update({f"matinee_bf16_kv_{kv}_tok_s": q["tok_s"], f"bf16_kv_{kv}_speedup": q["tok_s"] / b16["tok_s"]})
     for dtype in vllm_dtypes:
         key = VLLM_DTYPES[dtype]
         v = peers.run_vllm_offline(vllm_job(wl, dtype, args.vllm_model, args.budget), args.vllm_omp_bind,

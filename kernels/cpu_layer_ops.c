@@ -1,5 +1,6 @@
 /* A layer's small ops on the CPU in one call each: RMSNorm (with the residual add), rotary
- * embedding, the KV cache write and SiLU-and-multiply, in float32 or bfloat16.
+ * embedding, the KV cache write (also into an int8 or fp8 cache, by kv_quant.py's rule) and
+ * SiLU-and-multiply, in float32 or bfloat16.
  *
  * In torch each of these is 8-20 small ops (a cast, a power, a mean, a slice, a cat...), every one
  * a dispatch of a few microseconds: at one decode token, 30 layers' worth took about a third of
@@ -13,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "e4m3.h"
 
 static inline float bf16_load(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline uint16_t bf16_round(float f) { return f32_to_bf16(f); }
@@ -95,6 +97,69 @@ static inline float f32_round(float f) { return f; }
         return 0;                                                                                          \
     }
 
+static inline float clampf(float x, float bound) { return x < -bound ? -bound : x > bound ? bound : x; }
+
+/* One quantized value: int8 (clamped to +-127) or fp8 e4m3 (clamped to +-448), from x already divided
+ * by its scale, to nearest even. */
+static inline uint8_t quantize1(float x, int fp8) {
+    if (fp8) return f32_to_e4m3(clampf(x, 448.f));
+    return (uint8_t)(int8_t)rintf(clampf(x, 127.f));
+}
+
+static inline float code_value(uint8_t c, int fp8) { return fp8 ? e4m3_to_f32(c) : (float)(int8_t)c; }
+
+/* kv_quant.py's rule for one head's D values x written at offset `off` of a block: head[j * stride + i]
+ * is value i of the block's slot j for this head; *scale is the (block, head) scale. The loops are
+ * plain so that they vectorise: requantizing a block's earlier tokens is most of a prefill's write. */
+static void write_quantized_head(const float *x, uint8_t *head, float *scale, long off, long stride, long D,
+                                 int fp8) {
+    float qmax = fp8 ? 448.f : 127.f, amax = 0.f;
+    for (long i = 0; i < D; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float old = off == 0 ? 0.f : *scale, s = old;
+    if (amax > old * qmax) {
+        s = amax / qmax;
+        if (old > 0.f) {   /* the scale grows: the tokens already written for this head move to it */
+            float factor = old / s;
+            for (long j = 0; j < off; j++) {
+                uint8_t *row = head + j * stride;
+                for (long i = 0; i < D; i++) row[i] = quantize1(code_value(row[i], fp8) * factor, fp8);
+            }
+        }
+    }
+    *scale = s;
+    float divisor = s > 0.f ? s : 1.f;   /* 0: nothing but zeros so far */
+    uint8_t *row = head + off * stride;
+    for (long i = 0; i < D; i++) row[i] = quantize1(x[i] / divisor, fp8);
+}
+
+/* Row t of k and v ([Hk, D] each, token strides k_stride, v_stride) into an int8 (fp8 = 0) or fp8 e4m3
+ * cache [num_slots / block_size, block_size, Hk, D] at slot slots[t], in order (the rule depends on
+ * it), with its scales [num_blocks, Hk]; a negative slot writes nothing. Returns -3 for a slot outside
+ * the cache, before anything is written. */
+#define DEFINE_WRITE_KV_QUANT(NAME, T, LOAD)                                                               \
+    int NAME(const T *k, const T *v, uint8_t *k_cache, uint8_t *v_cache, float *k_scales, float *v_scales,  \
+             const long *slots, long rows, long Hk, long D, long k_stride, long v_stride, long num_slots,   \
+             long block_size, int fp8) {                                                                   \
+        for (long t = 0; t < rows; t++)                                                                    \
+            if (slots[t] >= num_slots) return -3;                                                          \
+        float x[D];                                                                                        \
+        for (long t = 0; t < rows; t++) {                                                                  \
+            if (slots[t] < 0) continue;                                                                    \
+            long block = slots[t] / block_size, off = slots[t] % block_size;                               \
+            for (long h = 0; h < Hk; h++) {                                                                \
+                long head = block * block_size * Hk * D + h * D;   /* slot 0 of the block, this head */    \
+                for (long i = 0; i < D; i++) x[i] = LOAD(k + t * k_stride + h * D + i);                    \
+                write_quantized_head(x, k_cache + head, k_scales + block * Hk + h, off, Hk * D, D, fp8);   \
+                for (long i = 0; i < D; i++) x[i] = LOAD(v + t * v_stride + h * D + i);                    \
+                write_quantized_head(x, v_cache + head, v_scales + block * Hk + h, off, Hk * D, D, fp8);   \
+            }                                                                                              \
+        }                                                                                                  \
+        return 0;                                                                                          \
+    }
+
 /* e^x, Cephes' expf polynomial (within 2 ulp of expf) in plain branch-free C, so that gcc vectorises
  * the loops that call it: glibc's expf is a call per element. x is clamped to where e^x is a finite
  * nonzero float; a NaN comes out as NaN through the caller's arithmetic. */
@@ -139,5 +204,7 @@ DEFINE_ROPE(matinee_rope_f32, float, f32_load, f32_round)
 DEFINE_ROPE(matinee_rope_bf16, uint16_t, bf16_load, bf16_round)
 DEFINE_WRITE_KV(matinee_write_kv_f32, float)
 DEFINE_WRITE_KV(matinee_write_kv_bf16, uint16_t)
+DEFINE_WRITE_KV_QUANT(matinee_write_kv_quant_f32, float, f32_load)
+DEFINE_WRITE_KV_QUANT(matinee_write_kv_quant_bf16, uint16_t, bf16_load)
 DEFINE_SILU_AND_MUL(matinee_silu_and_mul_f32, float, f32_load, f32_round)
 DEFINE_SILU_AND_MUL(matinee_silu_and_mul_bf16, uint16_t, bf16_load, bf16_round)

@@ -1,7 +1,7 @@
 """A layer's small ops on the CPU, one C call each: cpu_layer_ops.c's launchers.
 
-RMSNorm (with the residual add), the rotary embedding, the KV cache write and SiLU-and-multiply, for float32 and
-bfloat16 tensors; anything else (another dtype, a layout the kernels do not take) goes to the
+RMSNorm (with the residual add), the rotary embedding, the KV cache write (into a cache of the activations'
+dtype, or an int8 or fp8 one: kv_quant.py) and SiLU-and-multiply, for float32 and bfloat16 tensors; anything else (another dtype, a layout the kernels do not take) goes to the
 pure-torch reference, which computes the same thing in 8-20 small ops.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import activation, cpu_native, kv_write, rms_norm as rms_norm_ref, rope
+from kernels.kv_quant import check_scales, is_quantized
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -75,7 +76,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    if is_quantized(k_cache) or is_quantized(v_cache):
+        return _write_kv_quantized(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     fn = _kernel("write_kv", k, v, k_cache, v_cache)
     if (fn is None or not (_heads_view(k) and _heads_view(v)) or k.shape != v.shape
             or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]
@@ -86,6 +90,24 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slots = slot_mapping.to(torch.int64).contiguous()
     status = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
                 k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_cache.shape[0] * k_cache.shape[1])
+    if status:
+        raise IndexError("write_kv: a slot outside the KV cache")
+
+
+def _write_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+    check_scales(k_cache, v_cache, k_scales, v_scales)
+    fn = _kernel("write_kv_quant", k, v)
+    if (fn is None or k_cache.device.type != "cpu" or not (_heads_view(k) and _heads_view(v)) or k.shape != v.shape
+            or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]
+            or slot_mapping.shape[0] != k.shape[0]):
+        return kv_write.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv needs contiguous K/V caches")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    status = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
+                v_scales.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], k.stride(0), v.stride(0),
+                k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1], int(k_cache.dtype == torch.float8_e4m3fn))
     if status:
         raise IndexError("write_kv: a slot outside the KV cache")
 

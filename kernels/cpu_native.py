@@ -28,7 +28,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c")]
-HEADERS = [Path(__file__).with_name("bf16.h")]   # included by the sources: part of the library's name
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
 X86 = ("x86_64", "amd64", "i386", "i686")   # the sources use x86 vector intrinsics (immintrin.h)
@@ -115,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("matinee_paged_attention", "matinee_paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
+    lib.matinee_paged_attention_quant.restype = int_
+    lib.matinee_paged_attention_quant.argtypes = [ptr] * 9 + [long_] * 8 + [ctypes.c_float] + [int_] * 3
     lib.matinee_packed_gemm.restype = int_
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_
@@ -130,6 +132,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                     ("silu_and_mul", None, [ptr] * 2 + [long_] * 2 + [int_])):
             fn = getattr(lib, f"matinee_{name}_{dtype}")
             fn.restype, fn.argtypes = restype, args
+        fn = getattr(lib, f"matinee_write_kv_quant_{dtype}")
+        fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 7 + [int_]
     return lib
 
 

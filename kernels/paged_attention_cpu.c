@@ -6,10 +6,13 @@
  * the rest of the batch. Query row i of a sequence with q_len new tokens and seq_len tokens in all
  * sees keys [0, seq_len - q_len + i]. Built by cpu_native.py; the reference is paged_attention.py.
  *
- * Two kernels from one source: matinee_paged_attention (float32) and matinee_paged_attention_bf16
- * (q, caches and out in bfloat16). Both compute in float32 registers; bf16 -> f32 is a shift and
- * f32 -> bf16 rounds to nearest even with integer ops, so AVX2 and FMA are all either needs; with
- * AVX-512 the loops run 16 lanes wide, and with AVX-512 BF16 the bf16 scores take dpbf16.
+ * Three kernels from one source: matinee_paged_attention (float32) and matinee_paged_attention_bf16
+ * (q, caches and out in bfloat16), and matinee_paged_attention_quant (q and out in either, an int8 or
+ * fp8 e4m3 cache with a float32 scale per block and KV head: kv_quant.py). All compute in float32
+ * registers; bf16 -> f32 is a shift, f32 -> bf16 rounds to nearest even with integer ops, int8 widens
+ * and converts, e4m3 is two masks, a shift and a multiply (e4m3.h), so AVX2 and FMA are all they need;
+ * with AVX-512 the loops run 16 lanes wide, and with AVX-512 BF16 the bf16 scores take dpbf16. A key's
+ * scale multiplies its scores, a value's its softmax weights, so the loops over D read the codes alone.
  *
  * Decode reads each cached byte once, so the kernel is bound by how many cache lines a core has in
  * flight: with the blocks fetched ahead by hand and 4 keys scored per reduction it went from ~9 to
@@ -21,22 +24,39 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "e4m3.h"
 
 typedef unsigned short bf16;
 
+/* What a cache holds. Each kernel passes a constant kind, so the branches on it fold. */
+enum { F32, BF16, I8, FP8 };
+static const long ELEMENT_SIZE[] = {4, 2, 1, 1};
+
 #define QUERY_TILE 16       /* new tokens per work item: a longer run is cut into tiles, computed apart */
 
-/* Element access for either dtype. Each kernel passes a constant is_bf16, so the branches fold. */
-static inline __m256 load8(const void *p, long i, int is_bf16) {
-    if (is_bf16) {
+/* e4m3 codes widened to 32 bits -> their values (e4m3.h's e4m3_to_f32, eight or sixteen at a time). */
+#define E4M3_BITS(c, and, or, slli, set1) or(slli(and(c, set1(0x7f)), 20), slli(and(c, set1(0x80)), 24))
+
+/* Element access for any kind, as float32 (an int8 or fp8 code's value before its scale). */
+static inline __m256 load8(const void *p, long i, int kind) {
+    if (kind == BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const bf16 *)p + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (kind == I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + i))));
+    if (kind == FP8) {
+        __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + i)));
+        __m256i bits = E4M3_BITS(c, _mm256_and_si256, _mm256_or_si256, _mm256_slli_epi32, _mm256_set1_epi32);
+        return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_BIAS_SHIFT));
     }
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline float load1(const void *p, long i, int is_bf16) {
-    return is_bf16 ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+static inline float load1(const void *p, long i, int kind) {
+    if (kind == BF16) return bf16_to_f32(((const bf16 *)p)[i]);
+    if (kind == I8) return (float)((const signed char *)p)[i];
+    if (kind == FP8) return e4m3_to_f32(((const unsigned char *)p)[i]);
+    return ((const float *)p)[i];
 }
 
 static inline void store_bf16(bf16 *dst, const float *src, long n) {
@@ -84,10 +104,16 @@ static inline float hsum(__m256 a) {
 #ifdef __AVX512F__
 typedef __m512 vec;
 #define W 16
-static inline vec vload(const void *p, long i, int is_bf16) {
-    if (is_bf16) {
+static inline vec vload(const void *p, long i, int kind) {
+    if (kind == BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16 *)p + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (kind == I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const char *)p + i))));
+    if (kind == FP8) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const char *)p + i)));
+        __m512i bits = E4M3_BITS(c, _mm512_and_si512, _mm512_or_si512, _mm512_slli_epi32, _mm512_set1_epi32);
+        return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(E4M3_BIAS_SHIFT));
     }
     return _mm512_loadu_ps((const float *)p + i);
 }
@@ -119,15 +145,15 @@ static inline __m256 fold(vec a) { return a; }
  * all rows, and the rows' KEYS sums are reduced together (three hadds, not one horizontal sum per
  * score). A score's summation order depends only on D, so a row's result does not depend on which
  * rows or keys share its call. qs: the rows in float32; qb: the same in bfloat16, for a bf16 cache.
- * s[r * s_stride + j] gets row r's score against key j, times scale. */
+ * s[r * s_stride + j] gets row r's score against key j, times scale[j]. */
 static inline void scores(const float *const *qs, const bf16 *const *qb, int m, const void *cache, const long *key,
-                          long D, float *s, long s_stride, float scale, int is_bf16) {
+                          long D, float *s, long s_stride, const float *scale, int kind) {
     vec a[ROWS][KEYS];
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < KEYS; j++) a[r][j] = vzero();
     long dw;
 #ifdef __AVX512BF16__
-    if (is_bf16) {   /* products of bf16 are exact in float32: dpbf16 sums them in pairs, with no widening
+    if (kind == BF16) {   /* products of bf16 are exact in float32: dpbf16 sums them in pairs, with no widening
                       * (it counts denormal inputs as zero) */
         dw = D - D % 32;
         for (long d = 0; d < dw; d += 32)
@@ -142,7 +168,7 @@ static inline void scores(const float *const *qs, const bf16 *const *qb, int m, 
         dw = D - D % W;
         for (long d = 0; d < dw; d += W)
             for (int j = 0; j < KEYS; j++) {
-                vec k = vload(cache, key[j] + d, is_bf16);
+                vec k = vload(cache, key[j] + d, kind);
                 for (int r = 0; r < ROWS; r++)
                     if (r < m) a[r][j] = vfma(vloadf(qs[r] + d), k, a[r][j]);
             }
@@ -153,16 +179,16 @@ static inline void scores(const float *const *qs, const bf16 *const *qb, int m, 
                                   _mm256_hadd_ps(fold(a[r][2]), fold(a[r][3])));
         float tail[KEYS] = {0};
         for (int j = 0; j < KEYS; j++)
-            for (long d = dw; d < D; d++) tail[j] += qs[r][d] * load1(cache, key[j] + d, is_bf16);
+            for (long d = dw; d < D; d++) tail[j] += qs[r][d] * load1(cache, key[j] + d, kind);
         __m128 sum = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_loadu_ps(tail));
-        _mm_storeu_ps(s + r * s_stride, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+        _mm_storeu_ps(s + r * s_stride, _mm_mul_ps(sum, _mm_loadu_ps(scale)));
     }
 }
 
 /* For the m <= 4 rows r of one KV head: o[r][D] += sum over k < n of w[r][k] * cache[value + k * stride, +D),
  * k in order: n values of one block, each loaded once for the rows, the rows' running sums in registers. */
 static inline void weighted_sums(float *restrict o, const float *w, long w_stride, int m, long n, const void *cache,
-                                 long value, long stride, long D, int is_bf16) {
+                                 long value, long stride, long D, int kind) {
     const float *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride, *w3 = w + 3 * w_stride;
     float *o0 = o, *o1 = o + D, *o2 = o + 2 * D, *o3 = o + 3 * D;
     long d = 0;
@@ -173,7 +199,7 @@ static inline void weighted_sums(float *restrict o, const float *w, long w_strid
         if (m > 3) a3 = vloadf(o3 + d), b3 = vloadf(o3 + d + W);
         for (long k = 0; k < n; k++) {
             long v = value + k * stride + d;
-            vec lo = vload(cache, v, is_bf16), hi = vload(cache, v + W, is_bf16), wk = vset1(w0[k]);
+            vec lo = vload(cache, v, kind), hi = vload(cache, v + W, kind), wk = vset1(w0[k]);
             a0 = vfma(wk, lo, a0), b0 = vfma(wk, hi, b0);
             if (m > 1) wk = vset1(w1[k]), a1 = vfma(wk, lo, a1), b1 = vfma(wk, hi, b1);
             if (m > 2) wk = vset1(w2[k]), a2 = vfma(wk, lo, a2), b2 = vfma(wk, hi, b2);
@@ -191,12 +217,12 @@ static inline void weighted_sums(float *restrict o, const float *w, long w_strid
         for (; e + 8 <= D; e += 8) {
             __m256 a = _mm256_loadu_ps(or + e);
             for (long k = 0; k < n; k++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value + k * stride + e, is_bf16), a);
+                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value + k * stride + e, kind), a);
             _mm256_storeu_ps(or + e, a);
         }
         for (; e < D; e++) {
             float a = or[e];
-            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value + k * stride + e, is_bf16), a);
+            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value + k * stride + e, kind), a);
             or[e] = a;
         }
     }
@@ -250,8 +276,8 @@ static int check_metadata(const int *block_tables, const int *query_start_loc, c
  * [from, until), until <= span, and returns the first block start not fetched. */
 #define AHEAD 32
 static inline long prefetch(const void *cache, const long *slot, long from, long until, long block_size,
-                            long span, long first, long width, int is_bf16) {
-    long size = is_bf16 ? 2 : 4;
+                            long span, long first, long width, int kind) {
+    long size = ELEMENT_SIZE[kind];
     for (; from < until; from += block_size)
         for (long t = from; t < from + block_size && t < span; t++) {
             const char *row = (const char *)cache + (slot[t] + first) * size;
@@ -262,6 +288,7 @@ static inline long prefetch(const void *cache, const long *slot, long from, long
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
+    const float *k_scales, *v_scales;   /* [num_blocks, Hk] for an int8 or fp8 cache, else NULL */
     const int *block_tables, *query_start_loc, *seq_lens;
     void *out;
     long Hq, Hk, D, block_size, table_width;
@@ -269,14 +296,14 @@ typedef struct {
 } Problem;
 
 /* The rows of KV heads [h0, h1) for new tokens [i0, i0 + QUERY_TILE) of sequence b; 0, or -1 when
- * its scratch cannot be had.
+ * its scratch cannot be had. q and out hold bf16 when act_bf16, else float32; the caches, `kind`.
  *
  * The tile's rows are (new token, query head), token-major. A slot's keys for every KV head lie
  * side by side, so the keys, then the values, are read as one stream; each key serves every row
  * that sees it. (Walking one KV head's keys at a time instead measured twice slower with the
  * hardware prefetcher alone: 256 of every 768 bytes.) */
 static inline __attribute__((always_inline)) int attend(const Problem *pb, long b, long i0, long h0, long h1,
-                                                        int is_bf16) {
+                                                        int act_bf16, int kind) {
     long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
     long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
     long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
@@ -285,7 +312,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
      * ps apart, padded to whole groups of KEYS. */
     long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq, ps = (span + KEYS - 1) / KEYS * KEYS;
     const int *table = pb->block_tables + b * pb->table_width;
-    float *p = malloc(sizeof(float) * (rows * ps + (is_bf16 ? 2 * rows * D : 0)));
+    float *p = malloc(sizeof(float) * (rows * ps + (act_bf16 ? 2 * rows * D : 0)));
     long *slot = malloc(sizeof(long) * span);
     if (p == NULL || slot == NULL) {
         free(p), free(slot);
@@ -303,7 +330,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     long row0 = (first + i0) * Hq * D, heads = (h1 - h0) * group * D;   /* a token's elements of the range */
     const float *qf = (const float *)pb->q + row0;
     float *acc = (float *)pb->out + row0;
-    if (is_bf16) {
+    if (act_bf16) {
         float *wide = p + rows * ps;
         acc = wide + rows * D;
         for (long i = 0; i < n; i++)
@@ -318,31 +345,42 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     for (long t0 = 0; t0 < span; t0 += KEYS) {
         if (fetched < span && fetched <= t0 + AHEAD)
             fetched = prefetch(pb->k_cache, slot, fetched, t0 + AHEAD < span ? t0 + AHEAD : span, block_size, span,
-                               h0 * D, (h1 - h0) * D, is_bf16);
+                               h0 * D, (h1 - h0) * D, kind);
         for (long i = t0 > past ? t0 - past : 0; i < n; i++)
             for (long h = h0; h < h1; h++) {
                 long key[KEYS];
-                for (int j = 0; j < KEYS; j++) key[j] = slot[t0 + j < span ? t0 + j : span - 1] + h * D;
+                float mult[KEYS];   /* scale, times each key's own for a quantized cache */
+                for (int j = 0; j < KEYS; j++) {
+                    long t = t0 + j < span ? t0 + j : span - 1;
+                    key[j] = slot[t] + h * D;
+                    mult[j] = kind >= I8 ? pb->scale * pb->k_scales[table[t / block_size] * pb->Hk + h] : pb->scale;
+                }
                 for (long g0 = 0; g0 < group; g0 += ROWS) {
                     int m = group - g0 < ROWS ? (int)(group - g0) : ROWS;
                     long r0 = i * Hq + h * group + g0;
                     const float *qs[ROWS];
                     const bf16 *qb[ROWS];
                     for (int x = 0; x < m; x++) qs[x] = qf + (r0 + x) * D, qb[x] = (const bf16 *)pb->q + row0 + (r0 + x) * D;
-                    scores(qs, qb, m, pb->k_cache, key, D, p + r0 * ps + t0, ps, pb->scale, is_bf16);
+                    scores(qs, qb, m, pb->k_cache, key, D, p + r0 * ps + t0, ps, mult, kind);
                 }
             }
     }
     fetched = prefetch(pb->v_cache, slot, 0, AHEAD < span ? AHEAD : span, block_size, span, h0 * D, (h1 - h0) * D,
-                       is_bf16);
+                       kind);
     for (long i = 0; i < n; i++)
-        for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++) softmax(p + r * ps, past + i + 1);
+        for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++) {
+            softmax(p + r * ps, past + i + 1);
+            if (kind >= I8) {   /* each weight times its value's scale */
+                long h = (r - i * Hq) / group;
+                for (long t = 0; t <= past + i; t++) p[r * ps + t] *= pb->v_scales[table[t / block_size] * pb->Hk + h];
+            }
+        }
     /* Values a block at a time (slots [t0, t1) are consecutive in memory): each value serves the rows
      * of its KV head, their sums held in registers across the block. */
     for (long t0 = 0; t0 < span; t0 += block_size) {
         if (fetched < span)
             fetched = prefetch(pb->v_cache, slot, fetched, t0 + AHEAD < span ? t0 + AHEAD : span, block_size, span,
-                               h0 * D, (h1 - h0) * D, is_bf16);
+                               h0 * D, (h1 - h0) * D, kind);
         long t1 = t0 + block_size < span ? t0 + block_size : span;
         for (long i = t0 > past ? t0 - past : 0; i < n; i++) {
             long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
@@ -350,11 +388,11 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                 for (long g0 = 0; g0 < group; g0 += 4) {
                     long r = i * Hq + h * group + g0;
                     weighted_sums(acc + r * D, p + r * ps + t0, ps, group - g0 < 4 ? (int)(group - g0) : 4, seen,
-                                  pb->v_cache, slot[t0] + h * D, slot_stride, D, is_bf16);
+                                  pb->v_cache, slot[t0] + h * D, slot_stride, D, kind);
                 }
         }
     }
-    if (is_bf16)
+    if (act_bf16)
         for (long i = 0; i < n; i++) {
             long e = (i * Hq + h0 * group) * D;
             store_bf16((bf16 *)pb->out + row0 + e, acc + e, heads);
@@ -367,7 +405,20 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
 /* Checks the metadata, then attends every (sequence, query tile) in parallel: with fewer tiles than
  * 4 per thread, every (tile, KV head), or a lone decode would keep one core. Either way each row is
  * computed by the same steps, so the split changes no bits. */
-static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int is_bf16) {
+/* attend() for the combinations the kernels take, each with its arguments constant. */
+static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, int act_bf16, int kind) {
+    switch (act_bf16 * 4 + kind) {
+    case F32: return attend(pb, b, i0, h0, h1, 0, F32);
+    case I8: return attend(pb, b, i0, h0, h1, 0, I8);
+    case FP8: return attend(pb, b, i0, h0, h1, 0, FP8);
+    case 4 + BF16: return attend(pb, b, i0, h0, h1, 1, BF16);
+    case 4 + I8: return attend(pb, b, i0, h0, h1, 1, I8);
+    case 4 + FP8: return attend(pb, b, i0, h0, h1, 1, FP8);
+    }
+    return -1;
+}
+
+static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind) {
     int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
                              pb->table_width, num_blocks);
     if (bad) return bad;
@@ -389,7 +440,7 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
             if (tiles[mid] <= tile) lo = mid; else hi = mid;
         }
         long i0 = (tile - tiles[lo]) * QUERY_TILE, h0 = part * pb->Hk / parts, h1 = (part + 1) * pb->Hk / parts;
-        if (is_bf16 ? attend(pb, lo, i0, h0, h1, 1) : attend(pb, lo, i0, h0, h1, 0)) failed = 1;
+        if (attend_any(pb, lo, i0, h0, h1, act_bf16, kind)) failed = 1;
     }
     free(tiles);
     return failed ? -1 : 0;
@@ -402,9 +453,9 @@ int matinee_paged_attention(const float *q, const float *k_cache, const float *v
                             const int *query_start_loc, const int *seq_lens, float *out, long B, long T,
                             long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
                             float scale, int threads) {
-    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D, block_size,
-                  table_width, scale};
-    return paged_attention(&pb, B, T, num_blocks, threads, 0);
+    Problem pb = {q, k_cache, v_cache, NULL, NULL, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
+                  block_size, table_width, scale};
+    return paged_attention(&pb, B, T, num_blocks, threads, 0, F32);
 }
 
 /* The same in bfloat16: q, caches and out hold bf16 (torch.bfloat16's bits). */
@@ -412,7 +463,19 @@ int matinee_paged_attention_bf16(const bf16 *q, const bf16 *k_cache, const bf16 
                                  const int *query_start_loc, const int *seq_lens, bf16 *out, long B, long T,
                                  long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
                                  float scale, int threads) {
-    Problem pb = {q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D, block_size,
-                  table_width, scale};
-    return paged_attention(&pb, B, T, num_blocks, threads, 1);
+    Problem pb = {q, k_cache, v_cache, NULL, NULL, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
+                  block_size, table_width, scale};
+    return paged_attention(&pb, B, T, num_blocks, threads, 1, BF16);
+}
+
+/* An int8 (fp8 = 0) or fp8 e4m3 cache with its scales [num_blocks, Hk]; q and out in bfloat16 when
+ * act_bf16, else float32. */
+int matinee_paged_attention_quant(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
+                                  const float *v_scales, const int *block_tables, const int *query_start_loc,
+                                  const int *seq_lens, void *out, long B, long T, long Hq, long Hk, long D,
+                                  long block_size, long table_width, long num_blocks, float scale, int threads,
+                                  int act_bf16, int fp8) {
+    Problem pb = {q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
+                  block_size, table_width, scale};
+    return paged_attention(&pb, B, T, num_blocks, threads, act_bf16 != 0, fp8 ? FP8 : I8);
 }

@@ -1,7 +1,7 @@
 """Paged attention on the CPU for short query runs: paged_attention_cpu.c's launcher.
 
 Decode tokens and short speculative verifications read their context in place through the block
-table, in float32 or bfloat16; the reference (paged_attention.py) gathers a padded copy
+table, in float32 or bfloat16, from a cache of the same dtype or an int8 or fp8 one (kv_quant.py); the reference (paged_attention.py) gathers a padded copy
 of every sequence's context and runs SDPA over it, which took 40% of a SmolLM2 decode step at
 batch 7 (0.6k-token contexts) on the reference 2-core AMD EPYC. Longer runs, where SDPA's blocked
 kernel pays off, and other dtypes go to the reference.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native
+from kernels.kv_quant import check_scales, is_quantized
 from kernels.paged_attention import paged_attention as reference_paged_attention
 
 # Longer runs: the reference's blocked SDPA. With SmolLM2's heads and 0.6k-2k-token contexts the kernel
@@ -23,18 +24,22 @@ _KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_p
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q[T, Hq, D] -> out[T, Hq, D]; the kernels contract of paged_attention.py."""
     lib = cpu_native.library()
-    if (lib is None or q.dtype not in _KERNELS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype
+    check_scales(k_cache, v_cache, k_scales, v_scales)
+    quantized = is_quantized(k_cache)
+    if (lib is None or q.dtype not in _KERNELS or (k_cache.dtype != q.dtype and not quantized)
             or max_query_len > MAX_QUERY_LEN[q.dtype] or q.device.type != "cpu"):
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
             # torch's CPU SDPA runs float32 faster than bf16: SmolLM2's heads, 4 x 287-token chunks,
             # 6.5 ms a layer against 9.8 (the gathered context is widened as it is copied anyway).
             return reference_paged_attention(q.float(), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             max_query_len, max_seq_len, scale).to(torch.bfloat16)
+                                             max_query_len, max_seq_len, scale, k_scales,
+                                             v_scales).to(torch.bfloat16)
         return reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                         max_query_len, max_seq_len, scale)
+                                         max_query_len, max_seq_len, scale, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if num_q_heads % num_kv_heads != 0:
@@ -56,10 +61,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     # The kernel checks the rest of the metadata it follows (ranges, lengths, block ids) itself:
     # here that took ~30 small torch ops per layer, 4 ms of a 90 ms decode step.
-    status = getattr(lib, _KERNELS[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
-        k_cache.shape[0], scale, torch.get_num_threads())
+    if quantized:
+        status = lib.matinee_paged_attention_quant(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
+            tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_tokens, num_q_heads,
+            num_kv_heads, head_dim, block_size, tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
+            int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.float8_e4m3fn))
+    else:
+        status = getattr(lib, _KERNELS[q.dtype])(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
+            tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads())
     if status == -2:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     if status == -3:

@@ -6,11 +6,18 @@ streams the sequence's keys through its block table with an online softmax, in t
 of the Triton fused-attention tutorial. When a decode batch has too few (sequence, KV head)
 pairs to fill the GPU, each pair's keys are cut into NUM_SPLITS ranges that run in parallel
 and a second kernel merges the partial softmaxes. Reference: paged_attention.py.
+
+An int8 or fp8 cache (kv_quant.py) is read as codes, turned into the queries' dtype (exact: int8
+and e4m3 values fit in float16 and bfloat16), and its scales applied outside the matmuls: a key's
+to its column of scores, a value's to its column of softmax weights.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_codes_triton import code_values
+from kernels.kv_quant import check_scales, is_quantized
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4
@@ -20,14 +27,14 @@ PROGRAMS_PER_SM = 4
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, num_seqs, num_q_heads, head_dim, block_size,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, k_scales_ptr, v_scales_ptr,
+    scale_log2, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_table,
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,9 +98,14 @@ def _paged_attention_kernel(
         k = tl.load(
             k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ks
             + kv_head * stride_kh + cols[:, None],
-            mask=key_ok[None, :] & col_ok[:, None], other=0.0,
+            mask=key_ok[None, :] & col_ok[:, None], other=0,
         )
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            k = code_values(k, FP8).to(q.dtype)
+            key_scale = tl.load(k_scales_ptr + block * num_kv_heads + kv_head, mask=key_ok, other=0.0)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * (key_scale * scale_log2)[None, :]
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         allowed = (key_pos[None, :] <= query_pos[:, None]) & key_ok[None, :]
         scores = tl.where(allowed, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -105,9 +117,14 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
             + kv_head * stride_vh + cols[None, :],
-            mask=key_ok[:, None] & col_ok[None, :], other=0.0,
+            mask=key_ok[:, None] & col_ok[None, :], other=0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            v = code_values(v, FP8).to(q.dtype)
+            p_v = p * tl.load(v_scales_ptr + block * num_kv_heads + kv_head, mask=key_ok, other=0.0)[None, :]
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -186,9 +203,12 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """q[T, Hq, D] -> out[T, Hq, D]; num_splits forces the split-KV path (None: heuristic)."""
+    """q[T, Hq, D] -> out[T, Hq, D]; k_scales and v_scales [num_blocks, Hk] go with an int8 or fp8
+    cache; num_splits forces the split-KV path (None: heuristic)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -198,6 +218,11 @@ def paged_attention(
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention needs caches with unit stride on the head dimension")
+    check_scales(k_cache, v_cache, k_scales, v_scales)
+    quantized = is_quantized(k_cache)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:   # read as bytes: kv_codes_triton.py makes their values
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -225,13 +250,14 @@ def paged_attention(
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
         part_acc, part_max, part_sum,
-        scale * LOG2E, num_seqs, num_q_heads, head_dim, block_size,
+        k_scales if quantized else out, v_scales if quantized else out,   # unread unless QUANTIZED
+        scale * LOG2E, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        HEAD_PAD=head_pad, NUM_SPLITS=num_splits, DOT_PRECISION=precision, QUANTIZED=quantized, FP8=fp8,
         # Decode tiles are small: a third pipeline stage keeps more key bytes in flight.
         num_warps=4, num_stages=3 if block_m <= 32 else 2,
     )

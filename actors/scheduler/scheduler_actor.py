@@ -31,8 +31,10 @@ NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
 class SchedulerActor(Actor):
     def __init__(self, cfg: SchedulerConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
-                 draft: ActorRef | None = None, spec: SpecController | None = None, weight_bytes: int = 0):
+                 draft: ActorRef | None = None, spec: SpecController | None = None, weight_bytes: int = 0,
+                 kv_bytes_per_token: float = 0.0):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
+        self.kv_bytes_per_token = kv_bytes_per_token   # reported in the stats
         self.spec = self.scheduler.spec
         self.kv = kv
         self.worker = worker
@@ -259,7 +261,8 @@ class SchedulerActor(Actor):
             kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
             ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
-            weight_bytes=self.weight_bytes)
+            weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size)
 
 
 class _HandoffCounters:

@@ -7,6 +7,7 @@ each, because fewer, bigger matmuls run faster. It never imports transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,15 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor     # [B+1] int32
     max_query_len: int
     max_seq_len: int
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged cache: K and V [num_blocks, block_size, Hk, D]; for an int8 or fp8 cache,
+    their float32 scales [num_blocks, Hk] (kernels/kv_quant.py)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -142,7 +152,7 @@ class DecoderModel:
                 raise ModelLoadError(f"tensor {name} has shape {tuple(got)}, the config implies {want}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
+                kv_caches: list[LayerKV], logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype.
 
         Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
@@ -156,7 +166,7 @@ class DecoderModel:
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
         hidden = ops.embedding(input_ids, self.embed)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers, kv_caches):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)
@@ -172,9 +182,11 @@ class DecoderModel:
                 q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, eps).view(num_tokens, -1, head_dim)
                 k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, eps).view(num_tokens, -1, head_dim)
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            k_cache, v_cache, k_scales, v_scales = LayerKV(*kv)   # a plain (K, V) pair too
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale)
+                                       meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
+                                       k_scales=k_scales, v_scales=v_scales)
             hidden = ops.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, layer.gate_up_weight)), layer.down_weight)

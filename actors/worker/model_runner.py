@@ -11,21 +11,33 @@ import time
 import structlog
 import torch
 
-from actors.memory_plan import blocks_that_fit
+from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
 from actors.worker.hf_weights import HFWeights
 from actors.worker.model_config import read_hf_config
-from actors.worker.model import AttentionMetadata, DecoderModel
+from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV
 from actors.worker.model_source import ModelSource, resolve_model_source
 from kernels import get_ops
+from kernels.kv_quant import QUANTIZED_DTYPES, is_quantized
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # bytes, when neither num_blocks nor kv_cache_memory is given
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}   # and "auto": the model dtype
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r} (auto, {', '.join(KV_CACHE_DTYPES)})")
+    return KV_CACHE_DTYPES[name]
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -49,11 +61,12 @@ class ModelRunner:
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "float32", kernels: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  device: str | torch.device = "cpu", num_threads: int | None = None,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
             # Every core for the matmuls; the event loop thread mostly waits on this one.
             torch.set_num_threads(num_threads or _usable_cores())
@@ -76,11 +89,14 @@ class ModelRunner:
                                     quantization=quantization, file_tensor_bytes=file_bytes,
                                     of_file=None if not file_bytes else round(self.weight_bytes / file_bytes, 3))
 
-        self.kv_bytes_per_token = config.kv_bytes_per_token(self.dtype.itemsize)   # as `matinee plan` has it
-        self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
+        # As `matinee plan` has it, plus an int8 or fp8 cache's scales.
+        self.kv_bytes_per_block = kv_bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim,
+                                                     self.kv_cache_dtype.itemsize, block_size,
+                                                     scaled=self.kv_cache_dtype in QUANTIZED_DTYPES)
+        self.kv_bytes_per_token = self.kv_bytes_per_block / block_size
         if num_blocks is None:
             budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else int(kv_cache_memory)
-            num_blocks = blocks_that_fit(budget, self.kv_bytes_per_token, block_size)
+            num_blocks = budget // self.kv_bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={budget} bytes holds no block "
                                  f"(one block takes {self.kv_bytes_per_block} bytes)")
@@ -92,16 +108,20 @@ class ModelRunner:
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
 
-    def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer.
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKV]:
+        """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer (with
+        their scales [num_blocks, Hk] for an int8 or fp8 cache).
 
         Also for a layer-skip draft: its own caches for its first `num_layers` layers, passed to forward().
         """
         cfg = self.model_config
         # One allocation. Zeroed, not empty: attention masks unused slots, but 0 * NaN garbage is still NaN.
         kv = torch.zeros(num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=self.dtype, device=self.device)
-        return [(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+                         dtype=self.kv_cache_dtype, device=self.device)
+        if not is_quantized(kv):
+            return [LayerKV(kv[i, 0], kv[i, 1]) for i in range(num_layers)]
+        scales = torch.zeros(num_layers, 2, num_blocks, cfg.num_kv_heads, dtype=torch.float32, device=self.device)
+        return [LayerKV(kv[i, 0], kv[i, 1], scales[i, 0], scales[i, 1]) for i in range(num_layers)]
 
     @property
     def max_model_len(self) -> int:
@@ -125,8 +145,7 @@ class ModelRunner:
     def tokenizer(self, tokenizer) -> None:
         self._tokenizer = tokenizer
 
-    def execute(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                ) -> torch.Tensor:
+    def execute(self, batch: ForwardBatch, kv_caches: list[LayerKV] | None = None) -> torch.Tensor:
         """Runs one step; returns float32 logits [batch.num_logits, vocab], sequences in batch order.
 
         `kv_caches` (default: the runner's own) may hold fewer layers: see allocate_kv_caches.
@@ -143,7 +162,7 @@ class ModelRunner:
         self.last_prepare_s, self.last_forward_s = t1 - t0, t2 - t1
         return logits
 
-    def forward(self, flat: FlatBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         dev = self.device

@@ -63,7 +63,8 @@ class WorkerActor(Actor):
             case GetWorkerInfo():
                 r = self.runner
                 return WorkerInfo(r.num_blocks, r.block_size, r.max_model_len, r.model_config.vocab_size,
-                                  list(r.eos_token_ids), r.weight_bytes)
+                                  list(r.eos_token_ids), r.weight_bytes, r.kv_bytes_per_token,
+                                  str(r.kv_cache_dtype).removeprefix("torch."))
         return await super().receive(msg)
 
     def step(self, plan: StepPlan) -> StepResult:

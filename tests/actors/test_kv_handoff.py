@@ -19,6 +19,7 @@ from actors.kv.transfer import KVTransfer, KVTransferConfig
 from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVChunk, KVCommit, KVHandedOver,
                              KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDeltas)
 from actors.worker.kv_blocks import KVBlockIO
+from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -55,19 +56,20 @@ class Front(Actor):
         await asyncio.wait_for(loop(), timeout)
 
 
-def _config(model: str, num_blocks: int) -> EngineConfig:
+def _config(model: str, num_blocks: int, kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(model=model, dtype="float32", num_threads=1, block_size=16, num_blocks=num_blocks,
-                        max_num_batched_tokens=128)
+                        max_num_batched_tokens=128, kv_cache_dtype=kv_cache_dtype)
 
 
-@pytest.fixture
-async def pair(tiny_model_dir):
-    """A prefill and a decode engine, each with its transfer actor, and a small window."""
+@pytest.fixture(params=["auto", "int8"])
+async def pair(tiny_model_dir, request):
+    """A prefill and a decode engine, each with its transfer actor, and a small window; the cache in
+    the model's dtype, or int8 (its scales travel with the blocks)."""
     model = tiny_model_dir("llama")
     system = ActorSystem("handoff-test")
     await system.start()
-    prefill = await start_engine(_config(model, 96), system, name="pre")
-    decode = await start_engine(_config(model, 24), system, name="dec")
+    prefill = await start_engine(_config(model, 96, request.param), system, name="pre")
+    decode = await start_engine(_config(model, 24, request.param), system, name="dec")
     config = KVTransferConfig(window_bytes=2 * prefill.kv_blocks.bytes_per_block,
                               chunk_bytes=prefill.kv_blocks.bytes_per_block)
     pre_tx = await attach_kv_transfer(system, prefill, config, name="pre")
@@ -213,7 +215,7 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
     src = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(3)]
     dst = [(torch.zeros(9, 4, 2, 8), torch.zeros(9, 4, 2, 8)) for _ in range(3)]
     a, b = KVBlockIO(src), KVBlockIO(dst)
-    assert a.layout == b.layout == "float32:3x2x4x2x8"
+    assert a.layout == b.layout == "3x(float32[4x2x8],float32[4x2x8])"
     data = a.read([4, 1])
     assert len(data) == 2 * a.bytes_per_block
     b.write([0, 7], bytes(data))
@@ -225,6 +227,24 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
         assert torch.equal(dk[3:6], sk[0:3]) and torch.equal(dv[8], sv[5])
     with pytest.raises(ValueError, match="expected"):
         b.write([0], bytes(data))
+
+
+def test_a_quantized_cache_moves_with_its_scales_and_refuses_another_layout():
+    def cache(num_blocks, fill):
+        make = (lambda *shape: torch.randint(-127, 128, shape, dtype=torch.int8)) if fill else \
+            (lambda *shape: torch.zeros(shape, dtype=torch.int8))
+        scales = (lambda: torch.rand(num_blocks, 2)) if fill else (lambda: torch.zeros(num_blocks, 2))
+        return [LayerKV(make(num_blocks, 4, 2, 8), make(num_blocks, 4, 2, 8), scales(), scales()) for _ in range(2)]
+    src, dst = cache(6, True), cache(9, False)
+    a, b = KVBlockIO(src), KVBlockIO(dst)
+    assert a.layout == b.layout == "2x(int8[4x2x8],int8[4x2x8],float32[2],float32[2])"
+    assert a.bytes_per_block == 2 * (2 * 4 * 2 * 8 + 2 * 2 * 4)
+    b.write([8, 0], bytes(a.read([2, 3])))
+    for s, d in zip(src, dst):
+        for st, dt in zip(s, d):
+            assert torch.equal(dt[8], st[2]) and torch.equal(dt[0], st[3]) and not dt[1].any()
+    plain = KVBlockIO([(torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16),) * 2 for _ in range(2)])
+    assert plain.layout != a.layout   # a handoff between the two is refused on the offer
 
 
 def test_reserved_blocks_reuse_the_prefix_cache_and_are_hashed_only_once_confirmed():

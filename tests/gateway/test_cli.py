@@ -114,6 +114,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser
 """.split()
+FLAGS += ["--kv-cache-dtype"]
 
 
 def _serve_flags(parser) -> list[str]:

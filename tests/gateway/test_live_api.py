@@ -349,6 +349,14 @@ def test_metrics_names_and_counts(tiny_servers, client):
     assert metric(tiny_servers.main, "matinee_e2e_request_latency_seconds_count") >= 1
 
 
+def test_metrics_state_the_kv_pool(tiny_servers):
+    """The pool's tokens and a token's K/V bytes over all layers (float32 here: no scales)."""
+    cfg = tiny_servers.live.engine.model_config
+    assert metric(tiny_servers.main, "matinee_kv_token_capacity") == 512 * 16
+    per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 4
+    assert metric(tiny_servers.main, "matinee_kv_bytes_per_token") == per_token
+
+
 def test_stop_string_ends_one_of_two_samples(client):
     kw = dict(model="tiny", prompt="One two three four five six seven eight nine ten. " * 3,
               max_tokens=24, n=2, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
