@@ -184,6 +184,27 @@ def keep_measurements(path: Path, known: dict) -> None:
         structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
 
 
+def projection(x: torch.Tensor, weight, bias: torch.Tensor | None, lib, what: str, scratch: str, launch) -> torch.Tensor:
+    """x[M, K] (bf16 or float32 CPU rows) @ weight.T (+ bias) -> [M, N] in x's dtype, through a kernel of
+    this library that reads a weight prepared at load (`weight` has out_features and in_features).
+    `launch(lib, x, bias, out, bf16)` calls the kernel and returns its status: non-zero when it had no
+    memory for its `scratch` copy of x. `lib` defaults to the loaded library (a test passes another)."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("the CPU C kernels are not available")
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
+        raise ValueError(f"the {what} takes bf16 or float32 CPU rows, not {x.dtype} on {x.device}")
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"{what} shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    if out.numel() and launch(lib, x, bias, out, int(x.dtype == torch.bfloat16)) != 0:
+        raise MemoryError(f"{what}: no memory for the {scratch} copy of x")
+    return out
+
+
 def available() -> bool:
     return library() is not None
 

@@ -71,25 +71,11 @@ def unpack(weight: PackedWeight) -> torch.Tensor:
 def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """x[M, K] (bf16 or float32) @ weight.T (+ bias) -> [M, N] in x's dtype; `lib` defaults to the
     loaded kernels (a test passes another build)."""
-    lib = lib or cpu_native.library()
-    if lib is None:
-        raise RuntimeError("the CPU C kernels are not available")
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
-        raise ValueError(f"the packed linear takes bf16 or float32 CPU rows, not {x.dtype} on {x.device}")
-    if x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(f"packed linear shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
-    x = x.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    if out.numel():
-        bf16 = int(x.dtype == torch.bfloat16)
-        status = lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(),
-                                         None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
-                                         x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("packed linear: no memory for the float32 copy of x")
-    return out
+    def launch(lib, x, bias, out, bf16):
+        return lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
+                                       x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
+    return cpu_native.projection(x, weight, bias, lib, "packed linear", "float32", launch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
