@@ -64,6 +64,22 @@ async def _engines_seen(session: aiohttp.ClientSession, base: str) -> int:
     return 0
 
 
+class StreamError(Exception):
+    """An error event inside a stream that began with 200."""
+
+
+async def sse_events(response):
+    """The JSON events of an OpenAI-style SSE response, up to `data: [DONE]`; an error event raises."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            raise StreamError(str(ev["error"]))
+        yield ev
+
+
 async def _one(session, base: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -72,17 +88,14 @@ async def _one(session, base: str, prompt: list[int], max_tokens: int) -> dict:
     async with session.post(base + "/v1/completions", json=body) as r:
         if r.status != 200:
             return {"ok": False, "error": f"HTTP {r.status}: {await r.text()}"}
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                return {"ok": False, "error": str(ev["error"])}
-            if ev.get("choices") and ttft is None:
-                ttft = time.perf_counter() - start
-            if ev.get("usage"):
-                cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
+        try:
+            async for ev in sse_events(r):
+                if ev.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - start
+                if ev.get("usage"):
+                    cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
+        except StreamError as e:
+            return {"ok": False, "error": str(e)}
     return {"ok": ttft is not None, "ttft": ttft, "cached": cached}
 
 

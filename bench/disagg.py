@@ -23,7 +23,7 @@ import time
 
 import aiohttp
 
-from bench.cluster import Processes, _engines_seen, _free_port, _pct
+from bench.cluster import Processes, StreamError, _engines_seen, _free_port, _pct, sse_events
 
 SECRET = "bench-disagg-secret"
 BLOCK = 16
@@ -37,15 +37,12 @@ async def _stream(session, base: str, prompt: list[int], max_tokens: int) -> dic
     async with session.post(base + "/v1/completions", json=body) as r:
         if r.status != 200:
             return {"ok": False, "error": f"HTTP {r.status}"}
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                return {"ok": False, "error": str(ev["error"])}
-            if ev.get("choices") and ev["choices"][0].get("text"):
-                times.append(time.perf_counter())
+        try:
+            async for ev in sse_events(r):
+                if ev.get("choices") and ev["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+        except StreamError as e:
+            return {"ok": False, "error": str(e)}
     if not times:
         return {"ok": False, "error": "no tokens"}
     gaps = [b - a for a, b in zip(times, times[1:])]

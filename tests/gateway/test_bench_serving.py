@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from bench import serving
 from bench.serving_data import make_requests
 from tests.gateway.conftest import API_KEY
@@ -181,3 +183,39 @@ def test_server_lifecycle_with_a_real_process(tmp_path):
         proc = srv.proc
         assert proc.poll() is None
     assert proc.poll() is not None and srv.proc is None
+
+
+async def test_the_benchmarks_stream_reader_yields_events_and_raises_on_an_error_event():
+    import aiohttp
+    from aiohttp import web
+
+    from bench.cluster import StreamError, sse_events
+
+    async def stream(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b': ping\n\ndata: {"choices": [{"text": "a"}]}\n\n')
+        last = b'data: {"error": {"message": "boom"}}\n\n' if request.query.get("fail") else b"data: [DONE]\n\n"
+        await resp.write(last)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/s", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base + "/s") as r:
+                assert [ev async for ev in sse_events(r)] == [{"choices": [{"text": "a"}]}]
+            async with session.get(base + "/s?fail=1") as r:
+                seen = []
+                with pytest.raises(StreamError, match="boom"):
+                    async for ev in sse_events(r):
+                        seen.append(ev)
+                assert seen == [{"choices": [{"text": "a"}]}]
+    finally:
+        await runner.cleanup()
