@@ -26,7 +26,7 @@ def _x(m, k, dtype=torch.float32, seed=1):
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_int8_matches_the_same_math_in_float32(m):
     weight = quantize_int8(_weight(47, 100))
-    bias = torch.randn(47)
+    bias = torch.randn(47, generator=torch.Generator().manual_seed(2))
     x = _x(m, 100)
     out = quant_linear_cpu.linear(x, weight, bias)
     torch.testing.assert_close(out, quant_matmul.int8_dynamic_linear(x, weight, bias), atol=1e-5, rtol=0)
@@ -50,7 +50,7 @@ def test_int4_matches_dequantize_then_matmul(m, dtype, group_size, symmetric):
     # 47 outputs: not a multiple of the 16 torch's packing needs.
     weight = quantize_int4(_weight(47, 256), group_size, symmetric=symmetric)
     prepared = quant_linear_cpu.prepare_int4(weight, dtype)
-    x, bias = _x(m, 256, dtype), torch.randn(47)
+    x, bias = _x(m, 256, dtype), torch.randn(47, generator=torch.Generator().manual_seed(2))
     out = quant_linear_cpu.linear(x, prepared, bias)
     assert out.dtype == dtype and out.shape == (m, 47)
     torch.testing.assert_close(out.float(), quant_matmul.linear(x.float(), weight, bias), atol=INT4_TOL[dtype], rtol=0)
