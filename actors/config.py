@@ -13,7 +13,7 @@ from actors.draft.config import SpeculativeConfig
 from actors.hub_model import local_model_path
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none")   # weight formats; auto: a GGUF file's own types, served packed
+QUANTIZATIONS = ("auto", "none", "int8", "int4")   # weight formats; auto: a GGUF file's own types, served packed
 KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -47,7 +47,9 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
     quantization: str = field(default="auto", metadata={
         "help": "weight format; auto: a GGUF file's Q8_0/Q4_0/Q4_1 matmul weights stay quantized in memory "
-                "(on the CPU kernels and torch), none: every weight dequantized to --dtype", "choices": QUANTIZATIONS})
+                "(on the CPU kernels and torch), a GPTQ checkpoint's int4 too; none: every weight dequantized to --dtype; "
+                "int8 / int4: projections quantized at load (per output channel / in groups; the LM head int8)",
+        "choices": QUANTIZATIONS})
     kernels: str = field(default="auto", metadata={
         "help": "auto: triton on CUDA; on the CPU the C kernels where they build, else torch",
         "choices": KERNELS})

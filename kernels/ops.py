@@ -2,6 +2,7 @@
 
 "torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
 float32 matmuls, bf16 matmuls on weights packed at load, int8 products on GGUF-quantized weights,
+torch's int8 and int4 matmuls on weights quantized at load,
 short-query paged attention, one call per norm, rotary embedding, KV write and SiLU-and-multiply;
 the reference for everything else);
 "triton" the Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, cpu_layer_ops, cpu_native, kv_write, packed_linear, paged_attention, \
-    paged_attention_cpu, quant_linear, rms_norm, rope
+    paged_attention_cpu, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
+from kernels.quantize import Int4Weight, Int8Weight
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -24,6 +26,7 @@ class Ops:
     backend: str
     prepare_weight: Callable    # a matmul weight at load -> what `linear` and `embedding` take
     prepare_quantized: Callable | None   # a GGUF-quantized one (QuantTensor, dtype) -> the same; None: dequantize it
+    prepare_int: Callable   # an Int8Weight / Int4Weight (quantize.py's layouts) and the activation dtype -> the same
     linear: Callable
     embedding: Callable
     rms_norm: Callable
@@ -34,12 +37,31 @@ class Ops:
     paged_attention: Callable
 
 
+def _torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # int8 as the CPU path multiplies it (activations quantized per token); int4 weight-only.
+    if isinstance(weight, Int8Weight):
+        return quant_matmul.int8_dynamic_linear(x, weight, bias)
+    if isinstance(weight, Int4Weight):
+        return quant_matmul.linear(x, weight, bias)
+    return quant_linear.torch_linear(x, weight, bias)
+
+
+def _int_rows_or(embedding: Callable) -> Callable:
+    """An embedding that reads an Int8Weight's or Int4Weight's rows (a tied LM head) itself, in float32."""
+    def rows(ids: torch.Tensor, weight) -> torch.Tensor:
+        if isinstance(weight, (Int8Weight, Int4Weight)):
+            return quant_matmul.embedding(ids, weight)
+        return embedding(ids, weight)
+    return rows
+
+
 TORCH_OPS = Ops(
     backend="torch",
     prepare_weight=lambda weight: weight,
     prepare_quantized=quant_linear.pack,
-    linear=quant_linear.torch_linear,
-    embedding=quant_linear.torch_embedding,
+    prepare_int=lambda weight, dtype: weight,
+    linear=_torch_linear,
+    embedding=_int_rows_or(quant_linear.torch_embedding),
     rms_norm=rms_norm.rms_norm,
     fused_add_rms_norm=rms_norm.fused_add_rms_norm,
     rotary_embedding=rope.rotary_embedding,
@@ -53,7 +75,14 @@ TORCH_OPS = Ops(
 def _cpu_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, quant_linear.QuantWeight):
         return quant_linear.matmul(x, weight, bias)
+    if isinstance(weight, (Int8Weight, quant_linear_cpu.Int4CpuWeight)):
+        return quant_linear_cpu.linear(x, weight, bias)
     return packed_linear.linear(x, weight, bias)
+
+
+def _cpu_prepare_int(weight: Int8Weight | Int4Weight, dtype: torch.dtype):
+    # _int_mm reads the Int8Weight as it is; torch's CPU int4 matmul wants its own layout.
+    return quant_linear_cpu.prepare_int4(weight, dtype) if isinstance(weight, Int4Weight) else weight
 
 
 def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:
@@ -63,7 +92,7 @@ def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:
 
 
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=_cpu_linear,
-                  embedding=_cpu_embedding, paged_attention=paged_attention_cpu.paged_attention,
+                  prepare_int=_cpu_prepare_int, embedding=_int_rows_or(_cpu_embedding), paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
                   rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,
                   silu_and_mul=cpu_layer_ops.silu_and_mul)
@@ -80,9 +109,16 @@ def _triton_interpreter_on() -> bool:
 def _triton_ops() -> Ops:
     # Imported here, not at the top: the kernels are decorated at import, and the decorator
     # reads TRITON_INTERPRET then, so it must be set before the first Triton backend is built.
-    from kernels import activation_triton, kv_write_triton, linear, paged_attention_triton, rms_norm_triton, rope_triton
+    from kernels import activation_triton, kv_write_triton, linear, paged_attention_triton, quant_matmul_triton, \
+        rms_norm_triton, rope_triton
 
-    return replace(TORCH_OPS, backend="triton", prepare_quantized=None, linear=linear.linear, embedding=F.embedding,
+    def triton_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, (Int8Weight, Int4Weight)):
+            return quant_matmul_triton.linear(x, weight, bias)
+        return linear.linear(x, weight, bias)
+
+    return replace(TORCH_OPS, backend="triton", prepare_quantized=None, linear=triton_linear,
+                   embedding=_int_rows_or(F.embedding),
                    rms_norm=rms_norm_triton.rms_norm,
                    fused_add_rms_norm=rms_norm_triton.fused_add_rms_norm,
                    rotary_embedding=rope_triton.rotary_embedding,

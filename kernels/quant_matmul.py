@@ -73,9 +73,11 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight,
 
 
 def int8_dynamic_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU int8 path's math: x quantized per token, both sides dequantized, then float32."""
+    """The CPU int8 path's math, bit for bit: x quantized per token, exact integer products (float64
+    holds any int32 sum exactly), then x's scale and the weight's applied in that order."""
     xq, x_scale = quantize_activations(x)
-    y = (xq.float() * x_scale[:, None]) @ dequantize_int8(weight).t()
+    y = (xq.double() @ weight.qweight.double().t()).float()
+    y = y.mul_(x_scale[:, None]).mul_(weight.scale.float()[None, :])
     if bias is not None:
-        y = y + bias.float()
+        y = y.add_(bias.float())
     return y.to(x.dtype)

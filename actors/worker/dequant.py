@@ -1,19 +1,19 @@
-"""Dequantization of the common GGUF block formats, vectorised over a whole tensor.
+"""Dequantization of a GGUF tensor as the loader reads it, vectorised over the whole tensor.
 
-gguf.quants.dequantize splits tensors into row groups and pays Python overhead per group; for
-Q4_0, Q4_1 and Q8_0 (and plain floats) one numpy pass is several times faster. Other types fall
-back to gguf's own implementation, which stays the oracle in the tests.
+gguf.quants.dequantize splits tensors into row groups and pays Python overhead per group; Q4_0, Q4_1
+and Q8_0 go through kernels.quant_matmul.dequantize_gguf instead (one pass, the same blocks the
+quantized kernels read), plain floats are widened. Other types fall back to gguf's own
+implementation, which stays the oracle in the tests.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+from kernels.quant_matmul import dequantize_gguf
+from kernels.quantize import GGUF_BLOCK_BYTES, GGUFWeight
 
 
 def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
@@ -21,17 +21,7 @@ def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
     qtype = Q(qtype)
     if qtype in (Q.F32, Q.F16):
         return np.asarray(raw, dtype=np.float32)
-    if qtype not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+    if qtype not in GGUF_BLOCK_BYTES:
         return gguf_dequantize(raw, qtype)
-    lead = raw.shape[:-1]
-    block_bytes = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
-    blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    if qtype == Q.Q8_0:
-        out = blocks[:, 2:].view(np.int8).astype(np.float32) * d
-    elif qtype == Q.Q4_0:
-        out = (_nibbles(blocks[:, 2:]) - 8.0) * d
-    else:
-        m = blocks[:, 2:4].view(np.float16).astype(np.float32)
-        out = _nibbles(blocks[:, 4:]) * d + m
-    return out.reshape(*lead, -1)
+    rows = torch.from_numpy(np.array(raw).reshape(-1, raw.shape[-1]))   # a copy: the file map is read-only
+    return dequantize_gguf(GGUFWeight(rows, qtype)).numpy().reshape(*raw.shape[:-1], -1)

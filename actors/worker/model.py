@@ -16,9 +16,14 @@ from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
 from kernels.packed_linear import PackedWeight
 from kernels.quant_linear import QuantTensor, QuantWeight
+from kernels.quant_linear_cpu import Int4CpuWeight
+from kernels.quantize import Int4Weight, Int8Weight, int4_group_size_for, quantize_int4, quantize_int8
 
-Weight = torch.Tensor | PackedWeight | QuantWeight   # a matmul weight as ops.prepare_weight / prepare_quantized left it
-QUANTIZATIONS = ("auto", "none")   # auto: GGUF types the kernels read stay packed; none: all dequantized
+# A matmul weight as ops.prepare_weight / prepare_quantized / prepare_int left it.
+Weight = torch.Tensor | PackedWeight | QuantWeight | Int8Weight | Int4Weight | Int4CpuWeight
+# auto: GGUF types the kernels read stay packed, a GPTQ checkpoint's int4 too; none: all dequantized;
+# int8 / int4: a float checkpoint's projections quantized at load.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass
@@ -69,15 +74,34 @@ class DecoderModel:
         self.cos_sin_cache = _cos_sin_cache(config).to(self.device)
 
     def load_weights(self, weights, label: str = "loading weights", quantization: str = "none") -> None:
-        """`weights` has get(hf_name, dtype) -> tensor and quantized(hf_name) -> QuantTensor | None; raises
-        ModelLoadError for a missing tensor. quantization "auto" keeps every matmul weight whose stored
-        type the ops read quantized (GGUF blocks, never a float copy); "none" dequantizes all."""
+        """`weights` has get(hf_name, dtype) -> tensor and quantized(hf_name) -> QuantTensor | None (a GPTQ
+        checkpoint also is_quantized(prefix) and linear(prefix) -> Int4Weight); raises ModelLoadError for a
+        missing tensor. quantization "auto" keeps every matmul weight whose stored type the ops read
+        quantized (GGUF blocks, GPTQ int4, never a float copy); "none" dequantizes all; "int8" / "int4"
+        quantize every projection at load (per output channel / in groups), the LM head (and a tied
+        embedding, read out of it) to int8 under both, as llama.cpp's 4-bit mixes keep their output."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         cfg = self.config
+        gptq = hasattr(weights, "linear")
+        if gptq and quantization != "auto":
+            raise ModelLoadError(f"a GPTQ checkpoint is served in its own int4 weights: use quantization 'auto', "
+                                 f"not {quantization!r}")
         progress = load_progress(cfg.num_layers + 1, label)
         quantize = quantization == "auto" and self.ops.prepare_quantized is not None and self.device.type == "cpu"
         prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
+
+        def at_load(names: tuple[str, ...], head: bool) -> Int8Weight | Int4Weight | None:
+            """The projection quantized at load (or read quantized from a GPTQ checkpoint), None to keep floats."""
+            prefixes = [n.removesuffix(".weight") for n in names]
+            if gptq and all(weights.is_quantized(p) for p in prefixes):
+                return _cat_int4([weights.linear(p) for p in prefixes])
+            if quantization not in ("int8", "int4"):
+                return None
+            w = torch.cat([weights.get(n, torch.float32) for n in names])
+            if head or quantization == "int8":
+                return quantize_int8(w)
+            return quantize_int4(w, int4_group_size_for(w.shape[1]))
 
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
@@ -90,18 +114,21 @@ class DecoderModel:
             fused = QuantTensor.cat(parts) if all(p is not None for p in parts) else None
             return None if fused is None else self.ops.prepare_quantized(fused, self.dtype)
 
-        def matmul_weight(*names: str) -> Weight:
+        def matmul_weight(*names: str, head: bool = False) -> Weight:
             packed = quantized(*names)
             if packed is not None:
                 return packed
+            loaded = at_load(names, head)
+            if loaded is not None:
+                return self.ops.prepare_int(_to_device(loaded, self.device), self.dtype)
             return prepare(torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0]))
 
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
-            self.embed = self.lm_head = matmul_weight("model.embed_tokens.weight")
+            self.embed = self.lm_head = matmul_weight("model.embed_tokens.weight", head=True)
         else:
             self.embed = quantized("model.embed_tokens.weight") or get("model.embed_tokens.weight")
-            self.lm_head = matmul_weight("lm_head.weight")
+            self.lm_head = matmul_weight("lm_head.weight", head=True)
         progress.update()
         self.layers = []
         for i in range(cfg.num_layers):
@@ -142,10 +169,10 @@ class DecoderModel:
     def _check_shapes(self) -> None:
         cfg = self.config
         expect = {
-            "embed_tokens": (self.embed.shape, (cfg.vocab_size, cfg.hidden_size)),
-            "lm_head": (self.lm_head.shape, (cfg.vocab_size, cfg.hidden_size)),
-            "qkv_proj": (self.layers[0].qkv_weight.shape, (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)),
-            "gate_up_proj": (self.layers[0].gate_up_weight.shape, (2 * cfg.intermediate_size, cfg.hidden_size)),
+            "embed_tokens": (_shape(self.embed), (cfg.vocab_size, cfg.hidden_size)),
+            "lm_head": (_shape(self.lm_head), (cfg.vocab_size, cfg.hidden_size)),
+            "qkv_proj": (_shape(self.layers[0].qkv_weight), (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)),
+            "gate_up_proj": (_shape(self.layers[0].gate_up_weight), (2 * cfg.intermediate_size, cfg.hidden_size)),
         }
         for name, (got, want) in expect.items():
             if tuple(got) != want:
@@ -164,7 +191,7 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        hidden = ops.embedding(input_ids, self.embed)
+        hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             if residual is None:
@@ -201,10 +228,33 @@ class DecoderModel:
 def _resident(weight: Weight) -> list[tuple[str, int]]:
     if isinstance(weight, QuantWeight):
         return [(weight.name, weight.nbytes)]
+    if isinstance(weight, (Int8Weight, Int4Weight, Int4CpuWeight)):
+        kind = "int8" if isinstance(weight, Int8Weight) else "int4"
+        return [(kind, sum(t.numel() * t.element_size() for t in vars(weight).values() if torch.is_tensor(t)))]
     if isinstance(weight, PackedWeight):
         plain = [] if weight.plain is None else _resident(weight.plain)
         return [("bf16-packed", weight.packed.numel() * weight.packed.element_size())] + plain
     return [("float", weight.numel() * weight.element_size())]
+
+
+def _shape(weight: Weight) -> tuple[int, int]:
+    return tuple(weight.shape) if torch.is_tensor(weight) else (weight.out_features, weight.in_features)
+
+
+def _cat_int4(parts: list[Int4Weight]) -> Int4Weight:
+    """Int4 projections stacked along their outputs (q, k and v fused); they share one group size."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({(p.group_size, p.zero is None) for p in parts}) != 1:
+        raise ModelLoadError("projections to fuse are quantized with different group sizes or zero points")
+    zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+    return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                      parts[0].group_size)
+
+
+def _to_device(weight: Int8Weight | Int4Weight, device: torch.device) -> Int8Weight | Int4Weight:
+    fields = {name: getattr(weight, name) for name in weight.__dataclass_fields__}
+    return type(weight)(**{name: v.to(device) if torch.is_tensor(v) else v for name, v in fields.items()})
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -73,3 +73,41 @@ def test_triton_kernels_give_transformers_greedy_tokens(tiny_llama):
             if computed[i] == len(tokens[i]):
                 tokens[i].append(int(row.argmax()))
     assert [t[len(p):] for t, p in zip(tokens, prompts)] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_triton_quantized_matmuls_match_their_torch_reference(tiny_llama, quantization):
+    """Weights quantized at load go through the Triton kernel, whose math (weight-only: x stays in its
+    dtype) is quant_matmul.linear; a greedy token may differ only where the reference's best two tie."""
+    from dataclasses import replace
+
+    from actors.worker.forward_batch import ForwardBatch, SequenceInput
+    from actors.worker.hf_weights import HFWeights
+    from actors.worker.model_runner import ModelRunner
+    from kernels import quant_matmul
+    from kernels.ops import TORCH_OPS
+    from kernels.quantize import Int4Weight, Int8Weight
+
+    def weight_only(x, weight, bias=None):
+        if isinstance(weight, (Int8Weight, Int4Weight)):
+            return quant_matmul.linear(x, weight, bias)
+        return TORCH_OPS.linear(x, weight, bias)
+
+    folder, prompts, _ = tiny_llama
+    served = ModelRunner(folder, dtype="float32", kernels="triton", block_size=BLOCK_SIZE, num_blocks=32,
+                         device=DEVICE, quantization=quantization)
+    reference = ModelRunner(folder, dtype="float32", kernels="torch", block_size=BLOCK_SIZE, num_blocks=32,
+                            quantization=quantization)
+    reference.model.ops = replace(reference.model.ops, linear=weight_only)
+    reference.model.load_weights(HFWeights(folder), quantization=quantization)
+    assert isinstance(served.model.layers[0].qkv_weight, Int8Weight if quantization == "int8" else Int4Weight)
+    seq = list(prompts[1])
+    step = ForwardBatch([SequenceInput(seq, 0, [3, 1], 1)])
+    for _ in range(NUM_NEW):
+        got, want = served.execute(step).cpu(), reference.execute(step)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+        token = int(got[-1].argmax())
+        assert float(want[-1].max() - want[-1, token]) <= 1e-4
+        step = ForwardBatch([SequenceInput([token], len(seq), [3, 1], 1)])
+        seq.append(token)
