@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, linear
+from kernels.quantize import GGUF_BLOCK as QK, GGUF_BLOCK_BYTES as BLOCK_BYTES, GGMLType
 
-QK, GR = 32, 16                     # values per block; output rows per packed group
-Q4_0, Q4_1, Q8_0 = 2, 3, 8          # ggml's type numbers, as GGUF stores them
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}     # a file block: f16 d [, f16 m], values
+GR = 16                             # output rows per packed group
+Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0   # ggml's type numbers, as GGUF stores them
+NAMES = {qtype: qtype.name for qtype in BLOCK_BYTES}
 _HEAD = {Q4_0: 1, Q4_1: 2, Q8_0: 1}              # float16 scales per row and block (d [, m])
 _VECTORS = {Q4_0: 4, Q4_1: 4, Q8_0: 8}           # 4-byte columns per row and block
 
