@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from kernels import cpu_native
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -31,3 +33,18 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+@pytest.fixture(scope="session")
+def avx2_library(tmp_path_factory):
+    """The C kernels built for AVX2 alone: the path a CPU without AVX-512 takes."""
+    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
+
+
+@pytest.fixture(params=["native", "avx2"])
+def each_build(request, monkeypatch):
+    """Runs a test on the library the server loads (-march=native: AVX-512 where the CPU has it) and
+    on its AVX2 build."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
+        monkeypatch.setattr(cpu_native, "_tried", True)

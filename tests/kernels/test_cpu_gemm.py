@@ -19,19 +19,6 @@ def test_kernels_build_where_the_machine_can_build_them():
 needs_kernel = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
-
-
-@pytest.fixture(params=["native", "avx2"])
-def each_build(request, monkeypatch):
-    """Runs a test on the library the server loads (-march=native) and on its AVX2 build."""
-    if request.param == "avx2":
-        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
-        monkeypatch.setattr(cpu_native, "_tried", True)
-
-
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 24])
 @pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (4, 8), (7, 9), (37, 577), (960, 576)])

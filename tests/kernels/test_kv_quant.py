@@ -175,19 +175,6 @@ def kernel_takes_a_tile(monkeypatch):
         monkeypatch.setitem(MAX_QUERY_LEN, dtype, 16)
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
-
-
-@pytest.fixture(params=["native", "avx2"])
-def each_build(request, monkeypatch):
-    """The library the server loads (-march=native: AVX-512 where the CPU has it), and its AVX2 build."""
-    if request.param == "avx2":
-        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
-        monkeypatch.setattr(cpu_native, "_tried", True)
-
-
 @needs_c
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

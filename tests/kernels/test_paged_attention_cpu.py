@@ -8,27 +8,14 @@ from kernels import cpu_native, get_ops
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, paged_attention
 from tests.kernels.batches import make_batch, naive_attention
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no AVX2 CPU or no C compiler")
+pytestmark = [pytest.mark.skipif(not cpu_native.available(), reason="no AVX2 CPU or no C compiler"),
+              pytest.mark.usefixtures("each_build")]   # every test on both builds
 
 TORCH = get_ops("torch", "cpu")
 CASES = {
     "decode": [(1, 1), (1, 17), (1, 70), (1, 33), (1, 300)],
     "verify": [(9, 9), (5, 37), (1, 29), (16, 80), (3, 19)],   # k + 1 positions, short chunks, a decode
 }
-
-
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    return cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
-
-
-@pytest.fixture(autouse=True, params=["native", "avx2"])
-def each_build(request, monkeypatch):
-    """Every test runs on the library the server loads (-march=native: AVX-512 where the CPU has it)
-    and on its AVX2 build."""
-    if request.param == "avx2":
-        monkeypatch.setattr(cpu_native, "_library", request.getfixturevalue("avx2_library"))
-        monkeypatch.setattr(cpu_native, "_tried", True)
 
 
 @pytest.fixture(autouse=True)

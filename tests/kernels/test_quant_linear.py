@@ -21,14 +21,14 @@ SHAPES = [(1, 32), (17, 64), (45, 96), (100, 352)]   # (N, K): N off the 16-row 
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
-def lib(request, tmp_path_factory):
+def lib(request):
     """Each build of the kernels; the native one is the library the server loads."""
     if request.param == "native":
         lib = cpu_native.library()
         if torch.backends.cpu.get_cpu_capability() == "AVX512":
             assert lib.matinee_quant_width() == 512   # the AVX-512 path, not a silent AVX2 fallback
         return lib
-    lib = cpu_native.load(cpu_native.build(tmp_path_factory.mktemp("avx2"), flags=cpu_native.AVX2))
+    lib = request.getfixturevalue("avx2_library")
     assert lib.matinee_quant_width() == 256
     return lib
 
