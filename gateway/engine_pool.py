@@ -42,8 +42,8 @@ class PoolConfig:
         "choices": ROUTINGS})
     max_migrations: int = field(default=3, metadata={   # past it the stream ends with an error
         "help": "how often one request may move to another engine"})
-    # A short prompt's prefill costs a decode batch little, and on a prefill engine it would queue
-    # behind long prompts and then wait for a handoff: it runs whole on the decode engine instead.
+    # A short prompt's few tokens cost one decode step little, where on a prefill engine it would
+    # queue behind long prompts and then wait for a handoff: it runs whole on the decode engine.
     local_prefill_tokens: int = field(default=64, metadata={
         "help": "with prefill and decode engines, a prompt of at most this many tokens is prefilled "
                 "on its decode engine (no prefill queue, no handoff); 0: every prompt goes through a "

@@ -203,6 +203,11 @@ class Scheduler:
         self._adopting[seq.seq_id] = seq
         return KVReserve(seq.seq_id, seq.token_ids, seq.num_tokens - 1, offer.cache_salt)
 
+    def adopting(self) -> bool:
+        """Whether blocks are reserved for handoffs whose KV is still arriving (they come back, or
+        decode, once each handoff ends)."""
+        return bool(self._adopting)
+
     def adopt(self, seq_id: int) -> Sequence:
         """The reserved sequence's KV is in the cache (all but its last token's): it decodes."""
         seq = self._adopting.pop(seq_id)

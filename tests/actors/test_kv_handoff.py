@@ -167,6 +167,23 @@ async def test_a_handoff_cut_halfway_gives_the_decode_engine_its_blocks_back(pai
     assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
+async def test_a_request_that_fits_only_once_a_cut_handoff_lets_go_waits_for_it(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    rng = random.Random(8)
+    held = [rng.randrange(4, 300) for _ in range(200)]   # 13 of the decode engine's 24 blocks
+    prompt = [rng.randrange(4, 300) for _ in range(180)]   # 12 more, then one to grow into
+    expected = await _run(prefill, front_ref, front, [prompt], "whole")
+    ref = await system.spawn(HalfSender(dec_tx, KVChunk("held", 0, 1, bytes(io.bytes_per_block))), name="holder")
+    assert await ref.ask(KVOffer("held", ref, "holder", held, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    decode.scheduler.tell(SubmitRequest("late", prompt, GREEDY, front_ref))
+    await asyncio.sleep(0.3)   # it does not fit beside the reservation: it waits, and does not fail
+    assert "late" not in front.finished and not front.tokens.get("late")
+    await system.stop(ref)   # the sender dies: its reservation goes, the request runs
+    await front.wait(lambda: "late" in front.finished)
+    assert front.tokens["late"] == expected[0]
+
+
 class SlowReceiver(Actor):
     """Accepts an offer, then takes its time over every chunk: a decode engine that lags."""
 
