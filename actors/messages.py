@@ -425,6 +425,12 @@ class KVCommit(msgspec.Struct, tag=True):
     transfer_id: str
 
 
+class KVCancel(msgspec.Struct, tag=True):
+    """The sender gave the handoff up (an ask timed out, say): the decode engine lets its blocks go."""
+
+    transfer_id: str
+
+
 class KVHandedOver(msgspec.Struct, tag=True):
     """Decode engine -> front end: the request decodes here now; its next deltas come from here."""
 
@@ -504,4 +510,4 @@ class KVConfirm(msgspec.Struct, tag=True):
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)
-register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed)
+register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVCancel, KVHandedOver, KVHandoffFailed)

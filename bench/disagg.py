@@ -51,7 +51,8 @@ async def _stream(session, base: str, prompt: list[int], max_tokens: int) -> dic
 
 
 async def _workload(session, base: str, args) -> dict:
-    rng = random.Random(args.seed)
+    # One generator each: the arrivals (and long prompts) are the same whatever the streams drew.
+    rng, arrivals_rng = random.Random(args.seed), random.Random(args.seed + 1)
     hi = args.vocab - 1
     stop_at = time.perf_counter() + args.duration
     background: list[dict] = []
@@ -66,9 +67,9 @@ async def _workload(session, base: str, args) -> dict:
         tasks = []
         await asyncio.sleep(args.warmup)
         while time.perf_counter() < stop_at:
-            prompt = [rng.randrange(100, hi) for _ in range(args.long_prompt)]
+            prompt = [arrivals_rng.randrange(100, hi) for _ in range(args.long_prompt)]
             tasks.append(asyncio.create_task(_stream(session, base, prompt, args.long_tokens)))
-            await asyncio.sleep(rng.expovariate(args.rate))
+            await asyncio.sleep(arrivals_rng.expovariate(args.rate))
         arrivals.extend(await asyncio.gather(*tasks))
 
     started = time.perf_counter()
@@ -145,7 +146,8 @@ def _cluster(args, roles: list[str], label: str) -> dict:
                                         "--redis-url", redis_url, "--listen-port", str(_free_port()),
                                         "--engine-id", f"{role}-{i}"], env)
         port = _free_port()
-        local = [] if args.local_prefill_tokens is None else ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+        local = ([] if args.local_prefill_tokens is None
+                 else ["--local-prefill-tokens", str(args.local_prefill_tokens)])
         procs.start("gateway", [*serve, "--role", "gateway", *model, "--redis-url", redis_url,
                                 "--port", str(port), "--routing", "kv", *local], env)
         result = asyncio.run(_run(args, f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in metrics_ports]))

@@ -16,8 +16,9 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
-from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVChunk, KVCommit, KVHandedOver,
-                             KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDeltas)
+from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVCancel, KVChunk, KVCommit,
+                             KVHandedOver, KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest,
+                             TokenDeltas)
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
@@ -226,6 +227,68 @@ async def test_a_slow_receiver_holds_the_sender_to_its_window():
     assert receiver_actor.blocks == list(range(10))
     assert tx_actor.peak_in_flight_bytes == 3 * blocks.bytes_per_block   # full window, never more
     await system.shutdown()
+
+
+class MuteReceiver(Actor):
+    """Accepts an offer, then answers a chunk only after the sender's timeout: a decode engine that hangs."""
+
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    async def receive(self, msg):
+        match msg:
+            case KVOffer():
+                return KVOfferReply(True)
+            case KVChunk():
+                await asyncio.sleep(0.5)
+                return msg.num_blocks
+            case KVCancel(transfer_id=tid):
+                self.cancelled.append(tid)
+
+
+async def test_a_sender_that_gives_up_tells_the_receiver_to_let_its_blocks_go():
+    system = ActorSystem("cancel-test")
+    await system.start()
+    blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    class Scheduler(Actor):
+        async def receive(self, msg):
+            if isinstance(msg, HandOverDone):
+                done.set_result(msg)
+
+    sched = await system.spawn(Scheduler(), name="sched")
+    receiver_actor = MuteReceiver()
+    receiver = await system.spawn(receiver_actor, name="receiver")
+    tx = await system.spawn(KVTransfer(blocks, sched, 4, KVTransferConfig(timeout_s=0.2)), name="tx")
+    offer = KVOffer("t2", tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
+    tx.tell(HandOver(0, list(range(10)), offer, receiver))
+    result = await asyncio.wait_for(done, 5)
+    assert not result.ok and not result.refused
+    for _ in range(150):
+        if receiver_actor.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert receiver_actor.cancelled == ["t2"]
+    await system.shutdown()
+
+
+async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    prompt = [random.Random(3).randrange(4, 300) for _ in range(50)]   # 4 blocks
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert (await dec_tx.ask(KVOffer("gone", dec_tx, "gone", prompt, [7], GREEDY, front_ref, 0, None, 0,
+                                     io.layout))).accepted
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4
+    dec_tx.tell(KVCancel("gone"))
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
+    stats = await decode.scheduler.ask(GetStats())
+    assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
 def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
