@@ -2,7 +2,8 @@
 engine and a gateway on loopback, with a redis-server of their own. Greedy text through the pair
 equals the colocated engine's, the decode engine never prefills it, and a request still gets the
 same text when its decode engine dies after the handover, when the handoff is cut, or when its
-prefill engine dies before it (the colocated engine then serves what is left)."""
+prefill engine dies before it (the colocated engine then serves what is left). A gateway with the
+default --local-prefill-tokens sends the short prompts whole to the decode engine, same text."""
 from __future__ import annotations
 
 import asyncio

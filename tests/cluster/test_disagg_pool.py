@@ -1,7 +1,8 @@
 """EnginePool with prefill and decode engines, in one process against scripted engines: a request
 goes to the prefill engine naming a decode engine, streams its first token from there and the
 rest from the decode engine; a decode engine that refuses (its pool is full) is passed over for
-another, and with none that has room the request waits for one instead of failing."""
+another, and with none that has room the request waits for one instead of failing; a short prompt
+runs whole on the decode engine."""
 from __future__ import annotations
 
 import asyncio
