@@ -135,6 +135,24 @@ class EngineCollector(Collector):
                 metric = family(series.name, series.help, value=series.value(s))
             yield metric
         yield self._queue_time(s, labels)
+        yield from self._accepted_per_pos(s, labels)
+
+    @staticmethod
+    def _accepted_per_pos(s: EngineStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:
+        """Accepted drafted tokens by draft position, one sample per position the engine drafts
+        (as vLLM's, none without speculative decoding); the positions sum to the accepted tokens."""
+        if not s.spec_decode_accepted_per_pos:
+            return
+        matinee = CounterMetricFamily("matinee_spec_decode_accepted_tokens_per_pos",
+                                      "Drafted tokens the target accepted, by position in the draft.",
+                                      labels=["position"])
+        vllm = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   "Accepted tokens per draft position.", labels=[*labels, "position"])
+        for pos, n in enumerate(s.spec_decode_accepted_per_pos):
+            matinee.add_metric([str(pos)], n)
+            vllm.add_metric([*labels.values(), str(pos)], n)
+        yield matinee
+        yield vllm
 
     @staticmethod
     def _queue_time(s: EngineStats, labels: dict[str, str]) -> HistogramMetricFamily:

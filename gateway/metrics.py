@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from actors.engine_metrics import REQUEST_LATENCY_BUCKETS, EngineCollector
-from gateway.recent import RecentSamples
+from actors.recent import RecentSamples
 
 disable_created_metrics()   # no `_created` series: Matinee's and vLLM's dashboards read none
 
