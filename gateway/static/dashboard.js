@@ -66,6 +66,8 @@ function buildCharts() {
 }
 
 const value = (v) => v === undefined ? null : v;
+// A cluster's engine ids already say "engine-…"; the embedded engine is "0".
+const engineLabel = (id) => id.startsWith("engine") ? id : `engine ${id}`;
 
 // p50 and p90 of one latency: each engine's in its colour, then the gateway's in grey.
 function quantileSeries(q, ids) {
@@ -75,7 +77,7 @@ function quantileSeries(q, ids) {
       out.push({label, color, width, dash, points: history.map((s) => [s.t, get(s, `${q}_${p}`)])});
     }
   };
-  ids.forEach((id, k) => add(`engine ${id}`, PALETTE[k % PALETTE.length], 1.8,
+  ids.forEach((id, k) => add(engineLabel(id), PALETTE[k % PALETTE.length], 1.8,
     (s, key) => s.engines[id] ? value(s.engines[id][key]) : null));
   add("gateway", GATEWAY_COLOR, 1.2, (s, key) => value(s[key]));
   return out;
@@ -84,7 +86,7 @@ function quantileSeries(q, ids) {
 function seriesFor(c, ids) {
   if (c.quantiles) return quantileSeries(c.quantiles, ids);
   return ids.map((id, k) => ({
-    label: `engine ${id}`, color: PALETTE[k % PALETTE.length],
+    label: engineLabel(id), color: PALETTE[k % PALETTE.length],
     points: history.map((s, i) => {
       const e = s.engines[id];
       if (!e) return [s.t, null];
@@ -127,8 +129,8 @@ function updateTiles() {
   });
   const cur = totals(now), old = past ? totals(past) : null, min = minute ? totals(minute) : null;
   const grew = (k, from) => from ? Math.max(0, cur[k] - from[k]) : 0;
-  setText("v-ttft", fmt.secs(now.ttft_p50)); setText("s-ttft", `p90 ${fmt.secs(now.ttft_p90)} · at the gateway`);
-  setText("v-itl", fmt.secs(now.itl_p50)); setText("s-itl", `p90 ${fmt.secs(now.itl_p90)} · at the gateway`);
+  setText("v-ttft", fmt.secs(now.ttft_p50)); setText("s-ttft", `p90 ${fmt.secs(now.ttft_p90)}`);
+  setText("v-itl", fmt.secs(now.itl_p50)); setText("s-itl", `p90 ${fmt.secs(now.itl_p90)}`);
   setText("v-tps", dt ? fmt.num(grew("gen", old) / dt) : "–");
   setText("s-tps", `prompt ${dt ? fmt.num(grew("prompt", old) / dt) : "–"} tok/s`);
   setText("v-running", sum(now.engines, (e) => e.running));
