@@ -25,7 +25,7 @@ from actors.engine_metrics import QUEUE_TIME_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest,
                              TokenDelta)
-from actors.recent import REFRESH_S, RecentSamples
+from actors.recent import RecentSamples
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
@@ -108,8 +108,8 @@ class Scheduler:
             self.counters.spec_accepted_per_pos = [0] * spec.max_k
         # The last seconds' first-token latency (arrival here to first token) and inter-token
         # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
-        self.recent_ttft = RecentSamples(clock=clock, refresh_s=REFRESH_S)
-        self.recent_itl = RecentSamples(clock=clock, refresh_s=REFRESH_S)
+        self.recent_ttft = RecentSamples(clock=clock)
+        self.recent_itl = RecentSamples(clock=clock)
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
