@@ -153,7 +153,8 @@ function updateTable() {
     const hit = p ? ratio(e, p, "prefix_hits", "prefix_queries") : null;
     const acc = p ? ratio(e, p, "spec_accepted_tokens", "spec_draft_tokens") : null;
     const quantiles = (q) => `${fmt.secs(value(e[`${q}_p50`]))} · ${fmt.secs(value(e[`${q}_p90`]))}`;
-    return `<tr><td>${id}</td><td>${quantiles("ttft")}</td><td>${quantiles("itl")}</td><td>${e.running}</td><td>${e.waiting}</td><td>${fmt.pct(e.kv_usage)}</td>` +
+    return `<tr><td>${id}</td><td>${quantiles("ttft")}</td><td>${quantiles("itl")}</td>` +
+      `<td>${e.running}</td><td>${e.waiting}</td><td>${fmt.pct(e.kv_usage)}</td>` +
       `<td>${dt ? fmt.num(delta(e, p, "generation_tokens") / dt) : "–"}</td><td>${fmt.pct(hit)}</td>` +
       `<td>${fmt.pct(acc)}</td><td>${e.preemptions}</td><td>${e.generation_tokens}</td></tr>`;
   });
