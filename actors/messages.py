@@ -179,6 +179,10 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_p90: float | None = None
     itl_p50: float | None = None
     itl_p90: float | None = None
+    ttft_buckets: list[int] = []      # arrival here to first token, and between tokens (per token):
+    ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
+    itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
+    itl_sum: float = 0.0
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------

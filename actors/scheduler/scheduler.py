@@ -21,7 +21,7 @@ import msgspec
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
-from actors.engine_metrics import QUEUE_TIME_BUCKETS
+from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest,
                              TokenDelta)
@@ -75,6 +75,8 @@ class Counters:
     ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill
     ttft_queue_s: float = 0.0
     ttft_prefill_s: float = 0.0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))   # arrival to first token
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))     # per token
     # Accepted drafted tokens by their position in the draft: a draft whose first a tokens were
     # accepted counts one at each of positions 0..a-1 (vLLM's num_accepted_tokens_per_pos).
     spec_accepted_per_pos: list[int] = field(default_factory=list)
@@ -381,6 +383,7 @@ class Scheduler:
         c.ttft_count += 1
         c.ttft_queue_s += req.first_step_s - req.arrived_s
         c.ttft_prefill_s += now - req.first_step_s
+        c.ttft.observe(now - req.arrived_s)
         self.recent_ttft.add(now - req.arrived_s)
 
     def _token_times(self, seq: Sequence, kept: int, now: float) -> None:
@@ -389,7 +392,9 @@ class Scheduler:
         if not kept:
             return
         if seq.last_token_s is not None:
-            self.recent_itl.add((now - seq.last_token_s) / kept, kept)
+            gap = (now - seq.last_token_s) / kept
+            self.counters.itl.observe(gap, kept)
+            self.recent_itl.add(gap, kept)
         seq.last_token_s = now
 
     def _take_in_flight(self) -> InFlightStep:

@@ -73,6 +73,12 @@ def test_vllm_names_labels_and_buckets(spec_server):
               for n in VLLM_HISTOGRAMS}
     assert bounds["vllm:time_to_first_token_seconds"][:-1] == list(TTFT_BUCKETS)
     assert bounds["vllm:inter_token_latency_seconds"][:-1] == list(ITL_BUCKETS)
+    for name, buckets in (("matinee_engine_time_to_first_token_seconds", TTFT_BUCKETS),
+                          ("matinee_engine_inter_token_latency_seconds", ITL_BUCKETS)):
+        assert families[name].type == "histogram"
+        samples = families[name].samples
+        assert [float(s.labels["le"]) for s in samples if s.name == name + "_bucket"][:-1] == list(buckets)
+        assert all(set(s.labels) - {"le"} == {"model_name", "engine"} for s in samples)
     assert max(bounds["vllm:e2e_request_latency_seconds"][:-1]) >= 7680
     assert max(bounds["vllm:request_queue_time_seconds"][:-1]) >= 7680
     # The queue time is the engine's: one observation per request it scheduled.
@@ -96,6 +102,10 @@ def test_inter_token_latency_is_observed_per_token(spec_server):
     assert delta("matinee_inter_token_latency_seconds", "matinee_inter_token_latency_seconds_count") == itl
     queue = delta("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count")
     assert queue == 1
+    # The engine's own: one first token, and one inter-token observation per token after it.
+    assert delta("matinee_engine_time_to_first_token_seconds", "matinee_engine_time_to_first_token_seconds_count") == 1
+    assert delta("matinee_engine_inter_token_latency_seconds", "matinee_engine_inter_token_latency_seconds_count") == itl
+    assert delta("matinee_engine_inter_token_latency_seconds", "matinee_engine_inter_token_latency_seconds_sum") > 0
 
 
 def test_accepted_tokens_per_draft_position_as_vllm_counts_them(spec_server):
