@@ -9,7 +9,7 @@ A K-quant row is super-blocks of 256 values (gguf.quants.Q4_K and its neighbours
 - Q6_K (210): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 values),
   fp16 d; w = d * sc[s] * (q - 32), q in 0..63.
 
-The repacked group (one super-block of 16 rows, `group_bytes` bytes) keeps the file's bits, only its
+The repacked group (one super-block of 16 rows, 16 x ROW_BYTES) keeps the file's bits, only its
 scales widened to a byte each (Q4_K/Q5_K: 148 and 180 bytes a row against the file's 144 and 176; Q6_K
 210, the same), laid out so one 4-byte broadcast of x meets 16 rows (see quant_gemm.c):
 - Q4_K: d[16] fp16, dmin[16] fp16, sc[8][16] u8, m[8][16] u8, then [pair p][vector c][row][4]: the
@@ -35,10 +35,6 @@ Q4_K, Q5_K, Q6_K = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}          # a super-block of one row, as the file stores it
 ROW_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210}            # the same repacked
 TYPES = tuple(BLOCK_BYTES)
-
-
-def group_bytes(qtype: int) -> int:
-    return GR * ROW_BYTES[qtype]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
