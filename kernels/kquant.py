@@ -158,7 +158,7 @@ def unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
         d = packed[..., :32].reshape(groups, supers, GR, 2)
         sc = rows(packed[..., 32:288], 16)
         ql = packed[..., 288:2336].reshape(groups, supers, 8, 4, GR, 4).permute(0, 1, 4, 2, 3, 5)  # [.., 16, b, c, k]
-        qh = packed[..., 2336:].reshape(groups, supers, 8, 2, GR, 4).permute(0, 1, 4, 2, 3, 5)     # [.., 16, b, pair, k]
+        qh = packed[..., 2336:].reshape(groups, supers, 8, 2, GR, 4).permute(0, 1, 4, 2, 3, 5)   # [.., 16, b, pair, k]
         high = torch.stack([torch.stack([qh & 3, (qh >> 4) & 3], dim=-2),
                             torch.stack([(qh >> 2) & 3, (qh >> 6) & 3], dim=-2)], dim=-4)  # [.., b, half, pair, odd, k]
         high = high.reshape(groups, supers, GR, 8, 2, 16)
@@ -178,7 +178,7 @@ def unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As quant_linear.quantize_rows, with each block's sum over its first 16 values (Q6_K's half)."""
-    from kernels.quant_linear import quantize_rows as per_block
+    from kernels.quant_linear import quantize_rows as per_block   # here: quant_linear imports this module
 
     q, scale, total = per_block(x)
     return q, scale, total, q[..., :16].sum(dim=-1)

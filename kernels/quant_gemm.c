@@ -327,7 +327,8 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                     acc1[i] = DOT_U8(acc1[i], hi, SET1I(bcast4(xb + i * K + 16 + 4 * c)));
                 }
             }
-            const vi s0 = LOAD_I8_I32(scp + 2 * j * GR + h * LANES), s1 = LOAD_I8_I32(scp + (2 * j + 1) * GR + h * LANES);
+            const vi s0 = LOAD_I8_I32(scp + 2 * j * GR + h * LANES);
+            const vi s1 = LOAD_I8_I32(scp + (2 * j + 1) * GR + h * LANES);
             for (int i = 0; i < MR; i++) {
                 vf t = VMUL(CVT(ADDI(MULLO(acc0[i], s0), MULLO(acc1[i], s1))), VMUL(dw, VSET1(xd[i * nb + b])));
                 KEEP(t);
@@ -392,8 +393,9 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
  * memory, -2 for a type it does not read, -3 for a K-quant whose K is not whole super-blocks. */
 int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
                        int y_bf16, long M, long N, long K, int threads) {
-    const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1 : type == Q8_0 ? KERNELS_Q8_0
-                             : type == Q4_K ? KERNELS_Q4_K : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K : 0;
+    const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1
+                             : type == Q8_0 ? KERNELS_Q8_0 : type == Q4_K ? KERNELS_Q4_K
+                             : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K : 0;
     if (!kernels) return -2;
     if (is_k(type) && K % QKK) return -3;
     long nb = K / QK, groups = (N + GR - 1) / GR;
@@ -413,7 +415,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++)
-            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb, xh + m * nb);
+            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb,
+                         xh + m * nb);
         for (long m0 = 0; m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
 #pragma omp for schedule(static) nowait
