@@ -258,6 +258,7 @@ class SchedulerActor(Actor):
         kv = await self.kv.ask(GetKVStats())
         p, c = self.scheduler, self.scheduler.counters
         running = {s.request.request_id for s in p.running}
+        ttft, itl = p.recent_ttft.quantiles(0.5, 0.9), p.recent_itl.quantiles(0.5, 0.9)
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
@@ -277,7 +278,10 @@ class SchedulerActor(Actor):
             ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
             weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
-            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size)
+            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
+            spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
+            ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
+            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum)
 
 
 class _HandoffCounters:
