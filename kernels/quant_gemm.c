@@ -1,18 +1,22 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1), repacked once at
+/* y[M, N] = x[M, K] @ W[N, K]^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), repacked once at
  * load (quant_linear.py) and never widened to float in memory.
  *
  * x is quantized on the fly, per block of 32 values, to int8 with one float32 scale (amax / 127,
  * rounded to nearest even, as quant_linear.reference_matmul does), and each block's product is an
  * exact int32 dot product: u8 x s8 through vpdpbusd where the CPU has AVX-512 VNNI, maddubs + madd
- * on AVX2. Q4 nibbles (0..15) are the unsigned operand; Q4_0's -8 and Q8_0's +128 (its bytes are
- * made unsigned by an xor with 0x80 on VNNI) come back as -8 or -128 times the block's sum of x,
+ * on AVX2. Q4 nibbles (0..15) and Q5 values (0..31) are the unsigned operand; Q4_0's -8, Q5_0's -16
+ * and Q8_0's +128 (its bytes are made unsigned by an xor with 0x80 on VNNI) come back as -8, -16 or
+ * -128 times the block's sum of x,
  * which the quantizer counts once per row. The int32 sums are scaled per block in float32 and added
  * up block after block, in the order the torch reference adds them: the two agree bit for bit.
  *
  * The packed weight is [ceil(N/16), K/32, GROUP_BYTES]: 16 output rows (one int32 lane each) of one
- * 32-column block together: 16 float16 scales d, for Q4_1 16 float16 minimums m, then the values
- * as 4-byte columns, [v][row][4]: Q8_0 has 8 vectors v (columns 4v..4v+3), Q4 4 vectors of bytes
- * whose low nibbles are columns 4v..4v+3 and high nibbles 16+4v.., as in the file's own blocks.
+ * 32-column block together: 16 float16 scales d, for Q4_1 and Q5_1 16 float16 minimums m, then the
+ * values as 4-byte columns, [v][row][4]: Q8_0 has 8 vectors v (columns 4v..4v+3), Q4 4 vectors of bytes
+ * whose low nibbles are columns 4v..4v+3 and high nibbles 16+4v.., as in the file's own blocks; Q5 has
+ * its qh first (bit j: column j's fifth bit, a uint32 per row), then Q4's 4 vectors. Each column's four
+ * fifth bits go to bit 4 of its four bytes by one multiply: (qh >> j) & 15 times 0x02040810 places bit
+ * i at 8i + 4 (the four shifted copies do not overlap, so nothing carries).
  * One broadcast of 4 bytes of x multiplies 16 rows at once; a group's blocks are one stream.
  *
  * The K-quants (Q4_K, Q5_K, Q6_K; kquant.py draws their group of one 256-value super-block) keep the
@@ -34,6 +38,8 @@
 #define GR 16
 #define Q4_0 2                      /* ggml's type numbers */
 #define Q4_1 3
+#define Q5_0 6
+#define Q5_1 7
 #define Q8_0 8
 #define Q4_K 12
 #define Q5_K 13
@@ -65,6 +71,7 @@ typedef __m512 vf;
 #define ADDI _mm512_add_epi32
 #define ORI _mm512_or_si512
 #define SLLI16 _mm512_slli_epi16
+#define SRLI32 _mm512_srli_epi32
 #define SRL16(v, n) _mm512_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm512_sub_ps
 #ifdef __AVX512VNNI__
@@ -111,6 +118,7 @@ typedef __m256 vf;
 #define ADDI _mm256_add_epi32
 #define ORI _mm256_or_si256
 #define SLLI16 _mm256_slli_epi16
+#define SRLI32 _mm256_srli_epi32
 #define SRL16(v, n) _mm256_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm256_sub_ps
 static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, within int16 */
@@ -137,6 +145,8 @@ static inline long group_bytes(int type) {
     case Q8_0: return 2 * GR + GR * QK;
     case Q4_0: return 2 * GR + GR * QK / 2;
     case Q4_1: return 4 * GR + GR * QK / 2;
+    case Q5_0: return 2 * GR + GR * (4 + QK / 2);
+    case Q5_1: return 4 * GR + GR * (4 + QK / 2);
     case Q4_K: return GR * 148;   /* d, dmin, 8 scales, 8 mins, 128 bytes of nibbles */
     case Q5_K: return GR * 180;   /* and 32 of fifth bits */
     default: return GR * 210;     /* Q6_K: d, 16 scales, 128 of nibbles, 64 of high pairs */
@@ -187,7 +197,8 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
                                                          const int8_t *xq, const float *xd, const int32_t *xs,
                                                          long K, int h, float *tile) {
     const long gb = group_bytes(type);
-    const long head = type == Q4_1 ? 4 * GR : 2 * GR;
+    const long head = type == Q4_1 || type == Q5_1 ? 4 * GR : 2 * GR;
+    const int q5 = type == Q5_0 || type == Q5_1;
     vf facc[MR_MAX];
     for (int i = 0; i < MR; i++) facc[i] = VZERO();
     for (long b = 0; b < nb; b++) {
@@ -198,7 +209,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
         vi acc[MR_MAX];
         for (int i = 0; i < MR; i++) {
             int32_t s = xs[i * nb + b];
-            acc[i] = SET1I(type == Q8_0 ? -Q8_BIAS * s : type == Q4_0 ? -8 * s : 0);
+            acc[i] = SET1I(type == Q8_0 ? -Q8_BIAS * s : type == Q4_0 ? -8 * s : type == Q5_0 ? -16 * s : 0);
         }
         const int8_t *xb = xq + b * QK;
         if (type == Q8_0) {
@@ -208,9 +219,18 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
             }
         } else {
             const vi low = SET1B(0x0f);
+            vi qh = SET1I(0);
+            if (q5) qh = LOADI(qs);
+            const uint8_t *nibbles = q5 ? qs + GR * 4 : qs;
             for (int c = 0; c < 4; c++) {
-                vi raw = LOADI(qs + c * GR * 4);
+                vi raw = LOADI(nibbles + c * GR * 4);
                 vi lo = ANDI(raw, low), hi = ANDI(SRLI16(raw, 4), low);
+                if (q5) {   /* fifth bits 4c..4c+3 and 16+4c.. to bit 4 of each byte */
+                    const vi nib = SET1I(15), spread = SET1I(0x02040810), bit4 = SET1B(0x10);
+                    lo = ORI(lo, ANDI(MULLO(ANDI(qh, nib), spread), bit4));
+                    hi = ORI(hi, ANDI(MULLO(ANDI(SRLI32(qh, 16), nib), spread), bit4));
+                    qh = SRLI32(qh, 4);
+                }
                 for (int i = 0; i < MR; i++) {
                     acc[i] = DOT_U8(acc[i], lo, SET1I(bcast4(xb + i * K + 4 * c)));
                     acc[i] = DOT_U8(acc[i], hi, SET1I(bcast4(xb + i * K + 16 + 4 * c)));
@@ -223,7 +243,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
             KEEP(t);
             facc[i] = VADD(facc[i], t);
         }
-        if (type == Q4_1) {
+        if (type == Q4_1 || type == Q5_1) {
             vf mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
             for (int i = 0; i < MR; i++) {
                 vf t = VMUL(mw, VSET1(xd[i * nb + b] * (float)xs[i * nb + b]));
@@ -363,12 +383,16 @@ typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, 
 #endif
 INSTANCES(2)
 INSTANCES(3)
+INSTANCES(6)
+INSTANCES(7)
 INSTANCES(8)
 INSTANCES(12)
 INSTANCES(13)
 INSTANCES(14)
 static const kernel_fn KERNELS_Q4_0[MR_MAX + 1] = TABLE(2);
 static const kernel_fn KERNELS_Q4_1[MR_MAX + 1] = TABLE(3);
+static const kernel_fn KERNELS_Q5_0[MR_MAX + 1] = TABLE(6);
+static const kernel_fn KERNELS_Q5_1[MR_MAX + 1] = TABLE(7);
 static const kernel_fn KERNELS_Q8_0[MR_MAX + 1] = TABLE(8);
 static const kernel_fn KERNELS_Q4_K[MR_MAX + 1] = TABLE(12);
 static const kernel_fn KERNELS_Q5_K[MR_MAX + 1] = TABLE(13);
@@ -394,6 +418,7 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
                        int y_bf16, long M, long N, long K, int threads) {
     const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1
+                             : type == Q5_0 ? KERNELS_Q5_0 : type == Q5_1 ? KERNELS_Q5_1
                              : type == Q8_0 ? KERNELS_Q8_0 : type == Q4_K ? KERNELS_Q4_K
                              : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K : 0;
     if (!kernels) return -2;

@@ -16,7 +16,8 @@ from kernels.quant_linear import QuantTensor
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
 
-TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+         GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1]
 SHAPES = [(1, 32), (17, 64), (45, 96), (100, 352)]   # (N, K): N off the 16-row groups, K odd blocks
 
 
@@ -111,5 +112,7 @@ def test_bad_input_is_refused():
         quant_linear.matmul(torch.randn(2, 64, dtype=torch.float16), weight)
     with pytest.raises(ValueError, match="bytes"):
         quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q4_1), torch.from_numpy(raw), 64))
+    with pytest.raises(ValueError, match="bytes"):
+        quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q5_1), torch.from_numpy(raw), 64))   # Q8_0's bytes
     with pytest.raises(ValueError, match="type"):
-        quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q5_0), torch.from_numpy(raw), 64))
+        quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q2_K), torch.from_numpy(raw), 64))
