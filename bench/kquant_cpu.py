@@ -1,5 +1,5 @@
 """CPU projections on GGUF weights served packed: the K-quants (Q4_K, Q5_K, Q6_K) against the 32-block
-types (Q4_0, Q4_1, Q8_0) through the same kernel file (quant_gemm.c), and the packed bf16 kernel on the
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) through the same kernel file (quant_gemm.c), and the packed bf16 kernel on the
 same weights dequantized (what `--quantization none --dtype bfloat16` would multiply).
 
 Llama-3.2-1B's seven projections (hidden 2048, KV 512, MLP 8192: every width whole 256-value
@@ -26,7 +26,7 @@ HIDDEN, KV, INTER = 2048, 512, 8192
 PROJECTIONS = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
                (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
 ROWS = [1, 8, 32]
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 _SCALES = {Q.Q6_K: [208]}   # where each block's float16 scales sit (others: d, and a min or dmin, first)
 
 
@@ -34,7 +34,7 @@ def random_rows(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.Ten
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    for at in _SCALES.get(qtype, [0, 2] if qtype != Q.Q8_0 and qtype != Q.Q4_0 else [0]):
+    for at in _SCALES.get(qtype, [0, 2] if qtype in (Q.Q4_1, Q.Q5_1) else [0]):
         blocks[:, at:at + 2] = scale
     return torch.from_numpy(blocks.reshape(n, -1))
 

@@ -1,4 +1,4 @@
-"""Quantized GGUF files served quantized: tiny random models written with Q8_0 / Q4_0 / Q4_1 tensors
+"""Quantized GGUF files served quantized: tiny random models written with Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 tensors
 give, on the CPU kernels, the logits (so the greedy tokens) of a reference whose quantized matmuls and
 embedding are the same math in plain torch, keep no float copy of a matmul weight, and report their bytes.
 
@@ -22,9 +22,10 @@ from tests.actors.test_loader_gguf import hf_folder_to_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no CPU C kernels here")
 
-# The default model's mix (Q4_1 layers, a Q8_0 embedding), and one type throughout.
+# The default model's mix (Q4_1 layers, a Q8_0 embedding), one type throughout, and the fifth-bit types.
 MIXES = {"q4_1+q8_0": lambda name: Q.Q8_0 if name.startswith(("token_embd", "output.")) else Q.Q4_1,
-         "q8_0": lambda name: Q.Q8_0, "q4_0": lambda name: Q.Q4_0}
+         "q8_0": lambda name: Q.Q8_0, "q4_0": lambda name: Q.Q4_0,
+         "q5_1+q5_0": lambda name: Q.Q5_0 if name.startswith(("token_embd", "output.")) else Q.Q5_1}
 
 
 def _runner(path, kernels="cpu", quantization="auto"):
@@ -66,28 +67,36 @@ def test_greedy_parity_with_the_torch_reference_of_the_same_math(arch, mix, tiny
         got, want = cpu.execute(step), ref.execute(step)
 
 
-def _k_mix(name: str) -> Q:
-    """A Q4_K_M-like mix: q, k, gate and up Q4_K, v and down Q6_K, o Q5_K; embedding Q4_K, output Q6_K."""
-    if name.endswith("attn_output.weight"):
-        return Q.Q5_K
-    return Q.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else Q.Q4_K
+def _k_mix(v_type: Q):
+    """A Q4_K_M-like mix: q, k, gate and up Q4_K, v `v_type` (Q6_K; Q5_0 where llama.cpp's rows are not
+    whole super-blocks), down Q6_K, o Q5_K; embedding Q4_K, output Q6_K."""
+    def mix(name: str) -> Q:
+        if name.endswith("attn_output.weight"):
+            return Q.Q5_K
+        if name.endswith("attn_v.weight"):
+            return v_type
+        return Q.Q6_K if name.endswith(("ffn_down.weight", "output.weight")) else Q.Q4_K
+    return mix
 
 
+@pytest.mark.parametrize("v_type", [Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("arch", ["llama_wide", "qwen2_wide"])
-def test_k_quants_greedy_parity_with_the_torch_reference(arch, tiny_model_dir, tmp_path):
+def test_k_quants_greedy_parity_with_the_torch_reference(arch, v_type, tiny_model_dir, tmp_path):
+    from actors.worker.gguf_file import GGUFFile
     from actors.worker.gguf_weights import GGUFWeights
 
-    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _k_mix)
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _k_mix(v_type))
     cpu, ref = _runner(path), _reference(path)
     model = cpu.model
     layer = model.layers[0]
-    assert isinstance(layer.qkv_weight, QuantStack)            # Q4_K q and k, Q6_K v: fused by rows
-    assert [p.name for p in layer.qkv_weight.parts] == ["Q4_K", "Q6_K"]
+    assert isinstance(layer.qkv_weight, QuantStack)            # Q4_K q and k, v packed apart: fused by rows
+    assert [p.name for p in layer.qkv_weight.parts] == ["Q4_K", v_type.name]
     assert (layer.gate_up_weight.name, layer.o_weight.name, layer.down_weight.name) == ("Q4_K", "Q5_K", "Q6_K")
     assert model.embed.name == "Q4_K"
     assert model.lm_head.name == ("Q4_K" if arch == "llama_wide" else "Q6_K")   # tied: the embedding itself
-    assert set(cpu.model.weight_bytes()) == {"Q4_K", "Q5_K", "Q6_K", "float"}   # float: the norms alone
-    assert cpu.model.weight_bytes()["float"] < 0.01 * cpu.weight_bytes
+    assert set(cpu.model.weight_bytes()) == {"Q4_K", "Q5_K", "Q6_K", v_type.name, "float"}
+    vectors = [info.shape[0] for info in GGUFFile(path).tensors.values() if len(info.shape) == 1]
+    assert cpu.model.weight_bytes()["float"] == 4 * sum(vectors)   # float32 norms and biases alone
     assert cpu.weight_bytes <= 1.15 * GGUFWeights(path).tensor_bytes()
     prompts = [list(range(3, 40)), [7, 8, 9, 300, 5]]
     batch = ForwardBatch([SequenceInput(prompts[0], 0, [0, 1, 2, 3, 4], num_logits=37),

@@ -3,7 +3,8 @@ keeps the file's bits (unpacking gives the file's bytes back) and dequantizes as
 for bit; both builds (-march=native and AVX2) equal the torch reference of the same math bit for bit, and
 dequantize-then-matmul in float32 within the error of quantizing x to int8 per block of 32.
 
-The blocks come from tests/kquants.py, a small reference quantizer (gguf cannot write K-quants)."""
+The blocks come from tests/kquants.py, a small reference quantizer (gguf cannot write K-quants; it writes
+the Q5_0 and Q5_1 parts fused with them)."""
 
 import shutil
 
@@ -69,12 +70,15 @@ def test_matches_the_reference_and_dequantize_then_matmul(each_build, qtype, m, 
     assert torch.equal(got16, quant_linear.reference_matmul(x.to(torch.bfloat16), weight, bias))
 
 
-def test_types_fused_by_rows_multiply_as_one_weight(each_build):
-    """A K-quant mix's q and k in Q4_K, v in Q6_K: one stacked weight, its rows in order."""
-    parts = [_quantized(qtype, n, 512, n)[1] for qtype, n in ((Q.Q4_K, 40), (Q.Q4_K, 24), (Q.Q6_K, 24))]
+@pytest.mark.parametrize("v_type", [Q.Q6_K, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
+def test_types_fused_by_rows_multiply_as_one_weight(each_build, v_type):
+    """A K-quant mix's q and k in Q4_K, v in Q6_K (or Q5_0 / Q5_1, as llama.cpp stores tensors whose rows
+    are not whole super-blocks): one stacked weight of packed parts, its rows in order."""
+    parts = [_quantized(qtype, n, 512, n)[1] for qtype, n in ((Q.Q4_K, 40), (Q.Q4_K, 24), (v_type, 24))]
     fused = QuantTensor.cat([QuantTensor(int(Q.Q4_K), quant_linear.unpack(p), 512) for p in parts[:2]])
     stacked = quant_linear.stack([quant_linear.pack(fused), parts[2]])
     assert isinstance(stacked, QuantStack) and stacked.shape == (88, 512)
+    assert [p.name for p in stacked.parts] == ["Q4_K", v_type.name]
     x, bias = torch.randn(5, 512), torch.randn(88)
     cpu, ref = get_ops("cpu"), get_ops("torch")
     got = cpu.linear(x, stacked, bias)
