@@ -203,8 +203,9 @@ class SlowReceiver(Actor):
                 return True
 
 
-async def test_a_slow_receiver_holds_the_sender_to_its_window():
-    system = ActorSystem("window-test")
+async def _hand_over_ten_blocks(system: ActorSystem, receiver_actor: Actor, config, transfer_id: str):
+    """A KVTransfer over 2 layers of 12 blocks hands blocks 0-9 to `receiver_actor`; returns the
+    transfer actor, its blocks and the HandOverDone its scheduler got. `config(blocks)` is its config."""
     await system.start()
     blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
     done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -215,14 +216,20 @@ async def test_a_slow_receiver_holds_the_sender_to_its_window():
                 done.set_result(msg)
 
     sched = await system.spawn(Scheduler(), name="sched")
-    receiver_actor = SlowReceiver()
     receiver = await system.spawn(receiver_actor, name="receiver")
-    tx_actor = KVTransfer(blocks, sched, 4, KVTransferConfig(window_bytes=3 * blocks.bytes_per_block,
-                                                             chunk_bytes=blocks.bytes_per_block))
+    tx_actor = KVTransfer(blocks, sched, 4, config(blocks))
     tx = await system.spawn(tx_actor, name="tx")
-    offer = KVOffer("t1", tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
+    offer = KVOffer(transfer_id, tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
     tx.tell(HandOver(0, list(range(10)), offer, receiver))
-    result = await asyncio.wait_for(done, 5)
+    return tx_actor, blocks, await asyncio.wait_for(done, 5)
+
+
+async def test_a_slow_receiver_holds_the_sender_to_its_window():
+    system = ActorSystem("window-test")
+    receiver_actor = SlowReceiver()
+    tx_actor, blocks, result = await _hand_over_ten_blocks(
+        system, receiver_actor, lambda b: KVTransferConfig(window_bytes=3 * b.bytes_per_block,
+                                                           chunk_bytes=b.bytes_per_block), "t1")
     assert result.ok and result.num_blocks == 10 and result.num_bytes == 10 * blocks.bytes_per_block
     assert receiver_actor.blocks == list(range(10))
     assert tx_actor.peak_in_flight_bytes == 3 * blocks.bytes_per_block   # full window, never more
@@ -248,22 +255,8 @@ class MuteReceiver(Actor):
 
 async def test_a_sender_that_gives_up_tells_the_receiver_to_let_its_blocks_go():
     system = ActorSystem("cancel-test")
-    await system.start()
-    blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
-    done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    class Scheduler(Actor):
-        async def receive(self, msg):
-            if isinstance(msg, HandOverDone):
-                done.set_result(msg)
-
-    sched = await system.spawn(Scheduler(), name="sched")
     receiver_actor = MuteReceiver()
-    receiver = await system.spawn(receiver_actor, name="receiver")
-    tx = await system.spawn(KVTransfer(blocks, sched, 4, KVTransferConfig(timeout_s=0.2)), name="tx")
-    offer = KVOffer("t2", tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
-    tx.tell(HandOver(0, list(range(10)), offer, receiver))
-    result = await asyncio.wait_for(done, 5)
+    _, _, result = await _hand_over_ten_blocks(system, receiver_actor, lambda b: KVTransferConfig(timeout_s=0.2), "t2")
     assert not result.ok and not result.refused
     for _ in range(150):
         if receiver_actor.cancelled:

@@ -15,6 +15,8 @@ from gguf.quants import dequantize
 
 from kernels import get_ops, kquant, quant_linear
 from kernels.quant_linear import QuantStack, QuantTensor
+from tests.kernels.test_quant_linear import _activation_bound as activation_bound
+from tests.kernels.test_quant_linear import assert_unpacks_and_dequantizes_as_gguf
 from tests.kquants import quantize
 
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
@@ -39,21 +41,13 @@ def test_packing_keeps_the_file_bits_and_dequantizes_as_gguf_does(qtype, n, k):
     groups = -(-n // 16)
     assert weight.shape == (n, k) and weight.nbytes == groups * 16 * k // 256 * kquant.ROW_BYTES[qtype]
     assert kquant.ROW_BYTES[qtype] <= 1.03 * kquant.BLOCK_BYTES[qtype]    # scales a byte each: no float copy
-    assert torch.equal(quant_linear.unpack(weight), torch.from_numpy(raw))
-    expect = dequantize(raw, qtype)
-    got = quant_linear.dequantize(weight).numpy()
-    assert np.array_equal(got.view(np.uint32), expect.view(np.uint32))   # bit for bit
-    rows = torch.tensor([n - 1, 0, n // 2, n - 1])
-    assert np.array_equal(quant_linear.embedding(rows, weight).numpy().view(np.uint32),
-                          expect[rows.numpy()].view(np.uint32))
+    assert_unpacks_and_dequantizes_as_gguf(weight, raw, qtype)
 
 
 def _activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """|x_q @ w.T - x @ w.T| per output: each x is off by at most half its block's step (amax / 254), plus
-    float32 rounding of the block sums (2^-20 of the sum of |x| |w|)."""
-    step = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 254        # [M, nb]
-    per_block = w.double().abs().reshape(w.shape[0], -1, 32).sum(-1)          # [N, nb]
-    return step @ per_block.T + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
+    """The Q4/Q8 kernels' bound (half of x's quantization step per block), plus float32 rounding of the
+    super-blocks' scaled sums (2^-20 of the sum of |x| |w|)."""
+    return activation_bound(x, w) + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
 
 
 @pytest.mark.parametrize("m", [1, 3, 9, 40])
