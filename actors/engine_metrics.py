@@ -20,6 +20,11 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Finer at the bottom than vLLM's: on an idle engine a request waits well under 0.3 s.
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATENCY_BUCKETS
+# vLLM's first-token and inter-token buckets (the gateway's histograms and the engine's own).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
 
 
 def model_name_from_path(path: str) -> str:
@@ -134,18 +139,42 @@ class EngineCollector(Collector):
             else:
                 metric = family(series.name, series.help, value=series.value(s))
             yield metric
-        yield self._queue_time(s, labels)
+        yield _histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                         labels, QUEUE_TIME_BUCKETS, s.queue_time_buckets, s.queue_time_sum)
+        # The same latencies as the gateway's vLLM histograms, but as this engine saw them, per
+        # engine: under Matinee's names, so no sum over processes counts a request twice.
+        yield _histogram("matinee_engine_time_to_first_token_seconds", "Arrival at the engine's scheduler to "
+                         "its first token sampled.", labels, TTFT_BUCKETS, s.ttft_buckets, s.ttft_sum)
+        yield _histogram("matinee_engine_inter_token_latency_seconds", "Time between the engine's tokens of a "
+                         "sequence, observed per token.", labels, ITL_BUCKETS, s.itl_buckets, s.itl_sum)
+        yield from self._accepted_per_pos(s, labels)
 
     @staticmethod
-    def _queue_time(s: EngineStats, labels: dict[str, str]) -> HistogramMetricFamily:
-        """Arrival at the scheduler to first scheduled, measured in the engine."""
-        metric = HistogramMetricFamily("vllm:request_queue_time_seconds",
-                                       "Histogram of time spent in WAITING phase for request.",
-                                       labels=list(labels))
-        counts = s.queue_time_buckets or [0] * (len(QUEUE_TIME_BUCKETS) + 1)
-        cumulative, running = [], 0
-        for bound, n in zip((*QUEUE_TIME_BUCKETS, float("inf")), counts):
-            running += n
-            cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        metric.add_metric(list(labels.values()), cumulative, s.queue_time_sum)
-        return metric
+    def _accepted_per_pos(s: EngineStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:
+        """Accepted drafted tokens by draft position, one sample per position the engine drafts
+        (as vLLM's, none without speculative decoding); the positions sum to the accepted tokens."""
+        if not s.spec_decode_accepted_per_pos:
+            return
+        matinee = CounterMetricFamily("matinee_spec_decode_accepted_tokens_per_pos",
+                                      "Drafted tokens the target accepted, by position in the draft.",
+                                      labels=["position"])
+        vllm = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   "Accepted tokens per draft position.", labels=[*labels, "position"])
+        for pos, n in enumerate(s.spec_decode_accepted_per_pos):
+            matinee.add_metric([str(pos)], n)
+            vllm.add_metric([*labels.values(), str(pos)], n)
+        yield matinee
+        yield vllm
+
+
+def _histogram(name: str, help: str, labels: dict[str, str], bounds: tuple[float, ...], counts: list[int],
+               total: float) -> HistogramMetricFamily:
+    """An engine histogram from its per-bucket counts (bounds, then +Inf), all zero before any."""
+    metric = HistogramMetricFamily(name, help, labels=list(labels))
+    counts = counts or [0] * (len(bounds) + 1)
+    cumulative, running = [], 0
+    for bound, n in zip((*bounds, float("inf")), counts):
+        running += n
+        cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    metric.add_metric(list(labels.values()), cumulative, total)
+    return metric

@@ -24,6 +24,14 @@ GIB = 1 << 30
 # Bytes per value. int4 ignores its per-group scales (the chapter's "70B at 4 bits is ~35 GB").
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "int8": 1, "fp8": 1, "int4": 0.5}
+# A GGUF weight type as the CPU kernels hold it (--quantization auto), scales included: the 32-value blocks
+# as the file stores them (Q4_1: 20 bytes, 5 bits a weight), the K-quants' 256-value super-blocks with a
+# byte per sub-block scale (kernels/kquant.py: Q4_K 148 bytes, 4.625 bits, against the file's 144).
+GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                     "q4_k": 148 / 256, "q5_k": 180 / 256, "q6_k": 210 / 256}
+WEIGHT_BYTES = DTYPE_BYTES | GGUF_WEIGHT_BYTES
+AUTO = "auto"   # a GGUF file's own types: its packed matmul weights as held, the rest at the activation size
+KV_SCALED = ("int8", "fp8")   # caches with a float32 scale per block and KV head
 
 LOGIT_BYTES = 4    # the engine samples from float32 logits
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
@@ -36,6 +44,13 @@ def dtype_bytes(name: str) -> float:
         return DTYPE_BYTES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown precision {name!r} (fp32, bf16, fp16, int8, fp8, int4)") from None
+
+
+def weight_bytes_per_value(name: str) -> float:
+    try:
+        return WEIGHT_BYTES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r} for weights ({', '.join(WEIGHT_BYTES)} or auto)") from None
 
 
 def parse_size(text: str) -> int:
@@ -76,6 +91,12 @@ class MemoryPlan:
     holding its residual and normed hidden states, q, k, v and the MLP's gate and up at the
     activation precision (fp32 for fp32 weights, else 16-bit), plus float32 logits for one token
     per sequence.
+
+    `weight_dtype` is a precision, a GGUF type (GGUF_WEIGHT_BYTES: every weight in it), or "auto": a GGUF
+    file's own mix as the CPU engine holds it under --quantization auto (its packed matmul weights, the
+    rest at the activation precision; the kernels' padding of a tensor to 16 rows is not counted, at most
+    15 rows). `activation_dtype` unset: fp32 for fp32 weights, else 16-bit. An int8 or fp8 cache counts
+    its scales, one per block of `block_size` tokens and KV head, as the engine's pool does.
     """
     shape: ModelShape
     context_len: int
@@ -83,21 +104,36 @@ class MemoryPlan:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     step_tokens: int = 2048
+    activation_dtype: str | None = None
+    block_size: int = 16
 
     def __post_init__(self) -> None:
-        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
-        for name in ("context_len", "concurrency", "step_tokens"):
+        dtype_bytes(self.kv_dtype)
+        if self.activation_dtype is not None:
+            dtype_bytes(self.activation_dtype)
+        if self.weight_dtype.lower() == AUTO:
+            if not self.shape.quantized_params:
+                raise ValueError(f"weight dtype auto sizes a GGUF file's own quantized weights; {self.shape.name!r} "
+                                 f"has none (give a precision or a GGUF type)")
+        else:
+            weight_bytes_per_value(self.weight_dtype)
+        for name in ("context_len", "concurrency", "step_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def weight_bytes(self) -> float:
-        return self.shape.num_params * dtype_bytes(self.weight_dtype)
+        s = self.shape
+        if self.weight_dtype.lower() == AUTO:
+            return s.quantized_bytes + (s.num_params - s.quantized_params) * self._activation_size
+        return s.num_params * weight_bytes_per_value(self.weight_dtype)
 
     @property
     def kv_bytes_per_token(self) -> float:
         s = self.shape
-        return kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype_bytes(self.kv_dtype))
+        block = kv_bytes_per_block(s.num_layers, s.num_kv_heads, s.head_dim, dtype_bytes(self.kv_dtype),
+                                   self.block_size, scaled=self.kv_dtype.lower() in KV_SCALED)
+        return block / self.block_size
 
     @property
     def kv_bytes_per_sequence(self) -> float:
@@ -134,8 +170,10 @@ class MemoryPlan:
                 "gpu_memory": gpu_memory, "gpus": self.gpus_needed(gpu_memory)}
 
     @property
-    def _activation_size(self) -> int:
-        return 4 if dtype_bytes(self.weight_dtype) == 4 else 2
+    def _activation_size(self) -> float:
+        if self.activation_dtype is not None:
+            return dtype_bytes(self.activation_dtype)
+        return 4 if WEIGHT_BYTES.get(self.weight_dtype.lower()) == 4 else 2
 
     @property
     def _step_activation_bytes(self) -> float:

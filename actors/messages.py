@@ -172,6 +172,17 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_count: int = 0               # first tokens sampled here (the split below sums over them)
     ttft_queue_s: float = 0.0         # arrival to its first scheduled step
     ttft_prefill_s: float = 0.0       # first scheduled step to its first token
+    spec_decode_accepted_per_pos: list[int] = []   # accepted drafted tokens by draft position (0 first)
+    # The last seconds' latencies measured here (actors/recent.py), for the live dashboard: arrival
+    # at the scheduler to first token, and between tokens (per token); None for an empty window.
+    ttft_p50: float | None = None
+    ttft_p90: float | None = None
+    itl_p50: float | None = None
+    itl_p90: float | None = None
+    ttft_buckets: list[int] = []      # arrival here to first token, and between tokens (per token):
+    ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
+    itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
+    itl_sum: float = 0.0
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -425,6 +436,12 @@ class KVCommit(msgspec.Struct, tag=True):
     transfer_id: str
 
 
+class KVCancel(msgspec.Struct, tag=True):
+    """The sender gave the handoff up (an ask timed out, say): the decode engine lets its blocks go."""
+
+    transfer_id: str
+
+
 class KVHandedOver(msgspec.Struct, tag=True):
     """Decode engine -> front end: the request decodes here now; its next deltas come from here."""
 
@@ -504,4 +521,4 @@ class KVConfirm(msgspec.Struct, tag=True):
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)
-register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed)
+register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVCancel, KVHandedOver, KVHandoffFailed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from actors.worker.model_config import ModelConfig, read_hf_config
@@ -24,14 +25,20 @@ class ModelShape:
     vocab_size: int
     num_params: int
     max_context: int
+    # A GGUF file's matmul weights that the CPU kernels keep packed (--quantization auto): their
+    # parameters, and their bytes as held (memory_plan.GGUF_WEIGHT_BYTES). 0 for other sources.
+    quantized_params: int = 0
+    quantized_bytes: int = 0
 
     @classmethod
-    def of(cls, cfg: ModelConfig, num_params: int | None = None, name: str = "") -> "ModelShape":
+    def of(cls, cfg: ModelConfig, num_params: int | None = None, name: str = "", quantized: tuple[int, int] = (0, 0)
+           ) -> "ModelShape":
         return cls(name=name or cfg.name, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                    num_params=params_of(cfg) if num_params is None else num_params,
-                   max_context=cfg.max_position_embeddings)
+                   max_context=cfg.max_position_embeddings, quantized_params=quantized[0],
+                   quantized_bytes=quantized[1])
 
     @classmethod
     def load(cls, model: str) -> "ModelShape":
@@ -60,7 +67,38 @@ class ModelShape:
         file = GGUFFile(path)
         cfg = ModelConfig.from_gguf(file.metadata, set(file.tensors))
         params = sum(math.prod(t.shape) for t in file.tensors.values() if t.name != "rope_freqs.weight")
-        return cls.of(cfg, num_params=params, name=cfg.name or os.path.basename(path))
+        return cls.of(cfg, num_params=params, name=cfg.name or os.path.basename(path),
+                      quantized=packed_weights(file.tensors))
+
+
+_FUSED = re.compile(r"(blk\.\d+\.)(?:attn_[qkv]|ffn_gate|ffn_up)\.weight")
+
+
+def packed_weights(tensors: dict) -> tuple[int, int]:
+    """(parameters, bytes) of the GGUF tensors the CPU kernels keep packed, by the loader's rule: a 2-D
+    weight of a type they read, where every tensor it is fused with (q, k, v; gate, up) is one too."""
+    from gguf.constants import GGMLQuantizationType
+
+    from actors.memory_plan import GGUF_WEIGHT_BYTES
+
+    def per_value(t) -> float | None:
+        try:
+            name = GGMLQuantizationType(t.qtype).name.lower()
+        except ValueError:   # a type this gguf package does not know: not one the kernels read either
+            return None
+        return GGUF_WEIGHT_BYTES.get(name) if len(t.shape) == 2 else None
+
+    groups: dict[str, list] = {}
+    for t in tensors.values():
+        m = _FUSED.fullmatch(t.name)
+        key = m.group(1) + ("qkv" if "attn" in t.name else "gate_up") if m else t.name
+        groups.setdefault(key, []).append(t)
+    params = size = 0
+    for members in groups.values():
+        if all(per_value(t) is not None for t in members):
+            params += sum(math.prod(t.shape) for t in members)
+            size += sum(int(math.prod(t.shape) * per_value(t)) for t in members)
+    return params, size
 
 
 def params_of(cfg: ModelConfig) -> int:

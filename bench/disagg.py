@@ -51,7 +51,8 @@ async def _stream(session, base: str, prompt: list[int], max_tokens: int) -> dic
 
 
 async def _workload(session, base: str, args) -> dict:
-    rng = random.Random(args.seed)
+    # One generator each: the arrivals (and long prompts) are the same whatever the streams drew.
+    rng, arrivals_rng = random.Random(args.seed), random.Random(args.seed + 1)
     hi = args.vocab - 1
     stop_at = time.perf_counter() + args.duration
     background: list[dict] = []
@@ -66,9 +67,9 @@ async def _workload(session, base: str, args) -> dict:
         tasks = []
         await asyncio.sleep(args.warmup)
         while time.perf_counter() < stop_at:
-            prompt = [rng.randrange(100, hi) for _ in range(args.long_prompt)]
+            prompt = [arrivals_rng.randrange(100, hi) for _ in range(args.long_prompt)]
             tasks.append(asyncio.create_task(_stream(session, base, prompt, args.long_tokens)))
-            await asyncio.sleep(rng.expovariate(args.rate))
+            await asyncio.sleep(arrivals_rng.expovariate(args.rate))
         arrivals.extend(await asyncio.gather(*tasks))
 
     started = time.perf_counter()
@@ -82,12 +83,18 @@ async def _workload(session, base: str, args) -> dict:
     good = [r for r in done if r["ttft"] <= args.ttft_slo and r["tpot"] <= args.itl_slo]
     # The same TTFT objective with the ITL one on each request's own p99 gap instead of its mean.
     good_p99 = [r for r in done if r["ttft"] <= args.ttft_slo and r["itl_p99"] <= args.itl_slo]
+    bg_ttfts = [r["ttft"] for r in ok_bg]
+    good_ids = {id(r) for r in good}
     return {"background_requests": len(background), "long_requests": len(arrivals),
             "failed": len(background) + len(arrivals) - len(ok_bg) - len(ok_long),
             "itl_p50_ms": 1000 * _pct(gaps, 0.5), "itl_p99_ms": 1000 * _pct(gaps, 0.99),
             "long_ttft_p50_s": _pct(ttfts, 0.5), "long_ttft_p90_s": _pct(ttfts, 0.9),
             "goodput_rps": len(good) / elapsed, "good": len(good), "elapsed_s": elapsed,
             "goodput_p99_rps": len(good_p99) / elapsed,
+            # Where the good requests come from, and the background streams' own TTFT.
+            "good_background": sum(id(r) in good_ids for r in ok_bg),
+            "good_long": sum(id(r) in good_ids for r in ok_long),
+            "background_ttft_p50_s": _pct(bg_ttfts, 0.5), "background_ttft_p90_s": _pct(bg_ttfts, 0.9),
             "output_tok_s": (sum(len(r["gaps"]) + 1 for r in ok_bg + ok_long)) / elapsed}
 
 
@@ -139,8 +146,10 @@ def _cluster(args, roles: list[str], label: str) -> dict:
                                         "--redis-url", redis_url, "--listen-port", str(_free_port()),
                                         "--engine-id", f"{role}-{i}"], env)
         port = _free_port()
+        local = ([] if args.local_prefill_tokens is None
+                 else ["--local-prefill-tokens", str(args.local_prefill_tokens)])
         procs.start("gateway", [*serve, "--role", "gateway", *model, "--redis-url", redis_url,
-                                "--port", str(port), "--routing", "kv"], env)
+                                "--port", str(port), "--routing", "kv", *local], env)
         result = asyncio.run(_run(args, f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in metrics_ports]))
     finally:
         procs.stop()
@@ -165,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl-slo", type=float, default=0.2, help="seconds, the mean gap of one request")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--step-tokens", type=int, default=512, help="--max-num-batched-tokens")
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="the gateway's flag (default: its own): prompts this short run whole on the decode engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--json", action="store_true")
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "transfer_ms_per_token": 1000 * m.get("matinee_kv_transfer_seconds_total", 0.0) / tokens if tokens else float("nan"),
         "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt", "stream_tokens", "long_prompt",
                                                     "long_tokens", "rate", "duration", "ttft_slo", "itl_slo",
-                                                    "num_blocks", "step_tokens", "dtype")},
+                                                    "num_blocks", "step_tokens", "dtype", "local_prefill_tokens")},
         "cpu": os.cpu_count()}
     if args.json:
         print(json.dumps(result))

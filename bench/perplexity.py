@@ -40,6 +40,7 @@ def perplexity(config: EngineConfig, text: str, context: int) -> dict:
         scored += len(targets)
     return {"perplexity": round(math.exp(nll / scored), 4), "tokens_scored": scored, "chunks": len(chunks),
             "context": context, "quantization": config.quantization, "dtype": runner.dtype.__repr__()[6:],
+            "kv_cache_dtype": config.kv_cache_dtype,
             "weight_bytes": runner.weight_bytes}
 
 

@@ -12,7 +12,7 @@ import sys
 from typing import Mapping
 
 from actors.config import GPU_STEP_TOKENS, EngineConfig
-from actors.memory_plan import GB, DTYPE_BYTES, MemoryPlan, parse_size
+from actors.memory_plan import AUTO, GB, DTYPE_BYTES, WEIGHT_BYTES, MemoryPlan, parse_size
 from actors.model_shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
 from actors.engine_node import EngineNodeConfig
@@ -61,9 +61,12 @@ def _add_plan_parser(sub) -> None:
                    + " (unset: the default model)")
     p.add_argument("--context-len", type=int, help="tokens per sequence (unset: the model's context)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences resident at once")
-    p.add_argument("--weight-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE",
-                   help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16)")
-    p.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE", help="as --weight-dtype")
+    p.add_argument("--weight-dtype", default="bf16", choices=[*WEIGHT_BYTES, AUTO], metavar="DTYPE",
+                   help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16); a GGUF type (q8_0, q4_0, q4_1, q4_k, "
+                        "q5_k, q6_k: bytes as the CPU kernels hold it, scales included); auto: a GGUF file's own "
+                        "types, as the CPU engine holds them under --quantization auto")
+    p.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE",
+                   help="fp32, bf16, fp16, int8, fp8 (int8 and fp8 with their scales per block)")
     p.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS,
                    help="tokens computed in one step, for the activation headroom (serve's "
                         "--max-num-batched-tokens)")

@@ -29,12 +29,15 @@ ASSETS = ("dashboard.js", "plan.js", "chart.js", "key.js", "dashboard.css")
 
 
 def engine_snapshot(s: EngineStats) -> dict:
-    """One engine's gauges and cumulative counters; the page turns counters into rates."""
+    """One engine's gauges, cumulative counters (the page turns them into rates) and the latency
+    quantiles of its last seconds, measured in the engine: from arrival at its scheduler, so
+    without the gateway's tokenizing and the network that the gateway-wide figures include."""
     return {"running": s.requests_running, "waiting": s.requests_waiting, "kv_usage": kv_usage(s),
             "kv_blocks_total": s.kv_blocks_total, "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens, "prefix_queries": s.prefix_cache_queried_tokens,
             "prefix_hits": s.prefix_cache_hit_tokens, "preemptions": s.preemptions,
-            "spec_draft_tokens": s.spec_decode_draft_tokens, "spec_accepted_tokens": s.spec_decode_accepted_tokens}
+            "spec_draft_tokens": s.spec_decode_draft_tokens, "spec_accepted_tokens": s.spec_decode_accepted_tokens,
+            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90}
 
 
 async def snapshot(state) -> dict:

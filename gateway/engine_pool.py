@@ -3,7 +3,8 @@ and requests that lose their engine continued on another.
 
 With prefill and decode engines (disaggregation) a request goes to a prefill engine chosen as a
 colocated one would be, naming a decode engine chosen by load and free KV; the prefill engine
-streams the first token and hands the KV over. A handoff that fails, or an engine of the pair
+streams the first token and hands the KV over; a prompt of at most `local_prefill_tokens` runs
+whole on the decode engine. A handoff that fails, or an engine of the pair
 that dies before it, continues the request from its tokens so far, as a migration does.
 
 `EnginePool` offers the same calls as `EngineClient` (submit, abort, release, stats), so the
@@ -41,6 +42,12 @@ class PoolConfig:
         "choices": ROUTINGS})
     max_migrations: int = field(default=3, metadata={   # past it the stream ends with an error
         "help": "how often one request may move to another engine"})
+    # A short prompt's few tokens cost one decode step little, where on a prefill engine it would
+    # queue behind long prompts and then wait for a handoff: it runs whole on the decode engine.
+    local_prefill_tokens: int = field(default=64, metadata={
+        "help": "with prefill and decode engines, a prompt of at most this many tokens is prefilled "
+                "on its decode engine (no prefill queue, no handoff); 0: every prompt goes through a "
+                "prefill engine"})
     discovery_interval_s: float = 0.5
     stats_interval_s: float = 0.25
     no_engine_wait_s: float = 10.0        # how long a request waits for some engine to appear
@@ -51,6 +58,8 @@ class PoolConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
         for name in ("discovery_interval_s", "stats_interval_s", "no_engine_wait_s", "join_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -237,6 +246,8 @@ class EnginePool:
             req.place_continuation(resub, engine.key, decode_key)
         self._by_engine_rid[erid] = req.request_id
         engine.sent += 1
+        if engine.info.role == "decode":   # prefilled there: its KV takes room as a handoff's would
+            engine.reserved += self._blocks_for(prompt)
         handoff_to = None
         if decode is not None:
             decode.sent += 1
@@ -249,8 +260,8 @@ class EnginePool:
                       params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to).
         With prefill and decode engines up, requests are disaggregated (with n > 1 or prompt
-        logprobs they run whole on the prefill engine); otherwise colocated engines serve them
-        whole, or any engine left."""
+        logprobs they run whole on the prefill engine, with a short prompt whole on the decode
+        engine); otherwise colocated engines serve them whole, or any engine left."""
         routable = [e for e in self.engines.values() if e.routable]
         prefill = [e for e in routable if e.info.role == "prefill"]
         decode = [e for e in routable if e.info.role == "decode" and e.info.kv_receiver is not None]
@@ -259,6 +270,8 @@ class EnginePool:
             target = None if whole else self._choose_decode(decode, prompt)
             if not whole and target is None:
                 return None, None
+            if target is not None and len(prompt) <= self.config.local_prefill_tokens:
+                return target, None   # short: its decode engine prefills it
             return await self._choose_among(prefill, prompt, cache_salt), target
         colocated = [e for e in routable if e.info.role == "engine"]
         return await self._choose_among(colocated or routable, prompt, cache_salt), None

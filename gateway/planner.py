@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from actors.config import GPU_STEP_TOKENS
-from actors.memory_plan import DTYPE_BYTES, MemoryPlan, parse_size
+from actors.memory_plan import DTYPE_BYTES, GGUF_WEIGHT_BYTES, MemoryPlan, parse_size
 from actors.model_shape import PRESETS, ModelShape
 from actors.worker.model_config import ModelConfig
 from gateway import handlers
@@ -38,7 +38,9 @@ def _json(obj, status: int = 200) -> web.Response:
 
 async def presets(request: web.Request) -> web.Response:
     return _json({"presets": {name: dataclasses.asdict(shape) for name, shape in PRESETS.items()},
-                  "dtypes": {d: DTYPE_BYTES[d] for d in DTYPES}, "step_tokens": GPU_STEP_TOKENS})
+                  "dtypes": {d: DTYPE_BYTES[d] for d in DTYPES},
+                  "weight_dtypes": {d: DTYPE_BYTES[d] for d in DTYPES} | GGUF_WEIGHT_BYTES,
+                  "step_tokens": GPU_STEP_TOKENS})
 
 
 def plan_of(req: PlanRequest) -> dict:

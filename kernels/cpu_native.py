@@ -1,5 +1,5 @@
 """The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
-quant_gemm.c):
+quant_gemm.c, token_mask.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -27,7 +27,8 @@ import structlog
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
-                                                             "cpu_layer_ops.c", "quant_gemm.c")]
+                                                             "cpu_layer_ops.c", "quant_gemm.c",
+                                                             "token_mask.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
@@ -125,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_quant_gemm.argtypes = [ptr, int_, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_quant_width.restype = int_
     lib.matinee_quant_width.argtypes = []
+    lib.matinee_apply_token_bitmask.restype = None
+    lib.matinee_apply_token_bitmask.argtypes = [ptr, long_, long_, ptr, long_, ptr, long_]
     for dtype in ("f32", "bf16"):   # cpu_layer_ops.c
         for name, restype, args in (("rms_norm", None, [ptr] * 5 + [long_] * 2 + [ctypes.c_float, int_]),
                                     ("rope", int_, [ptr] * 4 + [long_] * 7 + [int_]),

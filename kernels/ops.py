@@ -73,7 +73,7 @@ TORCH_OPS = Ops(
 
 
 def _cpu_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, quant_linear.QuantWeight):
+    if isinstance(weight, quant_linear.QUANTIZED):
         return quant_linear.matmul(x, weight, bias)
     if isinstance(weight, (Int8Weight, quant_linear_cpu.Int4CpuWeight)):
         return quant_linear_cpu.linear(x, weight, bias)

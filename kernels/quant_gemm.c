@@ -14,6 +14,13 @@
  * as 4-byte columns, [v][row][4]: Q8_0 has 8 vectors v (columns 4v..4v+3), Q4 4 vectors of bytes
  * whose low nibbles are columns 4v..4v+3 and high nibbles 16+4v.., as in the file's own blocks.
  * One broadcast of 4 bytes of x multiplies 16 rows at once; a group's blocks are one stream.
+ *
+ * The K-quants (Q4_K, Q5_K, Q6_K; kquant.py draws their group of one 256-value super-block) keep the
+ * same x blocks: per block of 32 the exact int32 dot product is multiplied, still in int32, by the
+ * sub-block's integer scale (Q6_K: two of them, one per half of 16, after taking 32 x sum(x) off each
+ * half for its values' offset), then by d * d_x in float32; Q4_K and Q5_K take off
+ * (m * sum(x)) * (dmin * d_x). Q5_K's fifth bits and Q6_K's high pairs are shifted into the nibbles
+ * in registers (16-bit shifts whose bits from the neighbouring byte the masks drop).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,6 +35,10 @@
 #define Q4_0 2                      /* ggml's type numbers */
 #define Q4_1 3
 #define Q8_0 8
+#define Q4_K 12
+#define Q5_K 13
+#define Q6_K 14
+#define QKK 256                     /* values per K-quant super-block: 8 blocks of x */
 #define MAX_CHUNK_BYTES (512L << 10) /* int8 rows of x per pass over the weights: within L2 */
 
 #ifdef __AVX512F__
@@ -48,6 +59,14 @@ typedef __m512 vf;
 #define VZERO _mm512_setzero_ps
 #define VSTORE _mm512_storeu_ps
 #define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_U8_I32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD_I8_I32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define MULLO _mm512_mullo_epi32
+#define ADDI _mm512_add_epi32
+#define ORI _mm512_or_si512
+#define SLLI16 _mm512_slli_epi16
+#define SRL16(v, n) _mm512_srl_epi16(v, _mm_cvtsi32_si128(n))
+#define VSUB _mm512_sub_ps
 #ifdef __AVX512VNNI__
 #define DOT_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 /* Q8_0 bytes made unsigned (w + 128): the +128 comes back as -128 * sum(x) in the start value. */
@@ -86,6 +105,14 @@ typedef __m256 vf;
 #define VZERO _mm256_setzero_ps
 #define VSTORE _mm256_storeu_ps
 #define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD_U8_I32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define LOAD_I8_I32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define MULLO _mm256_mullo_epi32
+#define ADDI _mm256_add_epi32
+#define ORI _mm256_or_si256
+#define SLLI16 _mm256_slli_epi16
+#define SRL16(v, n) _mm256_srl_epi16(v, _mm_cvtsi32_si128(n))
+#define VSUB _mm256_sub_ps
 static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, within int16 */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
@@ -102,12 +129,23 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
  * sequence quant_linear.reference_matmul computes, bit for bit. */
 #define KEEP(v) __asm__("" : "+v"(v))
 
+static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* Bytes of one group: 16 rows of one block (32 values), or of one super-block (256) for a K-quant. */
 static inline long group_bytes(int type) {
-    return type == Q8_0 ? 2 * GR + GR * QK : type == Q4_0 ? 2 * GR + GR * QK / 2 : 4 * GR + GR * QK / 2;
+    switch (type) {
+    case Q8_0: return 2 * GR + GR * QK;
+    case Q4_0: return 2 * GR + GR * QK / 2;
+    case Q4_1: return 4 * GR + GR * QK / 2;
+    case Q4_K: return GR * 148;   /* d, dmin, 8 scales, 8 mins, 128 bytes of nibbles */
+    case Q5_K: return GR * 180;   /* and 32 of fifth bits */
+    default: return GR * 210;     /* Q6_K: d, 16 scales, 128 of nibbles, 64 of high pairs */
+    }
 }
 
-/* One row of x (float32 or bf16) -> int8 values, a float32 scale and the sum of the values per block. */
-static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum) {
+/* One row of x (float32 or bf16) -> int8 values, a float32 scale, the sum of the values per block and
+ * the sum of its first 16 (Q6_K's scales cover 16 values). */
+static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum, int32_t *half) {
     float v[QK];
     for (long b = 0; b < K / QK; b++) {
         for (int j = 0; j < QK; j++)
@@ -132,6 +170,9 @@ static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d,
         _mm256_storeu_si256((__m256i *)t, total);
         d[b] = scale;
         sum[b] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+        int32_t h = 0;
+        for (int j = 0; j < QK / 2; j++) h += q[b * QK + j];
+        half[b] = h;
     }
 }
 
@@ -194,12 +235,122 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
     for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
 }
 
-typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, long, int, float *);
+/* Q4_K and Q5_K: MR rows of x times one half of one group's super-blocks (nb blocks of x). A super-block
+ * is 4 pairs of blocks; byte k of a row's 4-byte column c of pair p holds block 2p's value 4c + k in its
+ * low nibble and block 2p + 1's in its high one, and the fifth bits of both in bits 2p and 2p + 1 of the
+ * Q5_K column c. */
+static inline __attribute__((always_inline)) void kernel_k45(const int type, const int MR, const uint8_t *w,
+                                                             long nb, const int8_t *xq, const float *xd,
+                                                             const int32_t *xs, long K, int h, float *tile) {
+    const long gb = group_bytes(type);
+    const vi low = SET1B(0x0f), bit4 = SET1B(0x10);
+    vf facc[MR_MAX];
+    for (int i = 0; i < MR; i++) facc[i] = VZERO();
+    for (long s = 0; s < nb / 8; s++) {
+        const uint8_t *blk = w + s * gb;
+        const uint8_t *scp = blk + 4 * GR, *mnp = blk + 12 * GR, *qs = blk + 20 * GR, *qh = qs + 128 * GR;
+        const vf dw = LOAD_F16(blk + h * LANES * 2), mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
+        for (int p = 0; p < 4; p++) {
+            const long b0 = s * 8 + 2 * p;
+            const int8_t *x0 = xq + b0 * QK, *x1 = x0 + QK;
+            vi acc0[MR_MAX], acc1[MR_MAX];
+            for (int i = 0; i < MR; i++) acc0[i] = acc1[i] = SET1I(0);
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *at = qs + (p * 8 + c) * GR * 4 + h * LANES * 4;
+                _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                vi raw = LOADI(at);
+                vi lo = ANDI(raw, low), hi = ANDI(SRLI16(raw, 4), low);
+                if (type == Q5_K) {
+                    vi hb = SRL16(LOADI(qh + c * GR * 4 + h * LANES * 4), 2 * p);   /* bits 2p, 2p+1 to 0, 1 */
+                    lo = ORI(lo, ANDI(SLLI16(hb, 4), bit4));
+                    hi = ORI(hi, ANDI(SLLI16(hb, 3), bit4));
+                }
+                for (int i = 0; i < MR; i++) {
+                    acc0[i] = DOT_U8(acc0[i], lo, SET1I(bcast4(x0 + i * K + 4 * c)));
+                    acc1[i] = DOT_U8(acc1[i], hi, SET1I(bcast4(x1 + i * K + 4 * c)));
+                }
+            }
+            for (int j = 0; j < 2; j++) {
+                const vi sc = LOAD_U8_I32(scp + (2 * p + j) * GR + h * LANES);
+                const vi mn = LOAD_U8_I32(mnp + (2 * p + j) * GR + h * LANES);
+                for (int i = 0; i < MR; i++) {
+                    const long at = i * nb + b0 + j;
+                    vf t = VMUL(CVT(MULLO(j ? acc1[i] : acc0[i], sc)), VMUL(dw, VSET1(xd[at])));
+                    KEEP(t);
+                    facc[i] = VADD(facc[i], t);
+                    vf u = VMUL(CVT(MULLO(SET1I(xs[at]), mn)), VMUL(mw, VSET1(xd[at])));
+                    KEEP(u);
+                    facc[i] = VSUB(facc[i], u);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
+}
+
+/* Q6_K: per block b of x, 4 columns of nibbles (low: value 4c + k, high: 16 + 4c + k) and 2 of high
+ * pairs (bits 0-1, 2-3, 4-5, 6-7: columns 2i's low and high value, then 2i + 1's). */
+static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const uint8_t *w, long nb,
+                                                             const int8_t *xq, const float *xd, const int32_t *xs,
+                                                             const int32_t *xh, long K, int h, float *tile) {
+    const long gb = group_bytes(Q6_K);
+    const vi low = SET1B(0x0f), pair = SET1B(0x30);
+    vf facc[MR_MAX];
+    for (int i = 0; i < MR; i++) facc[i] = VZERO();
+    for (long s = 0; s < nb / 8; s++) {
+        const uint8_t *blk = w + s * gb;
+        const uint8_t *scp = blk + 2 * GR, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
+        const vf dw = LOAD_F16(blk + h * LANES * 2);
+        for (int j = 0; j < 8; j++) {
+            const long b = s * 8 + j;
+            vi acc0[MR_MAX], acc1[MR_MAX];
+            for (int i = 0; i < MR; i++) {   /* the values' offset of 32: -32 x the half's sum of x */
+                acc0[i] = SET1I(-32 * xh[i * nb + b]);
+                acc1[i] = SET1I(-32 * (xs[i * nb + b] - xh[i * nb + b]));
+            }
+            const int8_t *xb = xq + b * QK;
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *at = ql + (j * 4 + c) * GR * 4 + h * LANES * 4;
+                _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                vi nib = LOADI(at);
+                vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + h * LANES * 4);
+                vi lo = ANDI(nib, low), hi = ANDI(SRLI16(nib, 4), low);
+                if (c & 1) {
+                    lo = ORI(lo, ANDI(hb, pair));
+                    hi = ORI(hi, ANDI(SRLI16(hb, 2), pair));
+                } else {
+                    lo = ORI(lo, ANDI(SLLI16(hb, 4), pair));
+                    hi = ORI(hi, ANDI(SLLI16(hb, 2), pair));
+                }
+                for (int i = 0; i < MR; i++) {
+                    acc0[i] = DOT_U8(acc0[i], lo, SET1I(bcast4(xb + i * K + 4 * c)));
+                    acc1[i] = DOT_U8(acc1[i], hi, SET1I(bcast4(xb + i * K + 16 + 4 * c)));
+                }
+            }
+            const vi s0 = LOAD_I8_I32(scp + 2 * j * GR + h * LANES);
+            const vi s1 = LOAD_I8_I32(scp + (2 * j + 1) * GR + h * LANES);
+            for (int i = 0; i < MR; i++) {
+                vf t = VMUL(CVT(ADDI(MULLO(acc0[i], s0), MULLO(acc1[i], s1))), VMUL(dw, VSET1(xd[i * nb + b])));
+                KEEP(t);
+                facc[i] = VADD(facc[i], t);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
+}
+
+typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, const int32_t *,
+                          long, int, float *);
 
 #define INSTANCE(T, MR)                                                                                    \
     static void kernel_##T##_##MR(const uint8_t *w, long nb, const int8_t *xq, const float *xd,           \
-                                  const int32_t *xs, long K, int h, float *tile) {                         \
-        kernel(T, MR, w, nb, xq, xd, xs, K, h, tile);                                                      \
+                                  const int32_t *xs, const int32_t *xh, long K, int h, float *tile) {      \
+        if (T == Q6_K)                                                                                     \
+            kernel_q6k(MR, w, nb, xq, xd, xs, xh, K, h, tile);                                             \
+        else if (T == Q4_K || T == Q5_K)                                                                   \
+            kernel_k45(T, MR, w, nb, xq, xd, xs, K, h, tile);                                              \
+        else                                                                                               \
+            kernel(T, MR, w, nb, xq, xd, xs, K, h, tile);                                                  \
     }
 #define INSTANCES(T) INSTANCE(T, 1) INSTANCE(T, 2) INSTANCE(T, 3) INSTANCE(T, 4) MORE_INSTANCES(T)
 #if MR_MAX == 8
@@ -213,9 +364,15 @@ typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, 
 INSTANCES(2)
 INSTANCES(3)
 INSTANCES(8)
+INSTANCES(12)
+INSTANCES(13)
+INSTANCES(14)
 static const kernel_fn KERNELS_Q4_0[MR_MAX + 1] = TABLE(2);
 static const kernel_fn KERNELS_Q4_1[MR_MAX + 1] = TABLE(3);
 static const kernel_fn KERNELS_Q8_0[MR_MAX + 1] = TABLE(8);
+static const kernel_fn KERNELS_Q4_K[MR_MAX + 1] = TABLE(12);
+static const kernel_fn KERNELS_Q5_K[MR_MAX + 1] = TABLE(13);
+static const kernel_fn KERNELS_Q6_K[MR_MAX + 1] = TABLE(14);
 
 int matinee_quant_width(void) { return WIDTH; }
 
@@ -233,29 +390,33 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 
 /* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32, K a multiple of 32; w the packed weight
  * of `type`; bias float32 [N] or NULL; y [M, N] bf16 (y_bf16) or float32. Returns 0, -1 when out of
- * memory, -2 for a type it does not read. */
+ * memory, -2 for a type it does not read, -3 for a K-quant whose K is not whole super-blocks. */
 int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
                        int y_bf16, long M, long N, long K, int threads) {
-    const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1 : type == Q8_0 ? KERNELS_Q8_0 : 0;
+    const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1
+                             : type == Q8_0 ? KERNELS_Q8_0 : type == Q4_K ? KERNELS_Q4_K
+                             : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K : 0;
     if (!kernels) return -2;
+    if (is_k(type) && K % QKK) return -3;
     long nb = K / QK, groups = (N + GR - 1) / GR;
     size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
     int8_t *xq = aligned_alloc(64, qbytes ? qbytes : 64);
     float *xd = malloc((M * nb + 1) * sizeof(float));
-    int32_t *xs = malloc((M * nb + 1) * sizeof(int32_t));
-    if (!xq || !xd || !xs) {
-        free(xq), free(xd), free(xs);
+    int32_t *xs = malloc((M * nb + 1) * sizeof(int32_t)), *xh = malloc((M * nb + 1) * sizeof(int32_t));
+    if (!xq || !xd || !xs || !xh) {
+        free(xq), free(xd), free(xs), free(xh);
         return -1;
     }
     long chunk = MAX_CHUNK_BYTES / K;
     if (chunk < MR_MAX) chunk = MR_MAX;
-    const long gb = nb * group_bytes(type);
+    const long gb = (is_k(type) ? K / QKK : nb) * group_bytes(type);   /* one group's whole stream */
     const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++)
-            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
+            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb,
+                         xh + m * nb);
         for (long m0 = 0; m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
 #pragma omp for schedule(static) nowait
@@ -266,7 +427,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
                 for (long parts = (rows + MR_MAX - 1) / MR_MAX; left > 0; parts--) {
                     int mr = (int)((left + parts - 1) / parts);   /* near-equal groups: 9 rows as 5 + 4 */
                     for (int h = 0; h < HALVES; h++)
-                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, K, h, tile);
+                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, xh + m * nb, K, h, tile);
                     emit(tile, mr, cols, bias ? bias + g * GR : 0, (char *)y + (m * N + g * GR) * elem, y_bf16, N);
                     m += mr;
                     left -= mr;
@@ -274,6 +435,6 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
             }
         }
     }
-    free(xq), free(xd), free(xs);
+    free(xq), free(xd), free(xs), free(xh);
     return 0;
 }

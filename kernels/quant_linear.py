@@ -1,8 +1,9 @@
 """GGUF-quantized projections on the CPU: quant_gemm.c's launcher, its weight layout, and the torch
 reference of the same math.
 
-A weight stays in its file's block format (Q8_0, Q4_0, Q4_1), repacked once at load into groups of
-16 output rows (see quant_gemm.c); nothing is widened to float in memory. The product quantizes x
+A weight stays in its file's block format (Q8_0, Q4_0, Q4_1, and the K-quants Q4_K, Q5_K, Q6_K of
+kquant.py), repacked once at load into groups of 16 output rows (see quant_gemm.c); nothing is widened
+to float in memory. The product quantizes x
 per block of 32 to int8 (one float32 scale, amax / 127, rounded to nearest even) and sums exact
 int32 block products scaled in float32, as llama.cpp does: `reference_matmul` is that math in plain
 torch, what the torch backend serves a quantized weight with and what the tests hold the kernel to.
@@ -16,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, linear
+from kernels import cpu_native, kquant, linear
 from kernels.quantize import GGUF_BLOCK as QK, GGUF_BLOCK_BYTES as BLOCK_BYTES, GGMLType
 
 GR = 16                             # output rows per packed group
 Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0   # ggml's type numbers, as GGUF stores them
-NAMES = {qtype: qtype.name for qtype in BLOCK_BYTES}
+NAMES = {qtype: qtype.name for qtype in (*BLOCK_BYTES, *kquant.TYPES)}
 _HEAD = {Q4_0: 1, Q4_1: 2, Q8_0: 1}              # float16 scales per row and block (d [, m])
 _VECTORS = {Q4_0: 4, Q4_1: 4, Q8_0: 8}           # 4-byte columns per row and block
 
@@ -70,6 +71,37 @@ class QuantWeight:
         return self.out_features * self.in_features
 
 
+class QuantStack:
+    """Quantized projections fused by rows whose stored types differ (a K-quant mix stores q and k in
+    Q4_K, v in Q6_K): one weight to the model, one kernel call per part, each part packed as its file
+    stores it."""
+
+    def __init__(self, parts: list[QuantWeight]) -> None:
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("projections to stack take the same inputs")
+        self.parts = parts
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        self.dtype = parts[0].dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+
+QUANTIZED = (QuantWeight, QuantStack)   # what the quantized matmuls below take
+
+
+def stack(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
+    return parts[0] if len(parts) == 1 else QuantStack(parts)
+
+
 def supported(qtype: int) -> bool:
     return qtype in NAMES
 
@@ -79,6 +111,8 @@ def pack(tensor: QuantTensor, dtype: torch.dtype = torch.float32) -> QuantWeight
     qtype, raw, k = tensor.qtype, tensor.raw, tensor.cols
     if not supported(qtype):
         raise ValueError(f"no quantized kernel reads GGML type {qtype}")
+    if qtype in kquant.TYPES:
+        return QuantWeight(kquant.pack(raw, qtype, k), qtype, raw.shape[0], k, dtype)
     n, nb, size = raw.shape[0], k // QK, BLOCK_BYTES[qtype]
     if k % QK or raw.shape[1] != nb * size:
         raise ValueError(f"a {NAMES[qtype]} row of {k} values is {nb * size} bytes, not {raw.shape[1]}")
@@ -96,6 +130,8 @@ def pack(tensor: QuantTensor, dtype: torch.dtype = torch.float32) -> QuantWeight
 def unpack(weight: QuantWeight) -> torch.Tensor:
     """The file's rows back (uint8 [N, row_bytes])."""
     qtype, (groups, nb, _) = weight.qtype, weight.packed.shape
+    if qtype in kquant.TYPES:
+        return kquant.unpack(weight.packed, qtype)[:weight.out_features].contiguous()
     head = 2 * _HEAD[qtype]
     scales = weight.packed[..., :head * GR].reshape(groups, nb, _HEAD[qtype], GR, 2).transpose(2, 3)
     values = weight.packed[..., head * GR:].reshape(groups, nb, _VECTORS[qtype], GR, 4).transpose(2, 3)
@@ -126,6 +162,11 @@ def _parts(weight: QuantWeight, rows: torch.Tensor | None = None):
 
 def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [R, K] of output rows `rows`, bit for bit as gguf.quants.dequantize gives them."""
+    if weight.qtype in kquant.TYPES:
+        if rows is None:
+            return kquant.dequantize_raw(unpack(weight), weight.qtype)
+        picked = kquant.unpack(weight.packed[rows // GR], weight.qtype).view(rows.shape[0], GR, -1)
+        return kquant.dequantize_raw(picked[torch.arange(rows.shape[0]), rows % GR], weight.qtype)
     q, d, m = _parts(weight, rows)
     out = d[..., None] * q if m is None else d[..., None] * q + m[..., None]
     return out.reshape(q.shape[0], -1)
@@ -147,6 +188,11 @@ def reference_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
     added to the output block after block."""
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
+    if isinstance(weight, QuantStack):
+        return _stacked(x, weight, bias, reference_matmul)
+    if weight.qtype in kquant.TYPES:
+        out = kquant.reference_matmul(x, unpack(weight), weight.qtype, weight.out_features)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
     q, d, m = _parts(weight)
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     step = max(1, (1 << 24) // max(1, weight.out_features * q.shape[1]))   # rows at a time: bounded memory
@@ -167,11 +213,23 @@ def reference_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
 def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """x[M, K] (bf16 or float32) @ weight.T (+ bias) -> [M, N] in x's dtype, through quant_gemm.c; `lib`
     defaults to the loaded kernels (a test passes another build)."""
+    if isinstance(weight, QuantStack):
+        return _stacked(x, weight, bias, lambda x, part, bias: matmul(x, part, bias, lib))
+
     def launch(lib, x, bias, out, bf16):
         return lib.matinee_quant_gemm(x.data_ptr(), bf16, weight.qtype, weight.packed.data_ptr(),
                                       None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
                                       x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
     return cpu_native.projection(x, weight, bias, lib, "quantized linear", "int8", launch)
+
+
+def _stacked(x: torch.Tensor, weight: QuantStack, bias: torch.Tensor | None, product) -> torch.Tensor:
+    outs, start = [], 0
+    for part in weight.parts:
+        end = start + part.out_features
+        outs.append(product(x, part, None if bias is None else bias[start:end]))
+        start = end
+    return torch.cat(outs, dim=1)
 
 
 def embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
@@ -186,7 +244,7 @@ def embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
 def torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch backend's projection: the reference for a quantized weight, else linear.linear."""
-    if isinstance(weight, QuantWeight):
+    if isinstance(weight, QUANTIZED):
         return reference_matmul(x, weight, bias)
     return linear.linear(x, weight, bias)
 

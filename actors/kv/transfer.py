@@ -5,7 +5,8 @@ One actor per engine does both ends over the cluster transport. The sender offer
 (`KVBlockIO`, no per-token messages, sealed like every frame), at most `window_bytes` of them
 unacknowledged (a chunk is acknowledged once written, so a slow receiver slows the sender and
 nothing piles up), then commits: the receiver's scheduler starts decoding. Whatever goes wrong
-before the commit, the sender tells the request's front end, which continues it elsewhere. On a
+before the commit, the sender tells the request's front end, which continues it elsewhere, and
+the receiver, which lets the reserved blocks go (as it does when the sender's node is lost). On a
 GPU, NIXL or NCCL would move the bytes behind the same messages.
 """
 
@@ -16,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverDone, KVChunk, KVCommit,
-                             KVHandoffFailed, KVOffer, KVOfferReply, KVReserved)
+from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverDone, KVCancel, KVChunk,
+                             KVCommit, KVHandoffFailed, KVOffer, KVOfferReply, KVReserved)
 from runtime import Actor, ActorRef, Terminated
 
 if TYPE_CHECKING:
@@ -88,6 +89,10 @@ class KVTransfer(Actor):
                 return self._on_chunk(msg)
             case KVCommit(transfer_id=tid):
                 return await self._on_commit(tid)
+            case KVCancel(transfer_id=tid):
+                inc = self._incoming.pop(tid, None)
+                if inc is not None:
+                    self.scheduler.tell(AdoptDrop(inc.seq_id))
             case Terminated(ref=ref):
                 self._watched.discard(ref)
                 for tid, inc in list(self._incoming.items()):
@@ -105,11 +110,12 @@ class KVTransfer(Actor):
         offer = h.offer
         num_blocks = -(-(len(offer.prompt_token_ids) + len(offer.output_token_ids) - 1) // self.block_size)
         sent_blocks = sent_bytes = 0
-        ok, refused = False, False
+        ok, refused, accepted = False, False, False
         try:
             reply: KVOfferReply = await h.to.ask(offer, timeout=self.config.timeout_s)
             if not reply.accepted:
                 raise HandoffCut(f"the decode engine refused the handoff: {reply.reason}", refused=reply.no_room)
+            accepted = True
             sent_blocks, sent_bytes = await self._stream(h, reply.skip_blocks, num_blocks)
             await h.to.ask(KVCommit(offer.transfer_id), timeout=self.config.timeout_s)
             ok = True
@@ -117,6 +123,8 @@ class KVTransfer(Actor):
             raise
         except Exception as exc:
             refused = isinstance(exc, HandoffCut) and exc.refused
+            if accepted or isinstance(exc, TimeoutError):   # it may hold blocks for us: they go back
+                h.to.tell(KVCancel(offer.transfer_id))
             self.context.log.warning("KV handoff failed", request_id=offer.request_id, error=str(exc) or repr(exc))
             offer.reply_to.tell(KVHandoffFailed(offer.request_id, str(exc) or repr(exc), refused))
         finally:

@@ -22,10 +22,11 @@ import msgspec
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
-from actors.engine_metrics import QUEUE_TIME_BUCKETS
+from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest,
                              TokenDelta)
+from actors.recent import RecentSamples
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
@@ -75,6 +76,11 @@ class Counters:
     ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill
     ttft_queue_s: float = 0.0
     ttft_prefill_s: float = 0.0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))   # arrival to first token
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))     # per token
+    # Accepted drafted tokens by their position in the draft: a draft whose first a tokens were
+    # accepted counts one at each of positions 0..a-1 (vLLM's num_accepted_tokens_per_pos).
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +107,12 @@ class Scheduler:
         self.waiting: list[Sequence] = []      # sorted by sort_key
         self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
         self.counters = Counters()
+        if spec is not None:
+            self.counters.spec_accepted_per_pos = [0] * spec.max_k
+        # The last seconds' first-token latency (arrival here to first token) and inter-token
+        # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
+        self.recent_ttft = RecentSamples(clock=clock)
+        self.recent_itl = RecentSamples(clock=clock)
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
@@ -203,6 +215,11 @@ class Scheduler:
         seq.token_ids += offer.output_token_ids
         self._adopting[seq.seq_id] = seq
         return KVReserve(seq.seq_id, seq.token_ids, seq.num_tokens - 1, offer.cache_salt)
+
+    def adopting(self) -> bool:
+        """Whether blocks are reserved for handoffs whose KV is still arriving (they come back, or
+        decode, once each handoff ends)."""
+        return bool(self._adopting)
 
     def adopt(self, seq_id: int) -> Sequence:
         """The reserved sequence's KV is in the cache (all but its last token's): it decodes."""
@@ -342,7 +359,7 @@ class Scheduler:
         failed = step.failed(result)
         self._unwritten += step.unwritten(failed)
         failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
-        eos = self.cfg.eos_token_ids
+        eos, now = self.cfg.eos_token_ids, self.clock()
         for out in result.outputs:
             seq = self.seqs.get(out.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
@@ -354,12 +371,13 @@ class Scheduler:
                 if reason is not None:
                     break
             self.counters.generation_tokens += kept
+            self._token_times(seq, kept, now)
             if seq.spec_k:
                 self._verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
-                self._first_token(seq.request)
+                self._first_token(seq.request, now)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
             self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
             if reason is not None:
@@ -370,11 +388,24 @@ class Scheduler:
 
     # --- internals --------------------------------------------------------------------------------
 
-    def _first_token(self, req: RequestState) -> None:
+    def _first_token(self, req: RequestState, now: float) -> None:
         c = self.counters
         c.ttft_count += 1
         c.ttft_queue_s += req.first_step_s - req.arrived_s
-        c.ttft_prefill_s += self.clock() - req.first_step_s
+        c.ttft_prefill_s += now - req.first_step_s
+        c.ttft.observe(now - req.arrived_s)
+        self.recent_ttft.add(now - req.arrived_s)
+
+    def _token_times(self, seq: Sequence, kept: int, now: float) -> None:
+        """Inter-token latency, observed once per token: a sequence's first tokens here (its
+        first ever, or its first after a handoff from a prefill engine) start the clock."""
+        if not kept:
+            return
+        if seq.last_token_s is not None:
+            gap = (now - seq.last_token_s) / kept
+            self.counters.itl.observe(gap, kept)
+            self.recent_itl.add(gap, kept)
+        seq.last_token_s = now
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, InFlightStep()
@@ -406,6 +437,11 @@ class Scheduler:
         self.counters.spec_draft_tokens += drafted
         self.counters.spec_accepted_tokens += accepted
         self.counters.spec_num_drafts += drafted > 0
+        per_pos = self.counters.spec_accepted_per_pos
+        if accepted > len(per_pos):   # never past the controller's max_k; kept whole if it were
+            per_pos.extend([0] * (accepted - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
         self.spec.observe(seq.seq_id, drafted, accepted)
         seq.spec_k = 0
         if running:  # accepted drafts have their KV; the emitted correction or bonus token not yet

@@ -50,6 +50,9 @@ class SchedulerActor(Actor):
         self.transfer: ActorRef | None = None
         self.block_layout = ""
         self.handoffs = _HandoffCounters()
+        # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
+        # soon: no step until one of them ends.
+        self._stalled = False
 
     async def on_start(self) -> None:
         """At the start, and after a restart (the same instance, its requests kept): the step the
@@ -80,6 +83,7 @@ class SchedulerActor(Actor):
             case AbortRequest(request_id=request_id, index=index):
                 self.scheduler.abort(request_id, index)
                 self._send_outputs()
+                await self._unstall()
             case Piped(result=outcome, error=error):
                 await self._on_step(outcome, error)
             case HandOverDone():
@@ -92,7 +96,8 @@ class SchedulerActor(Actor):
                 await self._adopt(seq_id)
             case AdoptDrop(seq_id=seq_id):
                 self.scheduler.drop_adoption(seq_id)
-                self._send_outputs()
+                self._send_outputs()   # the reserved blocks go back before the next step asks for some
+                await self._unstall()
             case GetStats():
                 return await self._stats()
             case _:
@@ -102,12 +107,17 @@ class SchedulerActor(Actor):
     async def _maybe_step(self) -> None:
         """Start the next step, unless one is in flight or there is nothing to do. The mailbox waits
         until the step is planned: a Submit or an Abort must not land inside its KV transaction."""
-        if self._step is not None or not self.scheduler.has_work():
+        if self._step is not None or self._stalled or not self.scheduler.has_work():
             return
         self._started = time.perf_counter()
         planned = asyncio.get_running_loop().create_future()
         self._step = self.context.pipe_to_self(self.step(planned))
         await planned
+
+    async def _unstall(self) -> None:
+        if self._stalled:
+            self._stalled = False
+            await self._maybe_step()
 
     async def step(self, planned: asyncio.Future) -> tuple[StepPlan, StepResult] | None:
         """One step up to the worker's answer; its outcome comes back as a Piped message."""
@@ -133,10 +143,14 @@ class SchedulerActor(Actor):
 
     async def _schedule_kv(self) -> tuple[StepPlan | None, Propose | None]:
         """The plan and the draft worker's message; a step that only preempted schedules again, and
-        when still nothing fits, the queue fails (the plan is None)."""
+        when still nothing fits, the queue waits for the handoffs holding blocks to end, or with
+        none, fails (the plan is None)."""
         plan = await self._kv_transaction()
         if not plan.seqs:  # a step that only preempted: the next pass admits from the queue
             plan = await self._kv_transaction()
+        if not plan.seqs and self.scheduler.adopting():
+            self._stalled = True
+            return None, None
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
             self.scheduler.fail_all(NOTHING_FITS)
@@ -224,6 +238,7 @@ class SchedulerActor(Actor):
         await self.kv.ask(KVConfirm(seq_id, seq.num_computed))
         self.handoffs.received += 1
         seq.request.reply_to.tell(KVHandedOver(seq.request.request_id))
+        self._stalled = False
         await self._maybe_step()
 
     def _send_outputs(self) -> None:
@@ -243,6 +258,7 @@ class SchedulerActor(Actor):
         kv = await self.kv.ask(GetKVStats())
         p, c = self.scheduler, self.scheduler.counters
         running = {s.request.request_id for s in p.running}
+        ttft, itl = p.recent_ttft.quantiles(0.5, 0.9), p.recent_itl.quantiles(0.5, 0.9)
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
@@ -262,7 +278,10 @@ class SchedulerActor(Actor):
             ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
             weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
-            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size)
+            kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
+            spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
+            ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
+            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum)
 
 
 class _HandoffCounters:

@@ -49,7 +49,7 @@ class RequestState:
 
 class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed",
-                 "status", "known_to_worker", "sort_key", "spec_k")
+                 "status", "known_to_worker", "sort_key", "spec_k", "last_token_s")
 
     def __init__(self, seq_id: int, request: RequestState, index: int):
         self.seq_id = seq_id
@@ -63,6 +63,7 @@ class Sequence:
         # Lower sorts first: the most important, then the oldest request, then sample order.
         self.sort_key = (request.priority, request.arrival, index)
         self.spec_k = 0                   # tokens to draft in the step being planned (lookahead slots)
+        self.last_token_s: float | None = None   # when this engine last emitted its tokens (inter-token latency)
 
     @property
     def num_tokens(self) -> int:

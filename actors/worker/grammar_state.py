@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kernels.token_mask import apply_token_bitmask_
+
 
 class GrammarState:
     def __init__(self, compiled: Any) -> None:
@@ -56,12 +58,9 @@ class TokenMasks:
 
     def apply_(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState, Sequence[int]]]) -> None:
         """`rows`: (row, its sequence's grammar, the drafted tokens before that row's position)."""
-        import xgrammar as xgr
-
         words = (logits.shape[1] + 31) // 32
         if self._bitmask.shape[0] < logits.shape[0] or self._bitmask.shape[1] != words:
             self._bitmask = torch.empty(logits.shape[0], words, dtype=torch.int32)
         bitmask = self._bitmask[:logits.shape[0]]
         masked = [row for row, grammar, drafted in rows if grammar.fill_mask(bitmask, row, drafted)]
-        if masked:
-            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=masked)
+        apply_token_bitmask_(logits, bitmask, masked)

@@ -15,12 +15,12 @@ from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
 from kernels.packed_linear import PackedWeight
-from kernels.quant_linear import QuantTensor, QuantWeight
+from kernels.quant_linear import QuantStack, QuantTensor, QuantWeight, stack
 from kernels.quant_linear_cpu import Int4CpuWeight
 from kernels.quantize import Int4Weight, Int8Weight, int4_group_size_for, quantize_int4, quantize_int8
 
 # A matmul weight as ops.prepare_weight / prepare_quantized / prepare_int left it.
-Weight = torch.Tensor | PackedWeight | QuantWeight | Int8Weight | Int4Weight | Int4CpuWeight
+Weight = torch.Tensor | PackedWeight | QuantWeight | QuantStack | Int8Weight | Int4Weight | Int4CpuWeight
 # auto: GGUF types the kernels read stay packed, a GPTQ checkpoint's int4 too; none: all dequantized;
 # int8 / int4: a float checkpoint's projections quantized at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -106,13 +106,21 @@ class DecoderModel:
         def get(name: str) -> torch.Tensor:
             return _aligned(weights.get(name, self.dtype).to(self.device))
 
-        def quantized(*names: str) -> QuantWeight | None:
-            """The rows of `names` stacked, in their stored blocks, where the ops read them so."""
+        def quantized(*names: str) -> QuantWeight | QuantStack | None:
+            """The rows of `names` stacked, in their stored blocks, where the ops read them so: one packed
+            weight where they share a type, else one per type run (a K-quant mix's Q4_K q, k and Q6_K v)."""
             if not quantize:
                 return None
             parts = [weights.quantized(n) for n in names]
-            fused = QuantTensor.cat(parts) if all(p is not None for p in parts) else None
-            return None if fused is None else self.ops.prepare_quantized(fused, self.dtype)
+            if any(p is None for p in parts):
+                return None
+            runs = [[parts[0]]]
+            for part in parts[1:]:
+                if QuantTensor.cat([runs[-1][-1], part]) is None:
+                    runs.append([part])
+                else:
+                    runs[-1].append(part)
+            return stack([self.ops.prepare_quantized(QuantTensor.cat(run), self.dtype) for run in runs])
 
         def matmul_weight(*names: str, head: bool = False) -> Weight:
             packed = quantized(*names)
@@ -228,6 +236,8 @@ class DecoderModel:
 def _resident(weight: Weight) -> list[tuple[str, int]]:
     if isinstance(weight, QuantWeight):
         return [(weight.name, weight.nbytes)]
+    if isinstance(weight, QuantStack):
+        return [kind for part in weight.parts for kind in _resident(part)]
     if isinstance(weight, (Int8Weight, Int4Weight, Int4CpuWeight)):
         kind = "int8" if isinstance(weight, Int8Weight) else "int4"
         return [(kind, sum(t.numel() * t.element_size() for t in vars(weight).values() if torch.is_tensor(t)))]

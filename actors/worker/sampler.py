@@ -239,7 +239,8 @@ def apply_penalties_(logits: torch.Tensor, states: Sequence[SamplingState],
 
 
 def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """In place: logits rows -> unnormalised probabilities after temperature, min-p, top-k, top-p.
+    """In place: logits rows -> probabilities after temperature, then unnormalised ones after min-p
+    (relative to the row's best), top-k and top-p.
 
     Removed tokens get weight exactly 0. Rows are independent, so a row's result never depends
     on the rest of the batch.
@@ -249,14 +250,17 @@ def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> Non
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=w.dtype, device=device).unsqueeze(1)
 
-    # Softmax without its normalisation: the best weighs exactly 1. The max goes first, then the
-    # temperature: x / t overflows for a large finite x and a small t, (x - max) / t never does.
+    # The max goes first, then the temperature: x / t overflows for a large finite x and a small t,
+    # (x - max) / t never does. Then softmax in place, one row at a time by its construction (so a
+    # row's weights never depend on its neighbours): 4-6x faster than exp_, which leaves its vector
+    # path for inputs whose result underflows (-inf from a grammar mask or a logit bias, anything 87
+    # below the best at a low temperature).
     w.sub_(w.amax(dim=-1, keepdim=True))
     if any(s.params.temperature != 1.0 for s in states):
         w.div_(column([s.params.temperature for s in states]))
-    w.exp_()
+    torch._softmax(w, -1, False, out=w)
     if any(s.uses_min_p for s in states):
-        w.masked_fill_(w < column([s.params.min_p for s in states]), 0.0)
+        w.masked_fill_(w < column([s.params.min_p for s in states]) * w.amax(dim=-1, keepdim=True), 0.0)
     if any(s.top_k for s in states):
         ks = [min(s.top_k, vocab) for s in states]
         best = w.topk(max(ks), dim=-1).values

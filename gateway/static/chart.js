@@ -10,7 +10,7 @@ function niceMax(v) {
   return 10 * p;
 }
 
-// series: [{label, color, dash, points: [[t_seconds, value|null], ...]}]; opts: {spanS, max, format}
+// series: [{label, color, width, dash, points: [[t_seconds, value|null], ...]}]; opts: {spanS, max, format}
 function drawChart(canvas, series, opts) {
   const dpr = window.devicePixelRatio || 1;
   const w = canvas.clientWidth, h = canvas.clientHeight;
@@ -46,7 +46,7 @@ function drawChart(canvas, series, opts) {
   ctx.save();
   ctx.beginPath(); ctx.rect(left, top - 2, w - left - right, h - top - bottom + 4); ctx.clip();
   series.forEach((s) => {
-    ctx.strokeStyle = s.color; ctx.lineWidth = 1.8; ctx.setLineDash(s.dash || []);
+    ctx.strokeStyle = s.color; ctx.lineWidth = s.width || 1.8; ctx.setLineDash(s.dash || []);
     ctx.beginPath();
     let pen = false;
     for (const [t, v] of s.points) {

@@ -1,8 +1,11 @@
 // The live page: reads /dashboard/stream (one snapshot a second), keeps five minutes of them,
-// and draws rates from each engine's cumulative counters.
+// and draws rates from each engine's cumulative counters. Latency charts draw each engine's own
+// p50 (solid) and p90 (dashed), measured in the engine, beside the gateway's (grey): the gap
+// between them is the gateway's own work and the network.
 "use strict";
 
 const SPAN_S = 300, RATE_S = 5, TILE_S = 10;
+const GATEWAY_COLOR = "#8a93a6", P90_DASH = [5, 3];
 const history = [];   // snapshots, oldest first
 
 const fmt = {
@@ -15,8 +18,8 @@ const fmt = {
 };
 
 const CHARTS = [
-  {id: "ttft", title: "Time to first token", format: fmt.axisSecs, gateway: [["ttft_p50", "p50"], ["ttft_p90", "p90"]]},
-  {id: "itl", title: "Inter-token latency", format: fmt.axisSecs, gateway: [["itl_p50", "p50"], ["itl_p90", "p90"]]},
+  {id: "ttft", title: "Time to first token", format: fmt.axisSecs, quantiles: "ttft"},
+  {id: "itl", title: "Inter-token latency", format: fmt.axisSecs, quantiles: "itl"},
   {id: "tps", title: "Output tokens/s", format: fmt.axisNum, rate: true, engine: (e, past, dt) => delta(e, past, "generation_tokens") / dt},
   {id: "running", title: "Requests running", format: fmt.axisNum, engine: (e) => e.running},
   {id: "waiting", title: "Requests waiting", format: fmt.axisNum, engine: (e) => e.waiting},
@@ -62,15 +65,28 @@ function buildCharts() {
   }
 }
 
+const value = (v) => v === undefined ? null : v;
+// A cluster's engine ids already say "engine-…"; the embedded engine is "0".
+const engineLabel = (id) => id.startsWith("engine") ? id : `engine ${id}`;
+
+// p50 and p90 of one latency: each engine's in its colour, then the gateway's in grey.
+function quantileSeries(q, ids) {
+  const out = [];
+  const add = (label, color, width, get) => {
+    for (const [p, dash] of [["p50", []], ["p90", P90_DASH]]) {
+      out.push({label, color, width, dash, points: history.map((s) => [s.t, get(s, `${q}_${p}`)])});
+    }
+  };
+  ids.forEach((id, k) => add(engineLabel(id), PALETTE[k % PALETTE.length], 1.8,
+    (s, key) => s.engines[id] ? value(s.engines[id][key]) : null));
+  add("gateway", GATEWAY_COLOR, 1.2, (s, key) => value(s[key]));
+  return out;
+}
+
 function seriesFor(c, ids) {
-  if (c.gateway) {
-    return c.gateway.map(([key, label], k) => ({
-      label, color: PALETTE[k], dash: k ? [5, 3] : [],
-      points: history.map((s) => [s.t, s[key] === undefined ? null : s[key]]),
-    }));
-  }
+  if (c.quantiles) return quantileSeries(c.quantiles, ids);
   return ids.map((id, k) => ({
-    label: `engine ${id}`, color: PALETTE[k % PALETTE.length],
+    label: engineLabel(id), color: PALETTE[k % PALETTE.length],
     points: history.map((s, i) => {
       const e = s.engines[id];
       if (!e) return [s.t, null];
@@ -86,9 +102,16 @@ function draw() {
   for (const c of CHARTS) {
     const series = seriesFor(c, ids);
     drawChart(document.getElementById(`chart-${c.id}`), series, {spanS: SPAN_S, max: c.max, format: c.format});
-    document.getElementById(`legend-${c.id}`).innerHTML = series.map((s) =>
-      `<span><i style="background:${s.color}"></i>${s.label}</span>`).join("");
+    const labels = new Map(series.map((s) => [s.label, s.color]));   // one entry per engine
+    document.getElementById(`legend-${c.id}`).innerHTML = [...labels].map(([label, color]) =>
+      `<span><i style="background:${color}"></i>${escapeHtml(label)}</span>`).join("") +
+      (c.quantiles ? `<span class="key"><i class="solid"></i>p50 <i class="dashed"></i>p90</span>` : "");
   }
+}
+
+// Engine ids come from the cluster's registry, not from this page: never markup.
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
 }
 
 function sum(engines, f) {
@@ -134,12 +157,14 @@ function updateTable() {
     const dt = p ? now.t - past.t : 0;
     const hit = p ? ratio(e, p, "prefix_hits", "prefix_queries") : null;
     const acc = p ? ratio(e, p, "spec_accepted_tokens", "spec_draft_tokens") : null;
-    return `<tr><td>${id}</td><td>${e.running}</td><td>${e.waiting}</td><td>${fmt.pct(e.kv_usage)}</td>` +
+    const quantiles = (q) => `${fmt.secs(value(e[`${q}_p50`]))} · ${fmt.secs(value(e[`${q}_p90`]))}`;
+    return `<tr><td>${escapeHtml(id)}</td><td>${quantiles("ttft")}</td><td>${quantiles("itl")}</td>` +
+      `<td>${e.running}</td><td>${e.waiting}</td><td>${fmt.pct(e.kv_usage)}</td>` +
       `<td>${dt ? fmt.num(delta(e, p, "generation_tokens") / dt) : "–"}</td><td>${fmt.pct(hit)}</td>` +
       `<td>${fmt.pct(acc)}</td><td>${e.preemptions}</td><td>${e.generation_tokens}</td></tr>`;
   });
   document.querySelector("#engines tbody").innerHTML = rows.join("") ||
-    `<tr><td colspan="9">no engine is serving</td></tr>`;
+    `<tr><td colspan="11">no engine is serving</td></tr>`;
 }
 
 function onSnapshot(s) {

@@ -82,7 +82,8 @@ async function start() {
   model.add(new Option("a config.json…", "config"));
   model.value = "70b-gqa";
   for (const id of ["weight_dtype", "kv_dtype"]) {
-    for (const d of Object.keys(info.dtypes)) $(id).add(new Option(`${d} (${info.dtypes[d]} bytes)`, d));
+    const table = id === "weight_dtype" ? info.weight_dtypes : info.dtypes;   // weights also take GGUF types
+    for (const d of Object.keys(table)) $(id).add(new Option(`${d} (${+table[d].toFixed(4)} bytes)`, d));
     $(id).value = "bf16";
   }
   for (const el of document.querySelectorAll("input, select, textarea")) el.addEventListener("input", update);

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-TINY_ARCHS = ("llama", "llama_tied", "qwen2", "qwen3")   # also "llama_bias" (attention_bias=True)
+TINY_ARCHS = ("llama", "llama_tied", "qwen2", "qwen3")   # also "llama_bias" (attention_bias=True), "llama_wide"
+# and "qwen2_wide" (widths of 256: K-quants)
 TINY_VOCAB = 384
 
 _CORPUS = [
@@ -42,6 +43,11 @@ def _arch_config(arch: str):
     if arch == "llama_tied":  # GQA 4, tied, explicit head_dim (q width != hidden)
         return LlamaConfig(**common, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                            tie_word_embeddings=True)
+    if arch in ("llama_wide", "qwen2_wide"):  # every matmul width whole 256-value super-blocks (K-quants)
+        wide = common | dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+        if arch == "llama_wide":   # GQA 2, tied
+            return LlamaConfig(**wide, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        return Qwen2Config(**wide, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     if arch == "llama_bias":  # attention_bias: q/k/v and o_proj biases
         return LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
                            tie_word_embeddings=True)

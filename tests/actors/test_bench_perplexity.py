@@ -29,3 +29,15 @@ def test_perplexity_is_the_mean_loss_of_each_chunks_second_half(tiny_model_dir, 
             nll -= torch.log_softmax(logits[pos - 1].double(), -1)[chunk[pos]].item()
     assert math.isclose(out["perplexity"], math.exp(nll / out["tokens_scored"]), rel_tol=1e-3)
     assert '"perplexity"' in capsys.readouterr().out
+
+
+def test_the_kv_cache_format_is_selected_and_reported(tiny_model_dir, tmp_path):
+    """An int8 cache is what the chunks' attention reads: the score moves, a little."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    common = ["--model", tiny_model_dir("llama"), "--kernels", "torch", "--dtype", "float32", "--context", "16",
+              "--text", str(text), "--num-blocks", "8", "--quantization", "none"]
+    plain, int8 = perplexity.main(common), perplexity.main(common + ["--kv-cache-dtype", "int8"])
+    assert plain["kv_cache_dtype"] == "auto" and int8["kv_cache_dtype"] == "int8"
+    assert int8["perplexity"] != plain["perplexity"]
+    assert math.isclose(int8["perplexity"], plain["perplexity"], rel_tol=0.05)

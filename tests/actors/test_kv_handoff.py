@@ -16,8 +16,9 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
-from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVChunk, KVCommit, KVHandedOver,
-                             KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDeltas)
+from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVCancel, KVChunk, KVCommit,
+                             KVHandedOver, KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest,
+                             TokenDeltas)
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
@@ -167,6 +168,23 @@ async def test_a_handoff_cut_halfway_gives_the_decode_engine_its_blocks_back(pai
     assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
+async def test_a_request_that_fits_only_once_a_cut_handoff_lets_go_waits_for_it(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    rng = random.Random(8)
+    held = [rng.randrange(4, 300) for _ in range(200)]   # 13 of the decode engine's 24 blocks
+    prompt = [rng.randrange(4, 300) for _ in range(180)]   # 12 more, then one to grow into
+    expected = await _run(prefill, front_ref, front, [prompt], "whole")
+    ref = await system.spawn(HalfSender(dec_tx, KVChunk("held", 0, 1, bytes(io.bytes_per_block))), name="holder")
+    assert await ref.ask(KVOffer("held", ref, "holder", held, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    decode.scheduler.tell(SubmitRequest("late", prompt, GREEDY, front_ref))
+    await asyncio.sleep(0.3)   # it does not fit beside the reservation: it waits, and does not fail
+    assert "late" not in front.finished and not front.tokens.get("late")
+    await system.stop(ref)   # the sender dies: its reservation goes, the request runs
+    await front.wait(lambda: "late" in front.finished)
+    assert front.tokens["late"] == expected[0]
+
+
 class SlowReceiver(Actor):
     """Accepts an offer, then takes its time over every chunk: a decode engine that lags."""
 
@@ -185,8 +203,9 @@ class SlowReceiver(Actor):
                 return True
 
 
-async def test_a_slow_receiver_holds_the_sender_to_its_window():
-    system = ActorSystem("window-test")
+async def _hand_over_ten_blocks(system: ActorSystem, receiver_actor: Actor, config, transfer_id: str):
+    """A KVTransfer over 2 layers of 12 blocks hands blocks 0-9 to `receiver_actor`; returns the
+    transfer actor, its blocks and the HandOverDone its scheduler got. `config(blocks)` is its config."""
     await system.start()
     blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
     done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -197,18 +216,72 @@ async def test_a_slow_receiver_holds_the_sender_to_its_window():
                 done.set_result(msg)
 
     sched = await system.spawn(Scheduler(), name="sched")
-    receiver_actor = SlowReceiver()
     receiver = await system.spawn(receiver_actor, name="receiver")
-    tx_actor = KVTransfer(blocks, sched, 4, KVTransferConfig(window_bytes=3 * blocks.bytes_per_block,
-                                                             chunk_bytes=blocks.bytes_per_block))
+    tx_actor = KVTransfer(blocks, sched, 4, config(blocks))
     tx = await system.spawn(tx_actor, name="tx")
-    offer = KVOffer("t1", tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
+    offer = KVOffer(transfer_id, tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
     tx.tell(HandOver(0, list(range(10)), offer, receiver))
-    result = await asyncio.wait_for(done, 5)
+    return tx_actor, blocks, await asyncio.wait_for(done, 5)
+
+
+async def test_a_slow_receiver_holds_the_sender_to_its_window():
+    system = ActorSystem("window-test")
+    receiver_actor = SlowReceiver()
+    tx_actor, blocks, result = await _hand_over_ten_blocks(
+        system, receiver_actor, lambda b: KVTransferConfig(window_bytes=3 * b.bytes_per_block,
+                                                           chunk_bytes=b.bytes_per_block), "t1")
     assert result.ok and result.num_blocks == 10 and result.num_bytes == 10 * blocks.bytes_per_block
     assert receiver_actor.blocks == list(range(10))
     assert tx_actor.peak_in_flight_bytes == 3 * blocks.bytes_per_block   # full window, never more
     await system.shutdown()
+
+
+class MuteReceiver(Actor):
+    """Accepts an offer, then answers a chunk only after the sender's timeout: a decode engine that hangs."""
+
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    async def receive(self, msg):
+        match msg:
+            case KVOffer():
+                return KVOfferReply(True)
+            case KVChunk():
+                await asyncio.sleep(0.5)
+                return msg.num_blocks
+            case KVCancel(transfer_id=tid):
+                self.cancelled.append(tid)
+
+
+async def test_a_sender_that_gives_up_tells_the_receiver_to_let_its_blocks_go():
+    system = ActorSystem("cancel-test")
+    receiver_actor = MuteReceiver()
+    _, _, result = await _hand_over_ten_blocks(system, receiver_actor, lambda b: KVTransferConfig(timeout_s=0.2), "t2")
+    assert not result.ok and not result.refused
+    for _ in range(150):
+        if receiver_actor.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert receiver_actor.cancelled == ["t2"]
+    await system.shutdown()
+
+
+async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair):
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    prompt = [random.Random(3).randrange(4, 300) for _ in range(50)]   # 4 blocks
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert (await dec_tx.ask(KVOffer("gone", dec_tx, "gone", prompt, [7], GREEDY, front_ref, 0, None, 0,
+                                     io.layout))).accepted
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4
+    dec_tx.tell(KVCancel("gone"))
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
+    stats = await decode.scheduler.ask(GetStats())
+    assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
 def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():

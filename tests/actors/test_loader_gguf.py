@@ -52,8 +52,11 @@ def _llama3_freq_factors(cfg) -> np.ndarray:
 
 def hf_folder_to_gguf(folder: str, path: str, quantize=None) -> str:
     """Writes a float32 GGUF of a tiny llama/qwen2 HF folder, as llama.cpp's converter would;
-    `quantize(gguf_name)` may name a GGMLQuantizationType for a 2-D tensor, stored as such."""
+    `quantize(gguf_name)` may name a GGMLQuantizationType for a 2-D tensor, stored as such (K-quants
+    through the tests' own quantizer, which gguf lacks)."""
     import gguf
+
+    from tests.kquants import quantize as quantize_to
 
     cfg = read_hf_config(folder)
     arch = cfg.family
@@ -90,7 +93,7 @@ def hf_folder_to_gguf(folder: str, path: str, quantize=None) -> str:
         if qtype is None:
             w.add_tensor(gname, np.ascontiguousarray(a))
         else:
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype), raw_dtype=qtype)
+            w.add_tensor(gname, quantize_to(np.ascontiguousarray(a, dtype=np.float32), qtype), raw_dtype=qtype)
     if cfg.rope_scaling:
         w.add_tensor("rope_freqs.weight", _llama3_freq_factors(cfg))
     w.write_header_to_file()
@@ -187,16 +190,17 @@ def test_lean_reader_agrees_with_gguf_reader(tiny_model_dir, tmp_path, smollm2_g
     assert emb.shape == (49152, 576)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])  # BF16: the fallback path
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])  # BF16: the fallback path
 def test_fast_dequantize_equals_gguf(qtype):
     import gguf
 
     from actors.worker.dequant import dequantize
+    from tests.kquants import quantize
 
     q = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)
     weights = rng.normal(0, 0.5, size=(48, 512)).astype(np.float32)
-    raw = gguf.quants.quantize(weights, q)
+    raw = quantize(weights, q)
     ours = dequantize(raw, q)
     assert ours.dtype == np.float32 and ours.shape == weights.shape
     np.testing.assert_array_equal(ours, gguf.quants.dequantize(raw, q))

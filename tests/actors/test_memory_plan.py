@@ -32,9 +32,30 @@ def test_the_reverse_concurrency_that_fits():
 def test_precision_shrinks_both():
     q = MemoryPlan(CHAPTER.shape, CHAPTER.context_len, 8, weight_dtype="int4", kv_dtype="fp8")
     assert q.weight_bytes == 35 * GB                       # the chapter's "70B at 4 bits is ~35 GB"
-    assert q.kv_bytes == CHAPTER.kv_bytes / 2
+    # Half the bytes a value, and the float32 scale of each 16-token block and KV head, for K and for V.
+    assert q.kv_bytes_per_token == CHAPTER.kv_bytes_per_token / 2 + 80 * 8 * 2 * 4 / 16
     with pytest.raises(ValueError, match="unknown precision 'int3'"):
         MemoryPlan(CHAPTER.shape, 1024, weight_dtype="int3")
+
+
+def test_gguf_types_are_sized_as_the_kernels_hold_them():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    from actors.memory_plan import GGUF_WEIGHT_BYTES
+    from kernels import kquant
+
+    for name, per_value in GGUF_WEIGHT_BYTES.items():
+        qtype = Q[name.upper()]
+        block, size = GGML_QUANT_SIZES[qtype]
+        held = kquant.ROW_BYTES[qtype] if qtype in kquant.TYPES else size   # K-quants: scales a byte each
+        assert per_value == held / block
+    q4_1 = MemoryPlan(CHAPTER.shape, 1024, weight_dtype="q4_1")
+    assert q4_1.weight_bytes == 70 * GB * 5 / 8                               # 5 bits a weight
+    assert MemoryPlan(CHAPTER.shape, 1024, weight_dtype="q4_k").weight_bytes == 70 * GB * 4.625 / 8
+    with pytest.raises(ValueError, match="GGUF file's own"):
+        MemoryPlan(CHAPTER.shape, 1024, weight_dtype="auto")                  # a preset has no file types
+    with pytest.raises(ValueError, match="unknown precision 'q4_k'"):
+        MemoryPlan(CHAPTER.shape, 1024, kv_dtype="q4_k")
 
 
 def test_sizes_are_decimal_unless_binary():
@@ -58,3 +79,28 @@ def test_engine_pool_is_the_plans_arithmetic_smollm2(smollm2_gguf):
     runner = ModelRunner(smollm2_gguf, dtype="float32", kernels="torch", block_size=16, num_threads=1)
     assert plan.kv_bytes_per_token == runner.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4
     assert runner.num_blocks == blocks_that_fit(1 << 30, plan.kv_bytes_per_token, 16)
+
+
+def test_engine_weights_are_the_plans_arithmetic_smollm2(smollm2_gguf):
+    """The default model as it serves: Q4_1 layers and a Q8_0 embedding packed, float32 norms."""
+    plan = MemoryPlan(ModelShape.load(smollm2_gguf), context_len=8192, weight_dtype="auto", activation_dtype="fp32")
+    runner = ModelRunner(smollm2_gguf, dtype="float32", kernels="torch", block_size=16, num_threads=1,
+                         num_blocks=4, quantization="auto")
+    assert plan.weight_bytes == runner.weight_bytes == 96_576_768
+
+
+def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_model_dir, tmp_path):
+    """A Q4_K_M-like mix (q, k in Q4_K and v in Q6_K fused by rows, o in Q5_K), an int8 cache."""
+    from tests.actors.test_loader_gguf import hf_folder_to_gguf
+    from tests.actors.test_quantized_gguf import _k_mix
+
+    path = hf_folder_to_gguf(tiny_model_dir("qwen2_wide"), str(tmp_path / "model.gguf"), _k_mix)
+    for kv in ("int8", "fp8"):
+        plan = MemoryPlan(ModelShape.load(path), context_len=64, weight_dtype="auto", kv_dtype=kv,
+                          activation_dtype="fp32")
+        budget = 1_000_003
+        runner = ModelRunner(path, dtype="float32", kernels="torch", block_size=16, kv_cache_memory=budget,
+                             num_threads=1, kv_cache_dtype=kv, quantization="auto")
+        assert plan.weight_bytes == runner.weight_bytes
+        assert plan.kv_bytes_per_token == runner.kv_bytes_per_token
+        assert runner.num_blocks == blocks_that_fit(budget, plan.kv_bytes_per_token, 16)

@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from kernels import cpu_native, quant_linear
-from kernels.quant_linear import QuantWeight
+from kernels.quant_linear import QuantStack, QuantWeight
 from tests.actors.test_loader_gguf import hf_folder_to_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no CPU C kernels here")
@@ -56,6 +56,43 @@ def test_greedy_parity_with_the_torch_reference_of_the_same_math(arch, mix, tiny
                           SequenceInput(prompts[1], 0, [5], num_logits=5)])
     assert torch.equal(cpu.execute(batch), ref.execute(batch))
     # Decode: one row a step, each runner fed the CPU path's own greedy tokens.
+    seq, blocks = [11, 12, 13], [8, 9, 10, 11]
+    got, want = (r.execute(ForwardBatch([SequenceInput(seq, 0, blocks, 1)])) for r in (cpu, ref))
+    for _ in range(20):
+        assert torch.equal(got, want)
+        token = int(got[-1].argmax())
+        step = ForwardBatch([SequenceInput([token], len(seq), blocks, 1)])
+        seq.append(token)
+        got, want = cpu.execute(step), ref.execute(step)
+
+
+def _k_mix(name: str) -> Q:
+    """A Q4_K_M-like mix: q, k, gate and up Q4_K, v and down Q6_K, o Q5_K; embedding Q4_K, output Q6_K."""
+    if name.endswith("attn_output.weight"):
+        return Q.Q5_K
+    return Q.Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else Q.Q4_K
+
+
+@pytest.mark.parametrize("arch", ["llama_wide", "qwen2_wide"])
+def test_k_quants_greedy_parity_with_the_torch_reference(arch, tiny_model_dir, tmp_path):
+    from actors.worker.gguf_weights import GGUFWeights
+
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _k_mix)
+    cpu, ref = _runner(path), _reference(path)
+    model = cpu.model
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_weight, QuantStack)            # Q4_K q and k, Q6_K v: fused by rows
+    assert [p.name for p in layer.qkv_weight.parts] == ["Q4_K", "Q6_K"]
+    assert (layer.gate_up_weight.name, layer.o_weight.name, layer.down_weight.name) == ("Q4_K", "Q5_K", "Q6_K")
+    assert model.embed.name == "Q4_K"
+    assert model.lm_head.name == ("Q4_K" if arch == "llama_wide" else "Q6_K")   # tied: the embedding itself
+    assert set(cpu.model.weight_bytes()) == {"Q4_K", "Q5_K", "Q6_K", "float"}   # float: the norms alone
+    assert cpu.model.weight_bytes()["float"] < 0.01 * cpu.weight_bytes
+    assert cpu.weight_bytes <= 1.15 * GGUFWeights(path).tensor_bytes()
+    prompts = [list(range(3, 40)), [7, 8, 9, 300, 5]]
+    batch = ForwardBatch([SequenceInput(prompts[0], 0, [0, 1, 2, 3, 4], num_logits=37),
+                          SequenceInput(prompts[1], 0, [5], num_logits=5)])
+    assert torch.equal(cpu.execute(batch), ref.execute(batch))
     seq, blocks = [11, 12, 13], [8, 9, 10, 11]
     got, want = (r.execute(ForwardBatch([SequenceInput(seq, 0, blocks, 1)])) for r in (cpu, ref))
     for _ in range(20):

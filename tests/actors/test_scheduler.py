@@ -6,6 +6,8 @@ table, early free or bad fork changes the output; outputs are compared with a di
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from actors.kv.kv_actor import apply_kv_free, apply_kv_step
@@ -60,10 +62,10 @@ class PagedFake:
 
 class Harness:
     def __init__(self, num_blocks=256, block_size=4, budget=64, max_seqs=16, max_model_len=512,
-                 prefix_caching=True):
+                 prefix_caching=True, clock=time.perf_counter):
         self.kv = KVCacheManager(KVCacheConfig(num_blocks, block_size, prefix_caching))
         self.scheduler = Scheduler(SchedulerConfig(max_seqs, budget, block_size, max_model_len, frozenset({EOS}),
-                                                    priority_scheduling=True))
+                                                    priority_scheduling=True), clock=clock)
         self.model = PagedFake(num_blocks, block_size)
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.finish: dict[tuple[str, int], str] = {}
@@ -436,3 +438,27 @@ def test_a_wave_of_prompts_is_prefilled_first_come_first_served():
         if len(step_of) == 10:
             break
     assert first_token_step == step_of
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_engine_measures_first_token_and_inter_token_latency_per_token():
+    clock = FakeClock()
+    h = Harness(clock=clock)
+    h.submit("a", [3, 4, 5, 6], max_tokens=5, ignore_eos=True)   # arrives at 0
+    for t in (0.2, 0.3, 0.4, 0.6, 0.7):   # prefill and the first token, then four decodes
+        clock.t = t
+        h.step()
+    assert len(h.outputs[("a", 0)]) == 5 and h.finish[("a", 0)] == "length"
+    ttft, itl = h.scheduler.recent_ttft, h.scheduler.recent_itl
+    assert ttft.count() == 1 and ttft.quantiles(0.5, 0.9) == [pytest.approx(0.2)] * 2
+    assert itl.count() == 4                     # one per token after the first
+    assert itl.quantiles(0.5, 0.9) == [pytest.approx(0.1, rel=0.025), pytest.approx(0.2, rel=0.025)]
+    clock.t = 0.7 + 11.5                        # past the window: nothing recent
+    assert ttft.quantiles(0.5, 0.9) == [None, None] and itl.count() == 0

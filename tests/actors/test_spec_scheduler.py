@@ -8,6 +8,9 @@ the plan's block tables must equal the manager's, and every block must come back
 from __future__ import annotations
 
 import random
+import time
+
+import pytest
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose
@@ -15,10 +18,14 @@ from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages import SeqOutput, StepPlan, StepResult
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
-from tests.actors.test_scheduler import EOS, Harness, PagedFake, next_token, prompts, reference
+from tests.actors.test_scheduler import EOS, FakeClock, Harness, PagedFake, next_token, prompts, reference
 
 
 class SpecFake(PagedFake):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.accepted: list[int] = []   # per verification with drafts: how many the target kept
+
     def run(self, plan: StepPlan) -> StepResult:
         for new in plan.new_seqs:
             self.seeds[new.seq_id] = new.seed
@@ -40,6 +47,8 @@ class SpecFake(PagedFake):
                 if j == len(s.spec_token_ids) or s.spec_token_ids[j] != target:
                     break
             outs.append(SeqOutput(s.seq_id, emitted, None, len(s.spec_token_ids)))
+            if s.spec_token_ids:
+                self.accepted.append(len(emitted) - 1)
         return StepResult(plan.step_id, outs)
 
 
@@ -49,7 +58,8 @@ class SpecHarness(Harness):
         cfg = self.scheduler.cfg
         self.controller = SpecController(4, adaptive=adaptive, probe_interval=4)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size,
-                                                    cfg.max_model_len, cfg.eos_token_ids), self.controller)
+                                                    cfg.max_model_len, cfg.eos_token_ids), self.controller,
+                                   clock=kw.get("clock", time.perf_counter))
         self.model = SpecFake(len(self.kv._pool.blocks), cfg.block_size)
         self.rng = random.Random(0)
         self.wrong = wrong
@@ -187,3 +197,33 @@ def test_drafts_stop_at_max_tokens_and_eos():
     # 1 token from the prefill, 4 drafts + 1 bonus, then room for one token: no draft for it.
     assert [len(s.spec_token_ids) for plan in h.plans for s in plan.seqs if len(s.token_ids) == 1] == [4, 0]
     h.assert_all_free()
+
+
+def test_accepted_tokens_are_counted_per_draft_position():
+    h = SpecHarness(num_blocks=256, block_size=4, budget=48, wrong=0.3)
+    for i, p in enumerate(prompts(6, lo=1, hi=40, seed=5)):
+        h.submit(f"r{i}", p, max_tokens=30, ignore_eos=True)
+    h.run()
+    c = h.scheduler.counters
+    assert len(c.spec_accepted_per_pos) == 4                    # one per position the controller drafts
+    assert sum(c.spec_accepted_per_pos) == c.spec_accepted_tokens > 0
+    # A draft whose first a tokens were kept counts once at each of positions 0..a-1.
+    assert c.spec_accepted_per_pos == [sum(a > pos for a in h.model.accepted) for pos in range(4)]
+    assert c.spec_num_drafts == len(h.model.accepted) >= c.spec_accepted_per_pos[0]
+    assert c.spec_accepted_per_pos[0] > c.spec_accepted_per_pos[3] > 0   # later positions are kept less often
+    h.assert_all_free()
+
+
+def test_inter_token_latency_is_observed_once_per_token_of_a_speculative_step():
+    clock = FakeClock()
+    h = SpecHarness(num_blocks=64, block_size=4, budget=48, wrong=0.0, clock=clock)
+    h.submit("a", [3, 4, 5, 6], max_tokens=21, ignore_eos=True)
+    steps = 0
+    while h.scheduler.has_work():
+        clock.t += 0.5
+        h.step()
+        steps += 1
+    assert len(h.outputs[("a", 0)]) == 21 and steps == 5   # the first token, then 4 steps of 4 drafts + 1
+    itl = h.scheduler.recent_itl
+    assert itl.count() == 20 and itl.quantiles(0.5, 0.9) == [pytest.approx(0.1)] * 2   # 0.5 s over 5 tokens
+    assert h.scheduler.recent_ttft.quantiles(0.5) == [pytest.approx(0.5)]

@@ -25,8 +25,8 @@ def model(tmp_path_factory):
 
 
 class Cluster:
-    def __init__(self, model: str, logs):
-        self.model, self.logs = model, logs
+    def __init__(self, model: str, logs, *gateway_extra: str):
+        self.model, self.logs, self.gateway_extra = model, logs, gateway_extra
         self.redis = h.RedisServer()
         self.engine_ports = [h.free_port(), h.free_port()]
         self.gw_port = h.free_port()
@@ -43,7 +43,7 @@ class Cluster:
         self.redis.start()
         for port in self.engine_ports:
             self.start_engine(port)
-        self.gateway = h.Node(h.gateway_args(self.model, self.redis.url, self.gw_port),
+        self.gateway = h.Node(h.gateway_args(self.model, self.redis.url, self.gw_port, *self.gateway_extra),
                               str(self.logs / "gateway.log")).start()
         self.wait_engines(2)
 

@@ -2,7 +2,8 @@
 engine and a gateway on loopback, with a redis-server of their own. Greedy text through the pair
 equals the colocated engine's, the decode engine never prefills it, and a request still gets the
 same text when its decode engine dies after the handover, when the handoff is cut, or when its
-prefill engine dies before it (the colocated engine then serves what is left)."""
+prefill engine dies before it (the colocated engine then serves what is left). A gateway with the
+default --local-prefill-tokens sends the short prompts whole to the decode engine, same text."""
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,9 @@ class DisaggCluster:
                                   str(self.logs / f"{role}-{port}.log")).start()
 
     def start_gateway(self) -> None:
-        self.nodes["gateway"] = h.Node(h.gateway_args(self.model, self.redis.url, self.gw_port),
+        # Every prompt through the prefill engine: the pair is what these tests check.
+        self.nodes["gateway"] = h.Node(h.gateway_args(self.model, self.redis.url, self.gw_port,
+                                                      "--local-prefill-tokens", "0"),
                                        str(self.logs / "gateway.log")).start()
 
     def wait_engines(self, n: int, timeout: float = 180) -> None:
@@ -163,6 +166,31 @@ def test_greedy_text_through_a_prefill_and_a_decode_engine_equals_the_colocated_
                  "the prefill engine's /metrics")
     assert h.metric(f"http://127.0.0.1:{cluster.metrics_ports['decode']}", "matinee_prefill_steps_total") == \
         d.prefill_steps
+
+
+def test_a_gateway_with_the_default_prefills_short_prompts_on_the_decode_engine(cluster):
+    from gateway.engine_pool import PoolConfig
+    limit = PoolConfig().local_prefill_tokens
+    port = h.free_port()
+    gateway = h.Node(h.gateway_args(cluster.model, cluster.redis.url, port), str(cluster.logs / "gateway-local.log"))
+    cluster.nodes["gateway-local"] = gateway.start()
+    base = f"http://127.0.0.1:{port}"
+    h.wait_until(lambda: h.metric(base, "matinee_engines") == 3, 60, "3 engines behind the second gateway", [gateway])
+    prompts = _prompts()
+    before = cluster.stats("decode")
+    texts = []
+    for p in prompts:
+        status, body = h.http_json("POST", base + "/v1/completions", cluster.body(p, 10))
+        assert status == 200, body
+        texts.append(body["choices"][0]["text"])
+    assert texts == cluster.expected
+    d = cluster.stats("decode")
+    short = [p for p in prompts if len(p) <= limit]
+    assert short and len(short) < len(prompts)
+    assert d.kv_handoffs_received - before.kv_handoffs_received == len(prompts) - len(short)
+    assert d.prefill_steps - before.prefill_steps >= 1   # the short ones were prefilled there
+    gateway.kill()
+    del cluster.nodes["gateway-local"]
 
 
 def _stream_and(cluster, i: int, action, at: int) -> None:

@@ -1,12 +1,14 @@
 """EnginePool with prefill and decode engines, in one process against scripted engines: a request
 goes to the prefill engine naming a decode engine, streams its first token from there and the
 rest from the decode engine; a decode engine that refuses (its pool is full) is passed over for
-another, and with none that has room the request waits for one instead of failing."""
+another, and with none that has room the request waits for one instead of failing; a short prompt
+runs whole on the decode engine."""
 from __future__ import annotations
 
 import asyncio
 
 import msgspec
+import pytest
 
 from actors.messages import (EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver, KVHandoffFailed,
                              KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDelta, TokenDeltas)
@@ -26,9 +28,18 @@ class ScriptedDecode(Actor):
     def __init__(self, engine_id: str, room: bool, stats: EngineStats):
         self.engine_id, self.room, self.stats = engine_id, room, stats
         self.offers: list[str] = []
+        self.served: list[SubmitRequest] = []
 
     async def receive(self, msg):
         match msg:
+            case SubmitRequest():   # a short prompt, prefilled here
+                self.served.append(msg)
+                tokens = list(msg.prompt_token_ids)
+                for left in range(msg.params.max_tokens, 0, -1):
+                    tokens.append(next_token(tokens))
+                    msg.reply_to.tell(TokenDeltas([TokenDelta(msg.request_id, 0, [tokens[-1]], None,
+                                                              "length" if left == 1 else None,
+                                                              len(msg.prompt_token_ids), 0)]))
             case GetEngineInfo():
                 return EngineInfo(self.engine_id, 4096, 16, "scripted", role="decode",
                                   kv_receiver=self.context.self_ref)
@@ -81,7 +92,7 @@ class ScriptedPrefill(Actor):
                 return None
 
 
-async def _cluster(decodes: dict[str, ScriptedDecode]):
+async def _cluster(decodes: dict[str, ScriptedDecode], local_prefill_tokens: int = 0):
     registry = InMemoryRegistry()
     system = ActorSystem("disagg-pool-test", registry=registry)
     await system.start()
@@ -91,7 +102,7 @@ async def _cluster(decodes: dict[str, ScriptedDecode]):
         await system.publish(f"engines/decode/{name}", await system.spawn(actor, name=f"front-{name}"))
     pool = EnginePool(system, registry, PrefixRouter(None),
                       PoolConfig(routing="least_loaded", discovery_interval_s=0.05, stats_interval_s=0.05,
-                                 no_engine_wait_s=3.0))
+                                 no_engine_wait_s=3.0, local_prefill_tokens=local_prefill_tokens))
     await pool.start()
     async with asyncio.timeout(5):
         while len(pool.engines) < 1 + len(decodes) or any(e.stats is None for e in pool.engines.values()):
@@ -155,3 +166,25 @@ async def test_requests_that_need_their_prompt_forward_run_whole_on_the_prefill_
     finally:
         await pool.close()
         await system.shutdown()
+
+
+async def test_a_short_prompt_runs_whole_on_the_decode_engine_and_a_longer_one_is_handed_over():
+    decode = ScriptedDecode("d1", room=True, stats=_stats())
+    system, pool, prefill = await _cluster({"d1": decode}, local_prefill_tokens=4)
+    try:
+        short, longer = [5, 3, 2, 9], [5, 3, 2, 9, 8]
+        for rid, prompt in (("s", short), ("l", longer)):
+            queue: asyncio.Queue = asyncio.Queue()
+            pool.submit(rid, prompt, SamplingParams(max_tokens=5, temperature=0.0), queue)
+            assert await _tokens(queue) == expected(prompt, 5)
+        assert [(m.prompt_token_ids, m.handoff_to) for m in decode.served] == [(short, None)]
+        assert [m.prompt_token_ids for m in prefill.served] == [longer] and decode.offers == ["l"]
+        assert pool.metrics.handoffs == 1
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+def test_a_negative_local_prefill_length_is_refused():
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        PoolConfig(local_prefill_tokens=-1)

@@ -72,12 +72,14 @@ def test_two_gateways_and_two_engines_sum_per_process(model, tmp_path):
         assert sum(total(s, "matinee_generation_tokens_total") for s in per_engine) == 6 * 4
         assert all(total(s, "vllm:generation_tokens_total") > 0 for s in per_engine)   # round robin: both
         assert sum(total(s, "vllm:request_queue_time_seconds_count") for s in per_engine) == 6
+        assert sum(total(s, "matinee_engine_time_to_first_token_seconds_count") for s in per_engine) == 6
+        assert sum(total(s, "matinee_engine_inter_token_latency_seconds_count") for s in per_engine) == 6 * 3
         for s in per_engine:
             assert {dict(k[1]).get("model_name") for k in s if k[0].startswith("vllm:")} == {model.rsplit("/", 1)[-1]}
         for url, s in zip(gateway_urls, per_gateway):
             assert total(s, "matinee_requests_total") == served[url]
             assert total(s, "vllm:e2e_request_latency_seconds_count") == served[url]
-            assert not any(n.startswith(("vllm:generation", "matinee_generation", "vllm:num_requests"))
+            assert not any(n.startswith(("vllm:generation", "matinee_generation", "vllm:num_requests", "matinee_engine_"))
                            for n, _ in s), "a gateway repeats the engines' own metrics"
 
         # Each gateway's dashboard stream shows every engine it routes to, each with its own counters

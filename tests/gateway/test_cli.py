@@ -111,7 +111,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --index-timeout --routing --max-migrations
---api-key-file --allowed-origins --disable-access-log --chat-template
+--local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser
 """.split()
 FLAGS += ["--kv-cache-dtype"]

@@ -37,3 +37,20 @@ def test_bad_preset_is_one_line_and_exit_2():
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("matinee plan: unknown model 'no-such-preset'")
     r = plan("--model", "70b-gqa", "--gpu-memory", "lots")
     assert r.returncode == 2 and r.stderr.startswith("matinee plan: not a size: 'lots'")
+
+
+def test_gguf_types_and_the_files_own_mix():
+    """The default model (Q4_1 layers, a Q8_0 embedding): auto sizes the file's own mix, packed as the CPU
+    kernels hold it (96,576,768 bytes with float32 norms; here 16-bit, as on a GPU); q4_k every weight."""
+    r = plan("--weight-dtype", "auto", "--kv-dtype", "int8", "--context-len", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    norms = 30 * 2 * 576 + 576
+    assert out["weight_bytes"] == 96_576_768 - 2 * norms
+    assert out["kv_bytes_per_token"] == 30 * 3 * 64 * 2 + 30 * 3 * 2 * 4 / 16   # the scales of each block
+    r = plan("--weight-dtype", "q4_k", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["weight_bytes"] == out["num_params"] * 148 / 256
+    r = plan("--model", "70b-gqa", "--weight-dtype", "auto")
+    assert r.returncode == 2 and "GGUF file's own" in r.stderr

@@ -70,6 +70,9 @@ def test_stream_snapshots_show_the_engine_and_its_counters(tiny_servers):
     assert engine["generation_tokens"] >= 6 and engine["kv_blocks_total"] == 512
     assert 0.0 <= engine["kv_usage"] <= 1.0
     assert first["ttft_p50"] is not None and first["ttft_p50"] <= first["ttft_p90"]
+    # The engine's own last seconds, measured in the engine (6 tokens: 5 gaps between them).
+    assert engine["ttft_p50"] is not None and 0 < engine["ttft_p50"] <= engine["ttft_p90"]
+    assert engine["itl_p50"] is not None and 0 < engine["itl_p50"] <= engine["itl_p90"]
 
 
 def test_the_planner_endpoint_equals_matinee_plan():
@@ -150,23 +153,43 @@ def test_the_dashboard_in_chromium_moves_with_load(tiny_servers, capsys):
         driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
         wait.until(lambda d: d.find_element(By.ID, "status").text == "live")
 
-        def generated() -> int:   # read in one script: the table is redrawn every second
-            cells = driver.execute_script(
+        def row() -> list[str]:   # read in one script: the table is redrawn every second
+            return driver.execute_script(
                 "return [...document.querySelectorAll('#engines tbody td')].map((c) => c.textContent)")
-            return int(cells[-1]) if len(cells) == 9 else -1
+
+        def generated() -> int:
+            cells = row()
+            return int(cells[-1]) if len(cells) == 11 else -1
 
         wait.until(lambda d: generated() > 0 and d.find_element(By.ID, "v-tps").text not in ("–", "0"))
         before = generated()
         wait.until(lambda d: generated() > before)
+        # The engine's own TTFT and inter-token p50 · p90, each a time, drawn on the charts too.
+        wait.until(lambda d: all(c.count(" · ") == 1 and "–" not in c for c in row()[1:3]))
+        legend = driver.find_element(By.ID, "legend-ttft").text
+        assert "engine 0" in legend and "gateway" in legend and "p90" in legend
         assert driver.find_element(By.ID, "v-ttft").text.endswith("ms") or \
             driver.find_element(By.ID, "v-ttft").text.endswith(" s")
         assert driver.find_element(By.ID, "model").text.startswith("tiny · 1 engine")
         time.sleep(6)   # a few seconds of history on the charts for the screenshot
         shot = os.path.join(ARTIFACTS, "dashboard.png")
         driver.save_screenshot(shot)
+        table = os.path.join(ARTIFACTS, "dashboard-engines.png")   # below the fold on a laptop screen
+        driver.execute_script("document.getElementById('engines').scrollIntoView()")
+        driver.find_element(By.ID, "engines").screenshot(table)
         with capsys.disabled():   # shown on a passing run too
-            print(f"\ndashboard screenshot: {shot}")
+            print(f"\ndashboard screenshots: {shot} {table}")
         assert _console_errors(driver) == []
+        # An engine id is the cluster's text, never markup: one shaped as an element shows as text.
+        shown = driver.execute_script("""
+            const s = structuredClone(history[history.length - 1]);
+            s.t += 0.25;
+            s.engines = {'<b id="evil">e</b>': Object.values(s.engines)[0]};
+            onSnapshot(s);
+            return [document.getElementById('evil') === null,
+                    document.querySelector('#engines tbody td').textContent,
+                    document.getElementById('legend-ttft').textContent]""")
+        assert shown[0] and shown[1] == '<b id="evil">e</b>' and '<b id="evil">' in shown[2]
     finally:
         stop.set()
         driver.quit()

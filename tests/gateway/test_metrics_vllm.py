@@ -73,6 +73,12 @@ def test_vllm_names_labels_and_buckets(spec_server):
               for n in VLLM_HISTOGRAMS}
     assert bounds["vllm:time_to_first_token_seconds"][:-1] == list(TTFT_BUCKETS)
     assert bounds["vllm:inter_token_latency_seconds"][:-1] == list(ITL_BUCKETS)
+    for name, buckets in (("matinee_engine_time_to_first_token_seconds", TTFT_BUCKETS),
+                          ("matinee_engine_inter_token_latency_seconds", ITL_BUCKETS)):
+        assert families[name].type == "histogram"
+        samples = families[name].samples
+        assert [float(s.labels["le"]) for s in samples if s.name == name + "_bucket"][:-1] == list(buckets)
+        assert all(set(s.labels) - {"le"} == {"model_name", "engine"} for s in samples)
     assert max(bounds["vllm:e2e_request_latency_seconds"][:-1]) >= 7680
     assert max(bounds["vllm:request_queue_time_seconds"][:-1]) >= 7680
     # The queue time is the engine's: one observation per request it scheduled.
@@ -96,3 +102,29 @@ def test_inter_token_latency_is_observed_per_token(spec_server):
     assert delta("matinee_inter_token_latency_seconds", "matinee_inter_token_latency_seconds_count") == itl
     queue = delta("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count")
     assert queue == 1
+    # The engine's own: one first token, and one inter-token observation per token after it.
+    assert delta("matinee_engine_time_to_first_token_seconds", "matinee_engine_time_to_first_token_seconds_count") == 1
+    assert delta("matinee_engine_inter_token_latency_seconds", "matinee_engine_inter_token_latency_seconds_count") == itl
+    assert delta("matinee_engine_inter_token_latency_seconds", "matinee_engine_inter_token_latency_seconds_sum") > 0
+
+
+def test_accepted_tokens_per_draft_position_as_vllm_counts_them(spec_server):
+    complete(spec_server, [9, 10, 11, 12, 13] * 8, 40)
+    families = scrape(spec_server)
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    family = families[name]
+    assert family.type == "counter"
+    accepted = families["vllm:spec_decode_num_accepted_tokens"].samples
+    assert len(accepted) == 1
+    per_pos = {}
+    for s in family.samples:
+        assert s.name == name + "_total", s.name
+        assert set(s.labels) == {"model_name", "engine", "position"}, s.labels   # vLLM's labels
+        assert {k: v for k, v in s.labels.items() if k != "position"} == accepted[0].labels
+        per_pos[int(s.labels["position"])] = s.value
+    assert sorted(per_pos) == [0, 1, 2, 3]   # every position of num_speculative_tokens=4, as vLLM's
+    assert sum(per_pos.values()) == accepted[0].value > 0
+    assert all(per_pos[j] >= per_pos[j + 1] for j in range(3))   # a kept draft token's earlier ones were kept
+    assert per_pos[0] <= value(families, "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_drafts_total")
+    ours = {int(s.labels["position"]): s.value for s in families["matinee_spec_decode_accepted_tokens_per_pos"].samples}
+    assert ours == per_pos

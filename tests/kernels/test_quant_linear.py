@@ -45,6 +45,13 @@ def _quantized(qtype, n, k, seed):
 def test_packing_keeps_the_file_bytes_and_dequantizes_as_gguf_does(qtype, n, k):
     raw, weight = _quantized(qtype, n, k, n + k)
     assert weight.shape == (n, k) and weight.nbytes == -(-n // 16) * 16 * raw.shape[1]   # no float copy
+    assert_unpacks_and_dequantizes_as_gguf(weight, raw, qtype)
+
+
+def assert_unpacks_and_dequantizes_as_gguf(weight: QuantTensor, raw: np.ndarray, qtype) -> None:
+    """The packed weight gives the file's bytes back, and dequantizes (whole, and as embedding rows) bit
+    for bit as the gguf package does."""
+    n = weight.shape[0]
     assert torch.equal(quant_linear.unpack(weight), torch.from_numpy(raw))
     expect = dequantize(raw, qtype)
     got = quant_linear.dequantize(weight).numpy()

@@ -1,9 +1,10 @@
 """A man in the middle for the wire tests: a TCP proxy that does not know the cluster secret,
 keeps every byte it forwards, and may inject, replay or drop the length-prefixed chunks it sees
-(handshake frames, then whatever follows them) on the way."""
+(handshake frames, then whatever follows them) on the way, or cut the connection partway."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Callable
 
 from runtime.codec import HEADER
@@ -11,6 +12,14 @@ from runtime.codec import HEADER
 TO_SERVER, TO_CLIENT = "to_server", "to_client"
 # tamper(direction, index of the chunk in that direction, chunk) -> the chunks to send instead
 Tamper = Callable[[str, int, bytes], list[bytes]]
+
+
+class Cut(Exception):
+    """Raised by a tamper: `head` (part of a chunk, say) still goes on, then the connection closes."""
+
+    def __init__(self, head: bytes = b""):
+        super().__init__("cut")
+        self.head = head
 
 
 class Relay:
@@ -45,6 +54,10 @@ class Relay:
                 self.captured += chunk
                 writer.write(b"".join(self.tamper(direction, index, chunk)) if self.tamper else chunk)
                 index += 1
+        except Cut as cut:
+            writer.write(cut.head)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

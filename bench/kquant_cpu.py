@@ -1,0 +1,78 @@
+"""CPU projections on GGUF weights served packed: the K-quants (Q4_K, Q5_K, Q6_K) against the 32-block
+types (Q4_0, Q4_1, Q8_0) through the same kernel file (quant_gemm.c), and the packed bf16 kernel on the
+same weights dequantized (what `--quantization none --dtype bfloat16` would multiply).
+
+Llama-3.2-1B's seven projections (hidden 2048, KV 512, MLP 8192: every width whole 256-value
+super-blocks, which SmolLM2's 576 is not) over LAYERS layers, so each call reads its weight from memory
+as a decode step does. The blocks are random bytes with a small fixed scale: the time does not depend on
+the values. Prints ms per step (best of REPEATS) and weight GB/s; asserts nothing about speed.
+
+    python -m bench.kquant_cpu [--threads 2] [--layers 2] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from bench.quant_linear_cpu import step_ms
+from kernels import cpu_native, packed_linear, quant_linear
+from kernels.quant_linear import QuantTensor
+
+HIDDEN, KV, INTER = 2048, 512, 8192
+PROJECTIONS = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
+               (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+ROWS = [1, 8, 32]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+_SCALES = {Q.Q6_K: [208]}   # where each block's float16 scales sit (others: d, and a min or dmin, first)
+
+
+def random_rows(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    for at in _SCALES.get(qtype, [0, 2] if qtype != Q.Q8_0 and qtype != Q.Q4_0 else [0]):
+        blocks[:, at:at + 2] = scale
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not cpu_native.available():
+        raise SystemExit("the CPU C kernels are not available here")
+    torch.set_num_threads(args.threads)
+    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(args.layers) for s in PROJECTIONS]
+    results = []
+
+    def run(name: str, weights: list, linear, dtype: torch.dtype) -> None:
+        weight_bytes = sum(w.packed.numel() * w.packed.element_size() for w in weights)
+        for m in ROWS:
+            x_by_k = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
+            ms = step_ms(weights, linear, x_by_k, args.repeats)
+            results.append(dict(format=name, rows=m, ms=round(ms, 3), weight_mb=round(weight_bytes / 1e6, 1),
+                                weight_gb_s=round(weight_bytes / ms / 1e6, 2)))
+            print(f"{name:>12} rows {m:3d}: {ms:8.3f} ms  {weight_bytes / 1e6:7.1f} MB  "
+                  f"{weight_bytes / ms / 1e6:6.2f} GB/s", flush=True)
+
+    for qtype in TYPES:
+        weights = [quant_linear.pack(QuantTensor(int(qtype), random_rows(qtype, n, k, rng), k), torch.bfloat16)
+                   for n, k in shapes]
+        run(qtype.name, weights, quant_linear.matmul, torch.bfloat16)
+        if qtype == Q.Q4_K:   # the same weights dequantized, in the bf16 kernel's layout
+            packed = [packed_linear.pack(quant_linear.dequantize(w).to(torch.bfloat16)) for w in weights]
+            run("Q4_K->bf16", packed, packed_linear.matmul, torch.bfloat16)
+            del packed
+        del weights
+    print(json.dumps({"threads": args.threads, "layers": args.layers, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
