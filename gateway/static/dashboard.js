@@ -104,9 +104,14 @@ function draw() {
     drawChart(document.getElementById(`chart-${c.id}`), series, {spanS: SPAN_S, max: c.max, format: c.format});
     const labels = new Map(series.map((s) => [s.label, s.color]));   // one entry per engine
     document.getElementById(`legend-${c.id}`).innerHTML = [...labels].map(([label, color]) =>
-      `<span><i style="background:${color}"></i>${label}</span>`).join("") +
+      `<span><i style="background:${color}"></i>${escapeHtml(label)}</span>`).join("") +
       (c.quantiles ? `<span class="key"><i class="solid"></i>p50 <i class="dashed"></i>p90</span>` : "");
   }
+}
+
+// Engine ids come from the cluster's registry, not from this page: never markup.
+function escapeHtml(text) {
+  return String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
 }
 
 function sum(engines, f) {
@@ -153,7 +158,7 @@ function updateTable() {
     const hit = p ? ratio(e, p, "prefix_hits", "prefix_queries") : null;
     const acc = p ? ratio(e, p, "spec_accepted_tokens", "spec_draft_tokens") : null;
     const quantiles = (q) => `${fmt.secs(value(e[`${q}_p50`]))} · ${fmt.secs(value(e[`${q}_p90`]))}`;
-    return `<tr><td>${id}</td><td>${quantiles("ttft")}</td><td>${quantiles("itl")}</td>` +
+    return `<tr><td>${escapeHtml(id)}</td><td>${quantiles("ttft")}</td><td>${quantiles("itl")}</td>` +
       `<td>${e.running}</td><td>${e.waiting}</td><td>${fmt.pct(e.kv_usage)}</td>` +
       `<td>${dt ? fmt.num(delta(e, p, "generation_tokens") / dt) : "–"}</td><td>${fmt.pct(hit)}</td>` +
       `<td>${fmt.pct(acc)}</td><td>${e.preemptions}</td><td>${e.generation_tokens}</td></tr>`;

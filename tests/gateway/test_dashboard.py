@@ -180,6 +180,16 @@ def test_the_dashboard_in_chromium_moves_with_load(tiny_servers, capsys):
         with capsys.disabled():   # shown on a passing run too
             print(f"\ndashboard screenshots: {shot} {table}")
         assert _console_errors(driver) == []
+        # An engine id is the cluster's text, never markup: one shaped as an element shows as text.
+        shown = driver.execute_script("""
+            const s = structuredClone(history[history.length - 1]);
+            s.t += 0.25;
+            s.engines = {'<b id="evil">e</b>': Object.values(s.engines)[0]};
+            onSnapshot(s);
+            return [document.getElementById('evil') === null,
+                    document.querySelector('#engines tbody td').textContent,
+                    document.getElementById('legend-ttft').textContent]""")
+        assert shown[0] and shown[1] == '<b id="evil">e</b>' and '<b id="evil">' in shown[2]
     finally:
         stop.set()
         driver.quit()
