@@ -18,11 +18,12 @@ KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# The step's token budget. A CPU computes ~1k tokens a second with a small model: 2048-token steps
-# stall every decode for two seconds behind a wave of prompts and batch them no better (SmolLM2 on
-# 2 cores, 32 streams: 1024 gave 1.01x the output tok/s of 2048, TTFT p50 2.9 s against 5.0, p90
-# 9.5 against 10.3, ITL p99 1.3 s against 2.4; 512 cost 6% of the tok/s).
-CPU_STEP_TOKENS, GPU_STEP_TOKENS = 1024, 2048
+# The step's token budget. A CPU computes ~1k tokens a second with a small model, and a prompt's first
+# token waits for the whole step that finishes it: 2048-token steps stall every decode for two seconds
+# behind a wave of prompts and batch them no better. Once a step's decodes cost what they cost alone
+# (paged_attention_cpu), 512 beat 1024 (SmolLM2 bf16, 2 cores, 256-token prompts; 32 streams: 1.11x
+# the output tok/s, TTFT p50 1.5 s against 2.4, p90 7.2 against 7.8; 8 streams: p50 1.1 s against 1.7).
+CPU_STEP_TOKENS, GPU_STEP_TOKENS = 512, 2048
 
 
 def default_model_path() -> str:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 GB = 10 ** 9
 GIB = 1 << 30
 
-# Bytes per value. int4 ignores its per-group scales (the chapter's "70B at 4 bits is ~35 GB").
+# Bytes per value, nominal: int4 ignores its per-group scales (the chapter's "70B at 4 bits is ~35 GB").
+# A shape whose tensors are known sizes int8 / int4 weights as the engine holds them instead (held_int_bytes).
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "int8": 1, "fp8": 1, "int4": 0.5}
 # A GGUF weight type as the CPU kernels hold it (--quantization auto), scales included: the 32-value blocks
@@ -32,6 +33,8 @@ GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
 WEIGHT_BYTES = DTYPE_BYTES | GGUF_WEIGHT_BYTES
 AUTO = "auto"   # a GGUF file's own types: its packed matmul weights as held, the rest at the activation size
 KV_SCALED = ("int8", "fp8")   # caches with a float32 scale per block and KV head
+INT_WEIGHTS = ("int8", "int4")  # --quantization int8 / int4: projections quantized at load
+BACKENDS = ("gpu", "cpu")     # whose int4 layout: quantize.py's (torch, Triton) or torch's CPU int4 matmul's
 
 LOGIT_BYTES = 4    # the engine samples from float32 logits
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
@@ -51,6 +54,43 @@ def weight_bytes_per_value(name: str) -> float:
         return WEIGHT_BYTES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown precision {name!r} for weights ({', '.join(WEIGHT_BYTES)} or auto)") from None
+
+
+def matmul_shapes(shape: ModelShape) -> list[tuple[int, int, bool]]:
+    """(outputs, inputs, is_lm_head) of every matmul weight the engine holds, fused as it loads them:
+    q, k and v in one, gate and up in one; the LM head once (a tied embedding reads its rows)."""
+    s = shape
+    q, kv, h, i = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.intermediate_size
+    layer = [(q + 2 * kv, h, False), (h, q, False), (2 * i, h, False), (h, i, False)]
+    return layer * s.num_layers + [(s.vocab_size, h, True)]
+
+
+def float_params(shape: ModelShape) -> int:
+    """Values the engine keeps in the activation dtype beside its matmuls: the norms, the biases, and an
+    untied embedding (its rows are read, not multiplied)."""
+    s = shape
+    q, kv, h = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size
+    layer = 2 * h + (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0) + (2 * s.head_dim if s.qk_norm else 0)
+    return s.num_layers * layer + h + (0 if s.tied_embeddings else s.vocab_size * h)
+
+
+def held_int_bytes(n: int, k: int, scheme: str, head: bool, backend: str, activation_size: float) -> int:
+    """Bytes of one [n, k] matmul weight under --quantization int8 / int4 (kernels/quantize.py), scales
+    included. int8: int8 values and a float32 scale per output channel; the LM head is int8 under int4
+    too. int4 asymmetric, in groups of quantize.int4_group_size_for(k): on the "gpu" backend (the torch
+    and Triton ops) two values a byte, a float16 scale and a uint8 zero per group; on the "cpu" backend
+    torch's CPU int4 layout (kernels/quant_linear_cpu.prepare_int4): rows padded to a multiple of 16,
+    two values a byte, a scale and an offset per group in the activation dtype."""
+    from kernels.quant_linear_cpu import INT4_N_MULTIPLE
+    from kernels.quantize import int4_group_size_for
+
+    if scheme == "int8" or head:
+        return n * k + 4 * n
+    groups = k // int4_group_size_for(k)
+    if backend == "gpu":
+        return n * k // 2 + n * groups * (2 + 1)
+    rows = -(-n // INT4_N_MULTIPLE) * INT4_N_MULTIPLE
+    return int(rows * k // 2 + rows * groups * 2 * activation_size)
 
 
 def parse_size(text: str) -> int:
@@ -97,6 +137,12 @@ class MemoryPlan:
     rest at the activation precision; the kernels' padding of a tensor to 16 rows is not counted, at most
     15 rows). `activation_dtype` unset: fp32 for fp32 weights, else 16-bit. An int8 or fp8 cache counts
     its scales, one per block of `block_size` tokens and KV head, as the engine's pool does.
+
+    int8 and int4 on a shape whose tensors are known (`shape.has_layout`: a config.json, a GGUF file, a
+    preset copied from one) are sized as the engine holds them under --quantization int8 / int4: every
+    projection and the LM head quantized with their scales (held_int_bytes, on `backend`'s int4 layout),
+    the norms, biases and an untied embedding at the activation precision. On a shape that is only a
+    parameter count (the 70b-gqa preset) they are nominal, 1 and 0.5 bytes a value.
     """
     shape: ModelShape
     context_len: int
@@ -106,9 +152,12 @@ class MemoryPlan:
     step_tokens: int = 2048
     activation_dtype: str | None = None
     block_size: int = 16
+    backend: str = "gpu"
 
     def __post_init__(self) -> None:
         dtype_bytes(self.kv_dtype)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.activation_dtype is not None:
             dtype_bytes(self.activation_dtype)
         if self.weight_dtype.lower() == AUTO:
@@ -126,7 +175,16 @@ class MemoryPlan:
         s = self.shape
         if self.weight_dtype.lower() == AUTO:
             return s.quantized_bytes + (s.num_params - s.quantized_params) * self._activation_size
+        scheme = self.weight_dtype.lower()
+        if scheme in INT_WEIGHTS and s.has_layout:
+            return sum(held_int_bytes(n, k, scheme, head, self.backend, self._activation_size)
+                       for n, k, head in matmul_shapes(s)) + float_params(s) * self._activation_size
         return s.num_params * weight_bytes_per_value(self.weight_dtype)
+
+    @property
+    def nominal_weights(self) -> bool:
+        """int8 / int4 sized at their nominal bytes a value (the shape does not name its tensors)."""
+        return self.weight_dtype.lower() in INT_WEIGHTS and not self.shape.has_layout
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -164,6 +222,7 @@ class MemoryPlan:
     def as_dict(self, gpu_memory: int) -> dict:
         return {"model": self.shape.name, "context_len": self.context_len, "concurrency": self.concurrency,
                 "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype, "step_tokens": self.step_tokens,
+                "backend": self.backend, "nominal_weights": self.nominal_weights,
                 "num_params": self.shape.num_params, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
                 "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes,

@@ -29,6 +29,17 @@ class ModelShape:
     # parameters, and their bytes as held (memory_plan.GGUF_WEIGHT_BYTES). 0 for other sources.
     quantized_params: int = 0
     quantized_bytes: int = 0
+    # The tensors beside the matmuls, where the shape's source names them (a config.json, a GGUF file,
+    # a preset copied from one). None: the shape is a parameter count alone (the chapter's 70e9), so
+    # int8 / int4 are sized at their nominal bytes a value (memory_plan.MemoryPlan.weight_bytes).
+    tied_embeddings: bool | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def has_layout(self) -> bool:
+        return self.tied_embeddings is not None
 
     @classmethod
     def of(cls, cfg: ModelConfig, num_params: int | None = None, name: str = "", quantized: tuple[int, int] = (0, 0)
@@ -38,7 +49,8 @@ class ModelShape:
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                    num_params=params_of(cfg) if num_params is None else num_params,
                    max_context=cfg.max_position_embeddings, quantized_params=quantized[0],
-                   quantized_bytes=quantized[1])
+                   quantized_bytes=quantized[1], tied_embeddings=cfg.tie_word_embeddings,
+                   qkv_bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm)
 
     @classmethod
     def load(cls, model: str) -> "ModelShape":
@@ -117,20 +129,22 @@ def params_of(cfg: ModelConfig) -> int:
 
 PRESETS = {
     # The serving chapter's "70B-class GQA model": 80 layers, 8 KV heads, head dim 128, 70e9
-    # parameters (its 140 GB at 16-bit); the rest of the shape is Llama-3.1-70B's config.json.
+    # parameters (its 140 GB at 16-bit); the rest of the shape is Llama-3.1-70B's config.json. A
+    # nominal count (the real model has 70.55e9), so no layout: its int4 is the chapter's 35 GB.
     "70b-gqa": ModelShape("70b-gqa", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                           hidden_size=8192, intermediate_size=28672, vocab_size=128256,
                           num_params=70 * 10 ** 9, max_context=131072),
     # meta-llama/Meta-Llama-3-8B config.json (untied embeddings).
     "llama-3-8b": ModelShape("llama-3-8b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                              hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                             num_params=8_030_261_248, max_context=8192),
+                             num_params=8_030_261_248, max_context=8192, tied_embeddings=False),
     # Qwen/Qwen2.5-0.5B config.json (tied embeddings, q/k/v biases).
     "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                                hidden_size=896, intermediate_size=4864, vocab_size=151936,
-                               num_params=494_032_768, max_context=32768),
+                               num_params=494_032_768, max_context=32768, tied_embeddings=True,
+                               qkv_bias=True),
     # HuggingFaceTB/SmolLM2-135M config.json (tied embeddings): the default model's shape.
     "smollm2-135m": ModelShape("smollm2-135m", num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                hidden_size=576, intermediate_size=1536, vocab_size=49152,
-                               num_params=134_515_008, max_context=8192),
+                               num_params=134_515_008, max_context=8192, tied_embeddings=True),
 }

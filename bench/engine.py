@@ -8,7 +8,9 @@ float32 on the CPU through Matinee's whole engine, through transformers' padded 
 fed each request's own length), then Matinee again in bfloat16, then vLLM's CPU build in bfloat16
 and float32, each in a process of its own after the others have finished (bench/peers.py). Figures
 are ratios against the peers of the same run. `--kv-cache-dtype int8` (or fp8) also runs Matinee's
-float32 and bfloat16 with that KV cache, each right after its peer in the model dtype's cache.
+float32 and bfloat16 with that KV cache, each right after its peer in the model dtype's cache
+(`--kv-first`: right before it; the first engine of a dtype in a process can run slower, so measure
+both orders).
 """
 
 from __future__ import annotations
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bf16-scale", type=float, default=None, help="output scale of the bfloat16 run")
     ap.add_argument("--kv-cache-dtype", choices=("int8", "fp8"), default=None,
                     help="also run Matinee with this KV cache, against the model dtype's")
+    ap.add_argument("--kv-first", action="store_true",
+                    help="run each --kv-cache-dtype engine before its peer in the model dtype's cache, not after")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(PEERS):
@@ -242,16 +246,21 @@ def main(argv: list[str] | None = None) -> dict:
     out["bf16_matmul_gflops"] = matmul_gflops(torch.bfloat16, windows=1)  # recorded even when the bf16 run is skipped
     log("matmul GFLOP/s fp32", out["fp32_matmul_gflops"], "bf16", out["bf16_matmul_gflops"])
 
+    kv = args.kv_cache_dtype
+    if kv and args.kv_first:
+        q = run_matinee(model, wl, "float32", threads, args.budget, kv)
+        log(f"matinee fp32, {kv} KV cache", q)
     m = run_matinee(model, wl, "float32", threads, args.budget)
     log("matinee fp32", m)
     out.update(matinee_tok_s=m["tok_s"], matinee_wall_s=m["wall_s"], overhead_frac=m["overhead_frac"],
                loop_idle_frac=m["loop_idle_frac"], kv_waste_frac=m["kv_waste_frac"], steps=m["steps"],
                preemptions=m["preemptions"],
                roofline_frac=m["model_flops"] / m["wall_s"] / (out["fp32_matmul_gflops"] * 1e9))
-    kv = args.kv_cache_dtype
     if kv:
-        q = run_matinee(model, wl, "float32", threads, args.budget, kv)
-        log(f"matinee fp32, {kv} KV cache", q)
+        if not args.kv_first:
+            q = run_matinee(model, wl, "float32", threads, args.budget, kv)
+            log(f"matinee fp32, {kv} KV cache", q)
+        out.update(kv_order="kv_first" if args.kv_first else "kv_after")
         out.update({f"matinee_kv_{kv}_tok_s": q["tok_s"], f"kv_{kv}_speedup": q["tok_s"] / m["tok_s"]})
     if not {"hf_static", "hf_batch"} <= skip:
         hf = load_hf(model)
@@ -274,13 +283,17 @@ def main(argv: list[str] | None = None) -> dict:
             out.update(bf16_num_requests=len(sub.prompts), bf16_output_tokens=sub.output_tokens)
             same = run_matinee(model, sub, "float32", threads, args.budget)  # the fp32 peer on that subset
             out["matinee_fp32_subset_tok_s"] = same["tok_s"]
+        if kv and args.kv_first:
+            q = run_matinee(model, sub, "bfloat16", threads, args.budget, kv)
+            log(f"matinee bf16, {kv} KV cache", q)
         b16 = run_matinee(model, sub, "bfloat16", threads, args.budget)
         log("matinee bf16", b16)
         ref = out.get("matinee_fp32_subset_tok_s", m["tok_s"])
         out.update(matinee_bf16_tok_s=b16["tok_s"], bf16_speedup=b16["tok_s"] / ref)
         if kv:
-            q = run_matinee(model, sub, "bfloat16", threads, args.budget, kv)
-            log(f"matinee bf16, {kv} KV cache", q)
+            if not args.kv_first:
+                q = run_matinee(model, sub, "bfloat16", threads, args.budget, kv)
+                log(f"matinee bf16, {kv} KV cache", q)
             out.update({f"matinee_bf16_kv_{kv}_tok_s": q["tok_s"], f"bf16_kv_{kv}_speedup": q["tok_s"] / b16["tok_s"]})
     for dtype in vllm_dtypes:
         key = VLLM_DTYPES[dtype]

@@ -12,7 +12,7 @@ import sys
 from typing import Mapping
 
 from actors.config import GPU_STEP_TOKENS, EngineConfig
-from actors.memory_plan import AUTO, GB, DTYPE_BYTES, WEIGHT_BYTES, MemoryPlan, parse_size
+from actors.memory_plan import AUTO, BACKENDS, GB, DTYPE_BYTES, WEIGHT_BYTES, MemoryPlan, parse_size
 from actors.model_shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
 from actors.engine_node import EngineNodeConfig
@@ -62,9 +62,16 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--context-len", type=int, help="tokens per sequence (unset: the model's context)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences resident at once")
     p.add_argument("--weight-dtype", default="bf16", choices=[*WEIGHT_BYTES, AUTO], metavar="DTYPE",
-                   help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16); a GGUF type (q8_0, q4_0, q4_1, q4_k, "
+                   help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16; int8 and int4 as the engine holds "
+                        "them under --quantization int8 / int4, scales, int8 LM head and float norms included, "
+                        "or nominal 1 and 0.5 bytes a value for a preset that is only a parameter count, "
+                        "70b-gqa); a GGUF type (q8_0, q4_0, q4_1, q4_k, "
                         "q5_k, q6_k: bytes as the CPU kernels hold it, scales included); auto: a GGUF file's own "
                         "types, as the CPU engine holds them under --quantization auto")
+    p.add_argument("--backend", default="gpu", choices=BACKENDS,
+                   help="whose int4 layout --weight-dtype int4 is sized in: gpu (torch and Triton kernels: a "
+                        "float16 scale and a uint8 zero per group) or cpu (torch's CPU int4 matmul: rows padded "
+                        "to 16, a scale and an offset per group in the activation dtype)")
     p.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, metavar="DTYPE",
                    help="fp32, bf16, fp16, int8, fp8 (int8 and fp8 with their scales per block)")
     p.add_argument("--step-tokens", type=int, default=GPU_STEP_TOKENS,
@@ -82,7 +89,7 @@ def plan(args: argparse.Namespace) -> int:
     shape = ModelShape.load(args.model or default_model_path())
     gpu_memory = parse_size(args.gpu_memory)
     p = MemoryPlan(shape, args.context_len or shape.max_context, args.concurrency, args.weight_dtype,
-                   args.kv_dtype, args.step_tokens)
+                   args.kv_dtype, args.step_tokens, backend=args.backend)
     out = p.as_dict(gpu_memory)
     if args.fit:
         out |= {"fit_gpus": args.gpus, "fit_concurrency": p.max_concurrency(args.gpus * gpu_memory)}
@@ -91,7 +98,8 @@ def plan(args: argparse.Namespace) -> int:
         return 0
     rows = [("model", f"{shape.name} ({shape.num_params / 1e9:.2f}B parameters)"),
             ("context", f"{p.context_len} tokens x {p.concurrency} sequences"),
-            ("weights", f"{p.weight_bytes / GB:8.1f} GB  ({p.weight_dtype})"),
+            ("weights", f"{p.weight_bytes / GB:8.1f} GB  ({p.weight_dtype}"
+                         + (", nominal bytes a value)" if p.nominal_weights else ")")),
             ("KV cache", f"{p.kv_bytes / GB:8.1f} GB  ({p.kv_dtype}, {p.kv_bytes_per_token:g} bytes/token)"),
             ("activations", f"{p.activation_bytes / GB:8.1f} GB  ({p.step_tokens} tokens/step, logits)"),
             ("total", f"{p.total_bytes / GB:8.1f} GB"),

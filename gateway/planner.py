@@ -30,6 +30,7 @@ class PlanRequest(msgspec.Struct, forbid_unknown_fields=True):
     step_tokens: int = GPU_STEP_TOKENS
     gpu_memory: str = "80GB"
     gpus: int = 1                            # for the reverse: the concurrency that many GPUs hold
+    backend: str = "gpu"                     # whose int4 layout (memory_plan.BACKENDS)
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -57,7 +58,7 @@ def plan_of(req: PlanRequest) -> dict:
         raise ValueError(f"gpus must be at least 1, got {req.gpus}")
     gpu_memory = parse_size(req.gpu_memory)
     p = MemoryPlan(shape, req.context_len or shape.max_context, req.concurrency, req.weight_dtype,
-                   req.kv_dtype, req.step_tokens)
+                   req.kv_dtype, req.step_tokens, backend=req.backend)
     return p.as_dict(gpu_memory) | {"fit_gpus": req.gpus,
                                     "fit_concurrency": p.max_concurrency(req.gpus * gpu_memory)}
 

@@ -1,11 +1,12 @@
 """The scheduler: which sequences run in the next step and how many tokens each computes.
 
-A plain synchronous class. Each step: `schedule()` returns one KV transaction (running sequences
-first, in priority order, then waiting ones as prefill chunks under the token budget); `on_kv()`
-applies its result and, when the pool ran out, preempts the least important, newest sequence and
-returns a retry; `plan()` turns the step into the worker's StepPlan, with the block tables the
-KV manager returned (the scheduler keeps none); `update()` takes the sampled tokens, stops
-sequences and queues the TokenDeltas for their front ends. It never awaits.
+A plain synchronous class. Each step: `schedule()` returns one KV transaction (running decodes
+first, then the prefills already started, in priority order, then waiting ones as prefill chunks in
+queue order, under the token budget); `on_kv()` applies its result and, when the pool ran out,
+preempts the least important, newest sequence and returns a retry; `plan()` turns the step into the
+worker's StepPlan, with the block tables the KV manager returned (the scheduler keeps none);
+`update()` takes the sampled tokens, stops sequences and queues the TokenDeltas for their front ends.
+It never awaits.
 """
 
 from __future__ import annotations
@@ -242,7 +243,11 @@ class Scheduler:
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
         spec_k = self._choose_spec()
-        for seq in self.running:
+        # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
+        # arrival order: a prefill that sorts first (a more important request, a preempted older
+        # one) must not take the budget from a stream that already emits tokens.
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        for seq in decodes + [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             n = min(seq.num_tokens - seq.num_computed, budget)
             seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:

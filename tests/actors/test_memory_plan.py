@@ -104,3 +104,45 @@ def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_mod
         assert plan.weight_bytes == runner.weight_bytes
         assert plan.kv_bytes_per_token == runner.kv_bytes_per_token
         assert runner.num_blocks == blocks_that_fit(budget, plan.kv_bytes_per_token, 16)
+
+
+def test_a_known_shape_is_its_tensors():
+    """The layout the int8 / int4 plan walks adds up to the shape's parameter count."""
+    from actors.memory_plan import float_params, matmul_shapes
+
+    for name, shape in PRESETS.items():
+        if shape.has_layout:
+            assert sum(n * k for n, k, _ in matmul_shapes(shape)) + float_params(shape) == shape.num_params, name
+    assert not PRESETS["70b-gqa"].has_layout            # a parameter count alone: nominal int8 / int4
+    assert MemoryPlan(PRESETS["70b-gqa"], 1024, weight_dtype="int4").nominal_weights
+    with pytest.raises(ValueError, match="backend must be one of"):
+        MemoryPlan(PRESETS["70b-gqa"], 1024, backend="tpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_bias"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("kernels,backend", [("cpu", "cpu"), ("torch", "gpu")])
+def test_engine_int_weights_are_the_plans_arithmetic(tiny_model_dir, arch, quantization, kernels, backend):
+    """--quantization int8 / int4 on a float checkpoint: per-channel and per-group scales, the int8 LM head
+    (a tied embedding read out of it), an untied embedding, norms and biases in float; untied (llama, qwen2),
+    tied (qwen3, llama_bias), q/k/v biases (qwen2), an o bias (llama_bias), q/k norms (qwen3)."""
+    folder = tiny_model_dir(arch)
+    plan = MemoryPlan(ModelShape.load(folder), context_len=64, weight_dtype=quantization, activation_dtype="fp32",
+                      backend=backend)
+    runner = ModelRunner(folder, dtype="float32", kernels=kernels, block_size=16, num_threads=1, num_blocks=4,
+                         quantization=quantization)
+    assert not plan.nominal_weights
+    assert plan.weight_bytes == runner.weight_bytes
+    nominal = plan.shape.num_params * (1 if quantization == "int8" else 0.5)
+    assert plan.weight_bytes > nominal                  # the scales and the float tensors are counted
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_int_weights_are_the_plans_arithmetic_smollm2(smollm2_gguf, quantization):
+    """The default model requantized at load, served in bfloat16 on the CPU kernels (the perplexity table's
+    135.4 and 87.5 MB)."""
+    plan = MemoryPlan(ModelShape.load(smollm2_gguf), context_len=64, weight_dtype=quantization, backend="cpu",
+                      activation_dtype="bf16")
+    runner = ModelRunner(smollm2_gguf, dtype="bfloat16", kernels="cpu", block_size=16, num_threads=1,
+                         num_blocks=4, quantization=quantization)
+    assert plan.weight_bytes == runner.weight_bytes == {"int8": 135_368_832, "int4": 87_468_672}[quantization]

@@ -385,6 +385,61 @@ def test_queue_time_is_measured_once_per_request_from_arrival_to_first_scheduled
     assert 0 <= waits.sum < 60
 
 
+def test_a_started_prefill_that_sorts_first_never_takes_a_decodes_turn():
+    """An important request's long prompt arrives while a less important one streams: the prompt is
+    chunked into what the budget leaves after the decode, so the stream gets a token every step."""
+    h = Harness(budget=16)
+    h.submit("streaming", [1, 2, 3], priority=5, max_tokens=30)
+    h.step()
+    h.step()
+    h.submit("urgent", list(range(200)), priority=0, max_tokens=2)
+    steps = 0
+    while h.scheduler.seqs and any(s.request.request_id == "urgent" and s.num_output_tokens == 0
+                                   for s in h.scheduler.seqs.values()):
+        plan = h.step()
+        steps += 1
+        assert sum(len(s.token_ids) for s in plan.seqs) <= 16
+        assert 0 in {s.seq_id for s in plan.seqs}, f"step {steps}: the urgent prefill stalled the stream"
+    assert steps >= 200 // 15
+    h.run()
+    assert h.outputs[("urgent", 0)] == reference(list(range(200)), 2)
+    assert h.outputs[("streaming", 0)] == reference([1, 2, 3], 30)
+    h.assert_all_free()
+
+
+def test_a_wave_of_prompts_is_prefilled_first_come_first_served():
+    """Prompts that arrive together are computed in arrival order, each chunk to the earliest prompt
+    still unfinished: the budget is never spread over the queue, so early prompts get their first
+    token early (prompt k's at the step where the k first prompts' tokens have all been computed)."""
+    budget, plen = 64, 40
+    h = Harness(budget=budget, max_seqs=32)
+    for i in range(10):
+        h.submit(f"r{i}", prompts(1, plen, plen, seed=i)[0], max_tokens=50)
+    first_token_step = {}
+    for step in range(1, 40):
+        h.step()
+        for (rid, _), toks in h.outputs.items():
+            first_token_step.setdefault(rid, step) if toks else None
+        if len(first_token_step) == 10:
+            break
+    order = sorted(first_token_step, key=lambda r: (first_token_step[r], int(r[1:])))
+    assert order == [f"r{i}" for i in range(10)]
+    # Decodes take one token each from every step's budget, and prompts follow in order with what is left.
+    done, decoding, step_of = 0, 0, {}
+    for step in range(1, 40):
+        left = budget - decoding
+        while done < 10 * plen and left > 0:
+            take = min(left, plen - done % plen)
+            done += take
+            left -= take
+            if done % plen == 0:
+                step_of[f"r{done // plen - 1}"] = step
+        decoding = len(step_of)
+        if len(step_of) == 10:
+            break
+    assert first_token_step == step_of
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.t = 0.0

@@ -68,6 +68,32 @@ def test_engine_rejects_unknown_peers_and_a_missing_vllm(capsys):
     assert "--skip vllm_bf16,vllm_f32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kv_first", [False, True])
+def test_engine_kv_cache_run_order_is_swappable(monkeypatch, capsys, kv_first):
+    """--kv-first puts each --kv-cache-dtype engine before its peer in the model dtype's cache, and the
+    ratios still compare the same two engines (the engines themselves are stubbed: only the order runs)."""
+    from bench import engine
+
+    runs = []
+
+    def fake_run(model, wl, dtype, threads, budget, kv_cache_dtype="auto"):
+        runs.append((dtype, kv_cache_dtype))
+        tok_s = {"float32": 100.0, "bfloat16": 200.0}[dtype] * (0.5 if kv_cache_dtype == "int8" else 1.0)
+        return {"tok_s": tok_s, "wall_s": 1.0, "overhead_frac": 0.0, "loop_idle_frac": 0.0, "kv_waste_frac": 0.0,
+                "steps": 1, "preemptions": 0, "model_flops": 1.0}
+
+    monkeypatch.setattr(engine, "run_matinee", fake_run)
+    monkeypatch.setattr(engine, "matmul_gflops", lambda dtype, windows=3: 1.0)
+    argv = ["--workload", "chat", "--num-requests", "2", "--skip", "hf_static,hf_batch,vllm_bf16,vllm_f32",
+            "--kv-cache-dtype", "int8", "--json"] + (["--kv-first"] if kv_first else [])
+    out = engine.main(argv)
+    pairs = [[("float32", "int8"), ("float32", "auto")], [("bfloat16", "int8"), ("bfloat16", "auto")]]
+    assert runs == [r for pair in pairs for r in (pair if kv_first else pair[::-1])]
+    assert out["kv_order"] == ("kv_first" if kv_first else "kv_after")
+    assert out["kv_int8_speedup"] == out["bf16_kv_int8_speedup"] == 0.5
+    assert json.loads(capsys.readouterr().out) == out
+
+
 def test_vllm_offline_script_needs_only_the_standard_library():
     """It runs in vLLM's venv: importing it (vllm is imported only when it runs) pulls in nothing else."""
     import ast

@@ -219,3 +219,20 @@ def test_missing_or_misshapen_scales_are_refused(ops_name):
         with pytest.raises(ValueError, match="needs k_scales"):
             ops.write_kv(batch.q[:, :2], batch.q[:, :2], batch.k_cache, batch.v_cache, torch.tensor([0]),
                          bad, v_scales)
+
+
+@needs_c
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cpu_prefill_chunks_beside_short_runs(poisoned_empty, each_build, cache_dtype, dtype, monkeypatch):
+    """A step's prefill chunks (past the kernel's limit) read the quantized cache through the reference,
+    its decodes through the kernel, in one batch."""
+    monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
+    batch, k_scales, v_scales, dequantized = quantized_batch([(20, 20), (1, 37), (3, 19), (9, 40)], *SHAPES[0],
+                                                             cache_dtype, dtype=dtype)
+    out = cpu_paged_attention(*batch.args(), k_scales=k_scales, v_scales=v_scales)
+    assert out.dtype == dtype
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), _oracle(dequantized), atol=1e-5, rtol=2**-8 * 1.01)
+    else:
+        torch.testing.assert_close(out, _oracle(dequantized).float(), atol=2e-5, rtol=2e-5)

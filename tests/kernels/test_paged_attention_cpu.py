@@ -119,14 +119,59 @@ def test_threads_give_the_same_bits(dtype, shapes):
     assert torch.equal(one, two)
 
 
+# Prefill chunks beside decodes and verifications, as a step mixes them: fresh prompts (the chunk is the
+# whole sequence), chunks after a cached past, lengths off the block size.
+PREFILL_MIX = [(40, 40), (1, 30), (3, 19), (17, 100), (1, 5), (33, 33), (2, 2), (70, 71)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_chunks_and_other_dtypes_use_the_reference(dtype):
-    long = make_batch([(MAX_QUERY_LEN[dtype] + 4, 40), (1, 12)], 8, 2, head_dim=64, block_size=16, dtype=dtype)
-    q, *rest = long.args()
-    # bf16 chunks run the reference in float32 (faster on the CPU), rounded once at the end.
-    expect = TORCH.paged_attention(q.float(), *rest).to(dtype) if dtype == torch.bfloat16 else TORCH.paged_attention(q, *rest)
-    assert torch.equal(paged_attention(*long.args()), expect)
-    half = make_batch(CASES["decode"], 8, 2, head_dim=64, block_size=16, dtype=torch.float16)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "mha"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefill_chunks_beside_short_runs(poisoned_empty, monkeypatch, dtype, heads, block_size):
+    """Chunks longer than the kernel's limit each run SDPA on their own context; the short runs of the
+    same batch go through the kernel, with the very bits they get in a batch of their own."""
+    monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
+    monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention", None)
+    batch = make_batch(PREFILL_MIX, *heads, head_dim=64, block_size=block_size, dtype=dtype, seed=block_size)
+    _assert_matches_oracle_only(batch)
+    out = paged_attention(*batch.args())
+    starts = batch.query_start_loc.tolist()
+    short = [b for b in range(len(PREFILL_MIX)) if PREFILL_MIX[b][0] <= 4]
+    rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short])
+    q_lens = [PREFILL_MIX[b][0] for b in short]
+    alone = paged_attention(batch.q[rows], batch.k_cache, batch.v_cache, batch.block_tables[short],
+                            batch.seq_lens[short], torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+                            max(q_lens), int(batch.seq_lens[short].max()), batch.scale)
+    assert torch.equal(out[rows], alone)
+
+
+def _assert_matches_oracle_only(batch):
+    out = paged_attention(*batch.args())
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    tol = (BF16_ATOL, BF16_RTOL) if out.dtype == torch.bfloat16 else (2e-5, 2e-5)
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunk_metadata_is_checked(dtype):
+    batch = make_batch([(20, 20), (1, 12)], 8, 2, head_dim=64, block_size=16, dtype=dtype)
+    args = list(batch.args())
+    args[4] = torch.tensor([40, 12], dtype=torch.int32)   # past its block table
+    with pytest.raises(ValueError, match="disagree"):
+        paged_attention(*args)
+    args = list(batch.args())
+    args[4] = torch.tensor([10, 12], dtype=torch.int32)   # 20 new tokens in a sequence of 10
+    with pytest.raises(ValueError, match="disagree"):
+        paged_attention(*args)
+    args = list(batch.args())
+    args[3] = batch.block_tables.clone()
+    args[3][0, 0] = batch.k_cache.shape[0]
+    with pytest.raises(ValueError, match="out of range"):
+        paged_attention(*args)
+
+
+def test_other_dtypes_use_the_reference():
+    half = make_batch(CASES["decode"] + [(20, 30)], 8, 2, head_dim=64, block_size=16, dtype=torch.float16)
     assert torch.equal(paged_attention(*half.args()), TORCH.paged_attention(*half.args()))
 
 
