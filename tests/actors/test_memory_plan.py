@@ -91,10 +91,12 @@ def test_engine_weights_are_the_plans_arithmetic_smollm2(smollm2_gguf):
 
 def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_model_dir, tmp_path):
     """A Q4_K_M-like mix (q, k in Q4_K and v in Q6_K fused by rows, o in Q5_K), an int8 cache."""
+    from gguf.constants import GGMLQuantizationType as Q
+
     from tests.actors.test_loader_gguf import hf_folder_to_gguf
     from tests.actors.test_quantized_gguf import _k_mix
 
-    path = hf_folder_to_gguf(tiny_model_dir("qwen2_wide"), str(tmp_path / "model.gguf"), _k_mix)
+    path = hf_folder_to_gguf(tiny_model_dir("qwen2_wide"), str(tmp_path / "model.gguf"), _k_mix(Q.Q6_K))
     for kv in ("int8", "fp8"):
         plan = MemoryPlan(ModelShape.load(path), context_len=64, weight_dtype="auto", kv_dtype=kv,
                           activation_dtype="fp32")
