@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from bench.quant_linear_cpu import step_ms
+from bench.quant_linear_cpu import measure_rows
 from kernels import cpu_native, packed_linear, quant_linear
 from kernels.quant_linear import QuantTensor
 
@@ -54,13 +54,8 @@ def main(argv=None) -> None:
 
     def run(name: str, weights: list, linear, dtype: torch.dtype) -> None:
         weight_bytes = sum(w.packed.numel() * w.packed.element_size() for w in weights)
-        for m in ROWS:
-            x_by_k = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
-            ms = step_ms(weights, linear, x_by_k, args.repeats)
-            results.append(dict(format=name, rows=m, ms=round(ms, 3), weight_mb=round(weight_bytes / 1e6, 1),
-                                weight_gb_s=round(weight_bytes / ms / 1e6, 2)))
-            print(f"{name:>12} rows {m:3d}: {ms:8.3f} ms  {weight_bytes / 1e6:7.1f} MB  "
-                  f"{weight_bytes / ms / 1e6:6.2f} GB/s", flush=True)
+        results.extend(measure_rows(name, weights, weight_bytes, linear, dtype, (HIDDEN, INTER), args.repeats, gen,
+                                    ROWS))
 
     for qtype in TYPES:
         weights = [quant_linear.pack(QuantTensor(int(qtype), random_rows(qtype, n, k, rng), k), torch.bfloat16)

@@ -46,6 +46,20 @@ def formats(floats: list[torch.Tensor]) -> dict[str, tuple[list, object, torch.d
     return table
 
 
+def measure_rows(name: str, weights, weight_bytes: int, linear, dtype: torch.dtype, widths, repeats: int,
+                 gen: torch.Generator, rows=ROWS) -> list[dict]:
+    """A step's time over `weights` at each row count (inputs of each width in `widths`), printed as it goes."""
+    results = []
+    for m in rows:
+        x_by_k = {k: torch.randn(m, k, generator=gen).to(dtype) for k in widths}
+        ms = step_ms(weights, linear, x_by_k, repeats)
+        results.append(dict(format=name, rows=m, ms=round(ms, 3), weight_mb=round(weight_bytes / 1e6, 1),
+                            weight_gb_s=round(weight_bytes / ms / 1e6, 2)))
+        print(f"{name:>12} rows {m:3d}: {ms:8.3f} ms  {weight_bytes / 1e6:7.1f} MB  "
+              f"{weight_bytes / ms / 1e6:6.2f} GB/s", flush=True)
+    return results
+
+
 def step_ms(weights, linear, x_by_k, repeats: int) -> float:
     best = float("inf")
     for repeat in range(repeats + 1):
@@ -69,13 +83,7 @@ def main(argv=None) -> None:
     results = []
     for name, (weights, linear, dtype) in formats(floats).items():
         weight_bytes = sum(_bytes(w) for w in weights)
-        for m in ROWS:
-            x_by_k = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTER)}
-            ms = step_ms(weights, linear, x_by_k, args.repeats)
-            results.append(dict(format=name, rows=m, ms=round(ms, 3), weight_mb=round(weight_bytes / 1e6, 1),
-                                weight_gb_s=round(weight_bytes / ms / 1e6, 2)))
-            print(f"{name:>12} rows {m:3d}: {ms:8.3f} ms  {weight_bytes / 1e6:7.1f} MB  "
-                  f"{weight_bytes / ms / 1e6:6.2f} GB/s")
+        results += measure_rows(name, weights, weight_bytes, linear, dtype, (HIDDEN, INTER), args.repeats, gen)
     print(json.dumps({"threads": args.threads, "layers": args.layers, "results": results}))
 
 

@@ -51,12 +51,16 @@ def test_greedy_parity_with_the_torch_reference_of_the_same_math(arch, mix, tiny
                                                         layer.down_weight)]
         assert all(isinstance(w, QuantWeight) for w in layers + [model.lm_head, model.embed])
         assert (model.embed is model.lm_head) == (arch == "llama_tied")   # one copy when tied
-    # Prefill: many rows at once; logits at every position.
+    _assert_same_logits(cpu, ref)
+
+
+def _assert_same_logits(cpu, ref) -> None:
+    """Prefill (many rows at once, logits at every position), then 20 greedy decode steps, each runner
+    fed the CPU path's own tokens: the logits equal at every step."""
     prompts = [list(range(3, 40)), [7, 8, 9, 300, 5]]
     batch = ForwardBatch([SequenceInput(prompts[0], 0, [0, 1, 2, 3, 4], num_logits=37),
                           SequenceInput(prompts[1], 0, [5], num_logits=5)])
     assert torch.equal(cpu.execute(batch), ref.execute(batch))
-    # Decode: one row a step, each runner fed the CPU path's own greedy tokens.
     seq, blocks = [11, 12, 13], [8, 9, 10, 11]
     got, want = (r.execute(ForwardBatch([SequenceInput(seq, 0, blocks, 1)])) for r in (cpu, ref))
     for _ in range(20):
@@ -98,18 +102,7 @@ def test_k_quants_greedy_parity_with_the_torch_reference(arch, v_type, tiny_mode
     vectors = [info.shape[0] for info in GGUFFile(path).tensors.values() if len(info.shape) == 1]
     assert cpu.model.weight_bytes()["float"] == 4 * sum(vectors)   # float32 norms and biases alone
     assert cpu.weight_bytes <= 1.15 * GGUFWeights(path).tensor_bytes()
-    prompts = [list(range(3, 40)), [7, 8, 9, 300, 5]]
-    batch = ForwardBatch([SequenceInput(prompts[0], 0, [0, 1, 2, 3, 4], num_logits=37),
-                          SequenceInput(prompts[1], 0, [5], num_logits=5)])
-    assert torch.equal(cpu.execute(batch), ref.execute(batch))
-    seq, blocks = [11, 12, 13], [8, 9, 10, 11]
-    got, want = (r.execute(ForwardBatch([SequenceInput(seq, 0, blocks, 1)])) for r in (cpu, ref))
-    for _ in range(20):
-        assert torch.equal(got, want)
-        token = int(got[-1].argmax())
-        step = ForwardBatch([SequenceInput([token], len(seq), blocks, 1)])
-        seq.append(token)
-        got, want = cpu.execute(step), ref.execute(step)
+    _assert_same_logits(cpu, ref)
 
 
 def test_resident_bytes_are_the_files_and_none_dequantizes(tiny_model_dir, tmp_path):
