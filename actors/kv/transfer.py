@@ -32,7 +32,8 @@ class KVTransferConfig:
         "help": "KV bytes a prefill engine may have sent and not yet seen written (e.g. 8MiB)",
         "type": "bytes", "flag": "kv-transfer-window"})
     chunk_bytes: int = 1 << 20        # blocks per frame: as many as fit (at least one)
-    timeout_s: float = 30.0           # a chunk, an offer or a commit not answered by then cuts the handoff
+    timeout_s: float = 30.0           # a chunk, an offer or a commit not answered by then cuts the handoff;
+                                      # a receiver that hears nothing of a handoff for twice that lets it go
 
     def __post_init__(self) -> None:
         if self.window_bytes < 1:
@@ -58,6 +59,13 @@ class _Incoming:
     block_table: list[int]
     skip_blocks: int
     written: int = 0                  # blocks written so far
+    heard: float = field(default_factory=time.monotonic)   # the sender's last offer or chunk
+
+
+@dataclass(frozen=True)
+class _CheckIdle:
+    """To itself: has handoff `transfer_id` heard from its sender lately?"""
+    transfer_id: str
 
 
 class KVTransfer(Actor):
@@ -93,6 +101,8 @@ class KVTransfer(Actor):
                 inc = self._incoming.pop(tid, None)
                 if inc is not None:
                     self.scheduler.tell(AdoptDrop(inc.seq_id))
+            case _CheckIdle(transfer_id=tid):
+                self._check_idle(tid)
             case Terminated(ref=ref):
                 self._watched.discard(ref)
                 for tid, inc in list(self._incoming.items()):
@@ -166,6 +176,7 @@ class KVTransfer(Actor):
             return KVOfferReply(False, reason="no room in the KV cache", no_room=True)
         self._incoming[offer.transfer_id] = _Incoming(reserved.seq_id, offer.sender, reserved.block_table,
                                                       reserved.num_hit_blocks)
+        self.context.schedule_once(self._idle_s, _CheckIdle(offer.transfer_id))
         if offer.sender not in self._watched:   # a sender that dies takes its handoffs with it
             self._watched.add(offer.sender)
             self.context.watch(offer.sender)
@@ -181,7 +192,28 @@ class KVTransfer(Actor):
                              f"[{inc.skip_blocks}, {len(inc.block_table)})")
         self.blocks.write(inc.block_table[chunk.first_block:end], chunk.data)
         inc.written += chunk.num_blocks
+        inc.heard = time.monotonic()
         return chunk.num_blocks
+
+    @property
+    def _idle_s(self) -> float:
+        return 2 * self.config.timeout_s   # past the sender's own timeout: it has given up, or hangs
+
+    def _check_idle(self, transfer_id: str) -> None:
+        """A sender that hangs without dying (its node stays up) would hold the reserved blocks for good:
+        past the idle time they go back, and a late chunk or commit fails its handoff, which the front
+        end continues elsewhere."""
+        inc = self._incoming.get(transfer_id)
+        if inc is None:
+            return
+        quiet = time.monotonic() - inc.heard
+        if quiet < self._idle_s:
+            self.context.schedule_once(self._idle_s - quiet, _CheckIdle(transfer_id))
+            return
+        del self._incoming[transfer_id]
+        self.scheduler.tell(AdoptDrop(inc.seq_id))
+        self.context.log.warning("KV handoff dropped: its sender went quiet", transfer_id=transfer_id,
+                                 quiet_s=round(quiet, 3))
 
     async def _on_commit(self, transfer_id: str) -> bool:
         inc = self._incoming.pop(transfer_id, None)

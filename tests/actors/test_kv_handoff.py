@@ -284,6 +284,27 @@ async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair)
     assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
+async def test_a_handoff_whose_sender_goes_quiet_gives_its_blocks_back(pair):
+    """A sender that hangs without dying (no chunk, no commit, no cancel, its node still up)."""
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    quick = await system.spawn(KVTransfer(io, decode.scheduler, decode.config.block_size,
+                                          KVTransferConfig(timeout_s=0.1)), name="dec-quick")
+    prompt = [random.Random(5).randrange(4, 300) for _ in range(50)]   # 4 blocks
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert (await quick.ask(KVOffer("hung", quick, "hung", prompt, [7], GREEDY, front_ref, 0, None, 0,
+                                    io.layout))).accepted
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free   # back after 2 x 0.1 s of quiet
+    with pytest.raises(Exception, match="no handoff hung"):   # a late chunk fails its handoff
+        await quick.ask(KVChunk("hung", 0, 1, io.read([0])))
+    await system.stop(quick)
+
+
 def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
     src = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(3)]
     dst = [(torch.zeros(9, 4, 2, 8), torch.zeros(9, 4, 2, 8)) for _ in range(3)]
