@@ -28,7 +28,9 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
 # A GGUF weight type as the CPU kernels hold it (--quantization auto), scales included: the 32-value blocks
 # as the file stores them (Q4_1: 20 bytes, 5 bits a weight), the K-quants' 256-value super-blocks with a
 # byte per sub-block scale (kernels/kquant.py: Q4_K 148 bytes, 4.625 bits, against the file's 144).
-GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+# The kernels' own tables (quant_linear.BLOCK_BYTES, kquant.ROW_BYTES) import torch, which planning
+# does without: a test holds this copy to them.
+GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
                      "q4_k": 148 / 256, "q5_k": 180 / 256, "q6_k": 210 / 256}
 WEIGHT_BYTES = DTYPE_BYTES | GGUF_WEIGHT_BYTES
 AUTO = "auto"   # a GGUF file's own types: its packed matmul weights as held, the rest at the activation size

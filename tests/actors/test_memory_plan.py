@@ -89,14 +89,16 @@ def test_engine_weights_are_the_plans_arithmetic_smollm2(smollm2_gguf):
     assert plan.weight_bytes == runner.weight_bytes == 96_576_768
 
 
-def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_model_dir, tmp_path):
-    """A Q4_K_M-like mix (q, k in Q4_K and v in Q6_K fused by rows, o in Q5_K), an int8 cache."""
+@pytest.mark.parametrize("v_type", ["Q6_K", "Q5_0"])
+def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_model_dir, tmp_path, v_type):
+    """A Q4_K_M-like mix (q, k in Q4_K and v in Q6_K, or Q5_0 as llama.cpp stores it for widths not whole
+    super-blocks, fused by rows; o in Q5_K), an int8 cache."""
     from gguf.constants import GGMLQuantizationType as Q
 
     from tests.actors.test_loader_gguf import hf_folder_to_gguf
     from tests.actors.test_quantized_gguf import _k_mix
 
-    path = hf_folder_to_gguf(tiny_model_dir("qwen2_wide"), str(tmp_path / "model.gguf"), _k_mix(Q.Q6_K))
+    path = hf_folder_to_gguf(tiny_model_dir("qwen2_wide"), str(tmp_path / "model.gguf"), _k_mix(Q[v_type]))
     for kv in ("int8", "fp8"):
         plan = MemoryPlan(ModelShape.load(path), context_len=64, weight_dtype="auto", kv_dtype=kv,
                           activation_dtype="fp32")
@@ -106,6 +108,18 @@ def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_mod
         assert plan.weight_bytes == runner.weight_bytes
         assert plan.kv_bytes_per_token == runner.kv_bytes_per_token
         assert runner.num_blocks == blocks_that_fit(budget, plan.kv_bytes_per_token, 16)
+
+
+def test_the_plans_gguf_types_are_every_type_the_kernels_keep_packed():
+    """memory_plan stays free of torch, so it keeps its own table: it must name each type the CPU kernels
+    read, at the bytes they hold it in (a new kernel type without a planner entry fails here)."""
+    from actors.memory_plan import GGUF_WEIGHT_BYTES
+    from kernels import kquant, quant_linear
+
+    held = {name.lower(): quant_linear.BLOCK_BYTES[t] / 32 for t, name in quant_linear.NAMES.items()
+            if t in quant_linear.BLOCK_BYTES}
+    held |= {t.name.lower(): kquant.ROW_BYTES[t] / 256 for t in kquant.TYPES}
+    assert GGUF_WEIGHT_BYTES == held
 
 
 def test_a_known_shape_is_its_tensors():
