@@ -6,6 +6,7 @@ each, because fewer, bigger matmuls run faster. It never imports transformers.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -114,12 +115,7 @@ class DecoderModel:
             parts = [weights.quantized(n) for n in names]
             if any(p is None for p in parts):
                 return None
-            runs = [[parts[0]]]
-            for part in parts[1:]:
-                if QuantTensor.cat([runs[-1][-1], part]) is None:
-                    runs.append([part])
-                else:
-                    runs[-1].append(part)
+            runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: (p.qtype, p.cols))]
             return stack([self.ops.prepare_quantized(QuantTensor.cat(run), self.dtype) for run in runs])
 
         def matmul_weight(*names: str, head: bool = False) -> Weight:
