@@ -98,17 +98,13 @@ class KVTransfer(Actor):
             case KVCommit(transfer_id=tid):
                 return await self._on_commit(tid)
             case KVCancel(transfer_id=tid):
-                inc = self._incoming.pop(tid, None)
-                if inc is not None:
-                    self.scheduler.tell(AdoptDrop(inc.seq_id))
+                self._let_go(tid)
             case _CheckIdle(transfer_id=tid):
                 self._check_idle(tid)
             case Terminated(ref=ref):
                 self._watched.discard(ref)
-                for tid, inc in list(self._incoming.items()):
-                    if inc.sender == ref:
-                        del self._incoming[tid]
-                        self.scheduler.tell(AdoptDrop(inc.seq_id))
+                for tid in [tid for tid, inc in self._incoming.items() if inc.sender == ref]:
+                    self._let_go(tid)
             case _:
                 return await super().receive(msg)
         return None
@@ -195,6 +191,12 @@ class KVTransfer(Actor):
         inc.heard = time.monotonic()
         return chunk.num_blocks
 
+    def _let_go(self, transfer_id: str) -> None:
+        """The handoff ends before its commit: its reserved blocks go back to the decode engine's pool."""
+        inc = self._incoming.pop(transfer_id, None)
+        if inc is not None:
+            self.scheduler.tell(AdoptDrop(inc.seq_id))
+
     @property
     def _idle_s(self) -> float:
         return 2 * self.config.timeout_s   # past the sender's own timeout: it has given up, or hangs
@@ -210,8 +212,7 @@ class KVTransfer(Actor):
         if quiet < self._idle_s:
             self.context.schedule_once(self._idle_s - quiet, _CheckIdle(transfer_id))
             return
-        del self._incoming[transfer_id]
-        self.scheduler.tell(AdoptDrop(inc.seq_id))
+        self._let_go(transfer_id)
         self.context.log.warning("KV handoff dropped: its sender went quiet", transfer_id=transfer_id,
                                  quiet_s=round(quiet, 3))
 
