@@ -71,6 +71,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "compute every prompt in full instead of reusing cached blocks of a shared prefix",
         "flag": "no-prefix-caching"})
+    decode_burst: int = field(default=8, metadata={
+        "help": "decode steps the worker may run in a row when every running request decodes and none "
+                "waits, each step's tokens streamed as they come (saves the planning round trip; 1: off)"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "priority: requests' `priority` field orders them (lower first); fcfs refuses it",
         "choices": SCHEDULING_POLICIES})
@@ -100,7 +103,7 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
-        _positive(self, "block_size", "max_num_seqs", "kv_cache_memory", "step_timeout_s")
+        _positive(self, "block_size", "max_num_seqs", "kv_cache_memory", "step_timeout_s", "decode_burst")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:

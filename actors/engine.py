@@ -23,6 +23,7 @@ from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.tokenizer import Tokenizer, load_tokenizer
 from actors.worker.model_config import ModelConfig
+from actors.worker.decode_burst import BurstBrake
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model_runner import ModelRunner
 from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
@@ -78,7 +79,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         except BaseException:
             executor.shutdown(wait=False)
             raise
-        worker_actor = WorkerActor(runner, executor, seed=config.seed)
+        brake = BurstBrake()   # the scheduler's, to end the worker's decode bursts early
+        worker_actor = WorkerActor(runner, executor, seed=config.seed, brake=brake)
         worker = await system.spawn(worker_actor, name=f"{name}-worker")
         spawned.append(worker)
         info: WorkerInfo = await worker.ask(GetWorkerInfo())
@@ -93,13 +95,14 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         worker_actor.runner.tokenizer = tokenizer   # a draft's vocabulary check reads it: not loaded twice
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.step_tokens(), info.block_size,
-                              max_model_len, eos, config.scheduling_policy == "priority")
+                              max_model_len, eos, config.scheduling_policy == "priority", config.decode_burst)
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
             spawned.append(draft)
         scheduler_actor = SchedulerActor(scheduler_config, kv, worker, config.step_timeout_s, draft, spec,
-                                         weight_bytes=info.weight_bytes, kv_bytes_per_token=info.kv_bytes_per_token)
+                                         weight_bytes=info.weight_bytes, kv_bytes_per_token=info.kv_bytes_per_token,
+                                         brake=brake)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
     except BaseException:
         tokenizer_task.cancel()

@@ -214,6 +214,12 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
     seqs: list[ScheduledSeq]
     new_seqs: list[NewSequence] = []
     finished_seq_ids: list[int] = []  # sampler state to drop
+    # A decode burst: up to `burst` more steps of these decodes on the worker's own thread, each
+    # from the token the one before sampled, into slots the scheduler reserved as lookahead; every
+    # step's tokens but the last's go ahead to `report_to` as a StepProgress. The burst stops early
+    # when the scheduler pulls its brake (see actors/worker/decode_burst.py).
+    burst: int = 0
+    report_to: ActorRef | None = None
 
 
 class SeqOutput(msgspec.Struct, array_like=True, gc=False):
@@ -230,6 +236,14 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     outputs: list[SeqOutput]          # one per scheduled sequence that sampled or failed, in plan order
     forward_s: float = 0.0            # the model forward alone
     compute_s: float = 0.0            # everything the worker thread did: inputs, forward, sampling
+    num_steps: int = 1                # forwards run: 1 + the burst steps done (outputs: the last one's)
+
+
+class StepProgress(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One burst step's tokens, sent while the burst goes on (its last step's come in the StepResult)."""
+
+    step_id: int
+    outputs: list[SeqOutput]
 
 
 class GetWorkerInfo(msgspec.Struct, tag=True):

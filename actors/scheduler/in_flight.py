@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from actors.messages import KVUnwritten, StepResult
+from actors.messages import KVUnwritten, SeqOutput
 
 
 @dataclass
@@ -18,11 +18,13 @@ class InFlightStep:
     # seq id -> admitted sequences whose prefix hit maps blocks it writes in this step: their KV
     # exists only if it succeeds
     readers: dict[int, list[int]] = field(default_factory=dict)
+    step_id: int = 0
+    burst: bool = False    # a decode burst: its steps' tokens arrive while it is in flight
 
-    def failed(self, result: StepResult) -> dict[int, str]:
+    def failed(self, outputs: list[SeqOutput]) -> dict[int, str]:
         """Sequences the worker failed, and those whose prefix hit read KV one of them never wrote
         (hashes chain, so every such reader maps a failed sequence's block itself): seq id -> detail."""
-        failed = {out.seq_id: out.error for out in result.outputs if out.error is not None}
+        failed = {out.seq_id: out.error for out in outputs if out.error is not None}
         for writer in list(failed):
             for reader in self.readers.get(writer, []):
                 failed.setdefault(reader, f"its prefix hit read KV that failed sequence {writer} never wrote")

@@ -24,8 +24,8 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
 from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
-                             KVUnwritten, NewSequence, ScheduledSeq, StepPlan, StepResult, SubmitRequest,
-                             TokenDelta)
+                             KVUnwritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult,
+                             SubmitRequest, TokenDelta)
 from actors.recent import RecentSamples
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.in_flight import InFlightStep
@@ -54,6 +54,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     priority_scheduling: bool = False   # off: every request is first come, first served
+    max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class _Step:
     tables: dict[int, list[int]] = field(default_factory=dict)    # seq id -> its block table, from the KV manager
     num_table_blocks: int = 0                                     # blocks in all tables after the transaction
     readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
+    burst: int = 0                                                # further decode steps the worker may run
 
 
 class Scheduler:
@@ -253,6 +255,7 @@ class Scheduler:
             if n > 0:
                 step.grows.append((seq, n))
                 budget -= n + seq.spec_k
+        step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
         step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
         forks = [f for f, _ in self._forks]
@@ -280,10 +283,11 @@ class Scheduler:
         self.counters.prefix_hit_tokens += res.hit_tokens
         if res.grow_failed:
             left = step.grows[len(res.grown):]
-            if any(s.spec_k for s, _ in left):
-                # Drafting is optional: give up the lookahead slots before preempting anyone.
+            if step.burst or any(s.spec_k for s, _ in left):
+                # Drafting and bursts are optional: give up the lookahead slots before preempting anyone.
                 for s, _ in left:
                     s.spec_k = 0
+                step.burst = 0
                 step.grows = left
                 step.admits = []
                 return KVStep([], [], [self._grow_msg(s, n) for s, n in left], [], 0)
@@ -326,20 +330,20 @@ class Scheduler:
                                          seq.spec_k if scheduled.sample else 0))
             seq.num_computed = end
             starts[seq.seq_id] = start
-        readers, num_table_blocks, self._step = self._step.readers, self._step.num_table_blocks, _Step()
+        built, self._step = self._step, _Step()
         if not seqs:  # nothing runs: keep the releases for the next real step
             return StepPlan(self._step_id, [], [], [])
-        self._in_flight = InFlightStep(starts, readers)
         self._step_id += 1
+        self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0)
         self.counters.steps += 1
         self.counters.prefill_steps += prefill_tokens > 0
         self.counters.prefill_tokens += prefill_tokens
-        self.counters.kv_slots_allocated += num_table_blocks * self.cfg.block_size
+        self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
         if self.spec is not None:
             self._propose = self._draft_feed.step(self._step_id, drafts, new)
-        return StepPlan(self._step_id, seqs, new, released)
+        return StepPlan(self._step_id, seqs, new, released, built.burst)
 
     def take_draft_released(self) -> list[int]:
         """Finished sequences whose draft state to drop now (not with the next step: there may be none)."""
@@ -356,11 +360,28 @@ class Scheduler:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
-        failed = step.failed(result)
+        failures = self._take_outputs(step, result.outputs)
+        if step.burst:
+            self._end_burst(step, result.num_steps)
+        self.counters.steps += result.num_steps - 1
+        return failures
+
+    def progress(self, step_id: int, outputs: list[SeqOutput]) -> list[SeqFailure]:
+        """Tokens of a decode burst's step while the burst goes on (as `update`, the step stays in
+        flight); nothing when that step is no longer the one in flight (it failed meanwhile)."""
+        if step_id != self._in_flight.step_id or not self._in_flight.burst:
+            return []
+        return self._take_outputs(self._in_flight, outputs)
+
+    def in_burst(self) -> bool:
+        return self._in_flight.burst
+
+    def _take_outputs(self, step: InFlightStep, outputs: list[SeqOutput]) -> list[SeqFailure]:
+        failed = step.failed(outputs)
         self._unwritten += step.unwritten(failed)
         failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
         eos, now = self.cfg.eos_token_ids, self.clock()
-        for out in result.outputs:
+        for out in outputs:
             seq = self.seqs.get(out.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # failed, or aborted or preempted while the step ran
@@ -387,6 +408,27 @@ class Scheduler:
         return failures
 
     # --- internals --------------------------------------------------------------------------------
+
+    def _burst_len(self, decodes: list[Sequence]) -> int:
+        """Further decode steps the worker may run after this one: only when every running sequence
+        decodes and nothing else waits to join (a request, a fork, a handoff, drafts), and never
+        past a sequence's output or context room."""
+        if (self.cfg.max_burst < 2 or self.spec is not None or self.waiting or self._forks or self._adopting
+                or not decodes or len(decodes) != len(self.running)
+                or any(s.request.handoff_to is not None for s in decodes)):
+            return 0
+        room = min(min(s.request.max_output - s.num_output_tokens, self.cfg.max_model_len - s.num_tokens + 1)
+                   for s in decodes)
+        return max(min(self.cfg.max_burst, room) - 1, 0)
+
+    def _end_burst(self, step: InFlightStep, num_steps: int) -> None:
+        """After a burst of `num_steps` steps: its sequences' KV holds one position per step (the
+        last sampled token's is not written yet); the lookahead slots past it go back."""
+        for seq_id in step.starts:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                seq.num_computed += num_steps - 1
+                self._trims.append(KVTrim(seq_id, seq.num_computed))
 
     def _first_token(self, req: RequestState, now: float) -> None:
         c = self.counters
@@ -455,7 +497,7 @@ class Scheduler:
         return seq
 
     def _grow_msg(self, seq: Sequence, n: int) -> KVGrow:
-        return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k)
+        return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k + self._step.burst)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
         # Prompt logprobs need logits at every prompt position: a cached one has none. Once the first

@@ -5,6 +5,10 @@ One step, in order (step() is piped to self, so Submit and Abort keep arriving d
     step()        schedule -> KV transaction -> draft -> forward      (mailbox held until the plan)
     _on_step()    update -> emit -> next step                          (in mailbox order)
 
+A decode burst (actors/worker/decode_burst.py) is one step of several forwards: its tokens arrive
+as StepProgress while it runs and are emitted at once; anything that should change the batch (a
+request in, an abort, a sequence done) pulls the brake.
+
 It never polls: with no work it simply waits for the next message. A failed step ends its requests
 with finish_reason "error", never "abort", and the engine goes on.
 """
@@ -22,8 +26,9 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
                              HandOver, HandOverDone, KVConfirm, KVHandedOver, KVOffer, KVReserved, StepPlan,
-                             StepResult, SubmitRequest, TokenDeltas)
-from actors.scheduler.scheduler import SchedulerConfig, Scheduler
+                             StepProgress, StepResult, SubmitRequest, TokenDeltas)
+from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
+from actors.worker.decode_burst import BurstBrake
 from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
 
 NOTHING_FITS = "the request does not fit in the engine's KV cache"
@@ -32,7 +37,7 @@ NOTHING_FITS = "the request does not fit in the engine's KV cache"
 class SchedulerActor(Actor):
     def __init__(self, cfg: SchedulerConfig, kv: ActorRef, worker: ActorRef, step_timeout_s: float = 600.0,
                  draft: ActorRef | None = None, spec: SpecController | None = None, weight_bytes: int = 0,
-                 kv_bytes_per_token: float = 0.0):
+                 kv_bytes_per_token: float = 0.0, brake: BurstBrake | None = None):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
         self.kv_bytes_per_token = kv_bytes_per_token   # reported in the stats
         self.spec = self.scheduler.spec
@@ -40,6 +45,7 @@ class SchedulerActor(Actor):
         self.worker = worker
         self.draft = draft
         self.step_timeout_s = step_timeout_s
+        self.brake = brake   # shared with the worker: ends a decode burst early
         self.weight_bytes = weight_bytes   # reported in the stats as the worker stated it
         self._step: Pipe | None = None   # the step in flight, until its outcome is handled
         self._started = 0.0
@@ -78,12 +84,20 @@ class SchedulerActor(Actor):
                     self.scheduler.add(msg)
                 except ValueError as e:
                     self.context.log.warning("request refused", request_id=msg.request_id, error=str(e))
+                self._pull_brake()
                 self._send_outputs()
                 await self._maybe_step()
             case AbortRequest(request_id=request_id, index=index):
                 self.scheduler.abort(request_id, index)
+                self._pull_brake()
                 self._send_outputs()
                 await self._unstall()
+            case StepProgress(step_id=step_id, outputs=outputs):
+                running = len(self.scheduler.running)
+                self._log_failures(self.scheduler.progress(step_id, outputs))
+                if len(self.scheduler.running) != running:
+                    self._pull_brake()
+                self._send_outputs()
             case Piped(result=outcome, error=error):
                 await self._on_step(outcome, error)
             case HandOverDone():
@@ -93,6 +107,7 @@ class SchedulerActor(Actor):
             case AdoptReserve(offer=offer):
                 return await self._reserve(offer)
             case AdoptCommit(seq_id=seq_id):
+                self._pull_brake()
                 await self._adopt(seq_id)
             case AdoptDrop(seq_id=seq_id):
                 self.scheduler.drop_adoption(seq_id)
@@ -186,7 +201,15 @@ class SchedulerActor(Actor):
 
     async def _forward(self, plan: StepPlan) -> StepResult:
         """The worker computes the step; if it fails or times out, the step fails for all."""
+        if plan.burst:   # no message was handled since the plan: a pull from now on ends the burst
+            plan.report_to = self.context.self_ref
+            if self.brake is not None:
+                self.brake.release()
         return await self.worker.ask(plan, timeout=self.step_timeout_s)
+
+    def _pull_brake(self) -> None:
+        if self.brake is not None and self.scheduler.in_burst():
+            self.brake.pull()
 
     def _step_failed(self, error: BaseException) -> None:
         """The step failed for all: every request ends with "error"; the next step starts afresh."""
@@ -197,9 +220,7 @@ class SchedulerActor(Actor):
         """The step's tokens go into the sequences; its timings into the stats and, for a pure
         decode, into what the speculative controller knows drafting costs on this machine."""
         shape = _decode_shape(plan)
-        for failed in self.scheduler.update(result):
-            self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
-                                   error=failed.detail)
+        self._log_failures(self.scheduler.update(result))
         self._hand_over(plan)
         self.forward_s += result.forward_s
         self.compute_s += result.compute_s
@@ -207,6 +228,11 @@ class SchedulerActor(Actor):
         self.step_s += wall
         if self.spec is not None and shape is not None:
             self.spec.observe_step(*shape, wall)
+
+    def _log_failures(self, failures: list[SeqFailure]) -> None:
+        for failed in failures:
+            self.context.log.error("sequence failed", request_id=failed.request_id, index=failed.index,
+                                   error=failed.detail)
 
     def _hand_over(self, plan: StepPlan) -> None:
         """Prefilled sequences go to their decode engines: the transfer actor sends their blocks."""

@@ -1,5 +1,5 @@
 """The model worker actor: runs each StepPlan (forward + sampling, or verification of drafted
-tokens) on its own compute thread.
+tokens, or a decode burst of several steps) on its own compute thread.
 
 A thin shell around ModelRunner and the sampler. The model is built (see `build_runner`), and every
 forward runs, on one dedicated thread, so the event loop keeps serving messages (and streams) meanwhile.
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from actors.messages import (GetWorkerInfo, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult, TokenLogprobs,
-                             WorkerInfo)
+from actors.messages import (GetWorkerInfo, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress, StepResult,
+                             TokenLogprobs, WorkerInfo)
+from actors.worker.decode_burst import BurstBrake
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
@@ -39,15 +40,19 @@ async def build_runner(make_runner: Callable[[], ModelRunner], executor: ThreadP
 
 
 class WorkerActor(Actor):
-    def __init__(self, runner: ModelRunner, executor: ThreadPoolExecutor, seed: int = 0):
+    def __init__(self, runner: ModelRunner, executor: ThreadPoolExecutor, seed: int = 0,
+                 brake: BurstBrake | None = None):
         self.runner = runner
         self.states: dict[int, SamplingState] = {}
         self._executor: ThreadPoolExecutor | None = executor
         self._generator = torch.Generator(runner.device).manual_seed(seed)
         self._sampler = Sampler()         # used on the compute thread only
         self._grammars: GrammarCompiler | None = None   # made at the first structured output
+        self._brake = brake               # pulled by the scheduler: the decode burst in flight ends
+        self._loop: asyncio.AbstractEventLoop | None = None   # where a burst's progress is sent from
 
     async def on_start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self.states.clear()  # a restarted worker forgets sequences; the scheduler fails their step
 
     async def on_stop(self) -> None:
@@ -94,9 +99,15 @@ class WorkerActor(Actor):
             # Running the others again rewrites the same KV slots with the same values.
             tokens = self._run(rest) if rest else {}
         failed.update(refused)
+        result = StepResult(plan.step_id, self._outputs(plan.seqs, tokens, failed), self.runner.last_forward_s,
+                            time.perf_counter() - t0)
+        return self._burst(plan, result, t0) if plan.burst else result
+
+    def _outputs(self, seqs: list[ScheduledSeq], tokens: dict, failed: dict[int, str]) -> list[SeqOutput]:
+        """Each sequence's SeqOutput; its tokens go into its sampling state."""
         vocab = self.runner.model_config.vocab_size
         outputs = []
-        for s in plan.seqs:
+        for s in seqs:
             error = failed.get(s.seq_id)
             if error is None and s.sample:
                 out, logprobs = tokens[s.seq_id]
@@ -107,7 +118,36 @@ class WorkerActor(Actor):
                 prompt_lps = self.states[s.seq_id].take_prompt_logprobs()
                 outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids), None,
                                          None if prompt_lps is None else [TokenLogprobs(*p) for p in prompt_lps]))
-        return StepResult(plan.step_id, outputs, self.runner.last_forward_s, time.perf_counter() - t0)
+        return outputs
+
+    def _burst(self, plan: StepPlan, result: StepResult, t0: float) -> StepResult:
+        """A decode burst's further steps (see actors/worker/decode_burst.py): each from the token the
+        step before sampled, whose tokens go to the scheduler before the next step runs. It ends at
+        the brake, or at a step that fails: then with the steps before it, the failed step's KV in
+        lookahead slots the scheduler gives back (the next ordinary step meets the failure with its
+        own handling) and its random draws undone."""
+        seqs, forward_s = plan.seqs, result.forward_s
+        for _ in range(plan.burst):
+            if (self._brake is not None and self._brake.pulled) or any(o.error is not None for o in result.outputs):
+                break
+            last = {o.seq_id: o.token_ids[-1] for o in result.outputs}
+            seqs = [ScheduledSeq(s.seq_id, [last[s.seq_id]], s.start_pos + len(s.token_ids), s.block_table, True)
+                    for s in seqs]
+            try:
+                self._loop.call_soon_threadsafe(plan.report_to.tell, StepProgress(plan.step_id, result.outputs))
+            except RuntimeError:   # the event loop closed (shutdown): nobody takes these tokens
+                break
+            rng = self._rng_snapshot(seqs)
+            try:
+                tokens = self._run(seqs)
+            except Exception:
+                for generator, state in rng:
+                    generator.set_state(state)
+                return StepResult(plan.step_id, [], forward_s, time.perf_counter() - t0, result.num_steps)
+            forward_s += self.runner.last_forward_s
+            result = StepResult(plan.step_id, self._outputs(seqs, tokens, {}), forward_s, time.perf_counter() - t0,
+                                result.num_steps + 1)
+        return result
 
     def _keep(self, seq_id: int, token_ids: list[int]) -> str | None:
         """Appends the tokens to the sequence's state; an error when its grammar refuses one (the
