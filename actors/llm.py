@@ -21,6 +21,7 @@ from actors.detokenizer import SampleText
 from actors.engine import Engine, start_engine
 from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDeltas
 from runtime import Actor
+from runtime.loop import new_event_loop
 
 
 @dataclass
@@ -105,7 +106,7 @@ class _Collector(Actor):
 class LLM:
     def __init__(self, model: str | None = None, **engine_config: Any):
         self.config = EngineConfig(model=model, **engine_config)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()   # uvloop where installed, as `matinee serve` runs on
         self._thread = threading.Thread(target=self._loop.run_forever, name="matinee-llm", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
