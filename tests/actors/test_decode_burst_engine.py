@@ -17,6 +17,7 @@ from actors.worker.sampler import Sampler
 from actors.worker.worker_actor import WorkerActor
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts
+from tests.actors.waiting import wait_until
 
 
 def record_bursts(monkeypatch) -> list[tuple[int, int]]:
@@ -76,11 +77,7 @@ class Stream(Actor):
         return sum(len(t) for _, t in self.deltas.get(rid, []))
 
     async def wait(self, pred, timeout=60.0):
-        async def loop():
-            while not pred():
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), timeout)
+        await wait_until(self.changed, pred, timeout)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from actors.messages import (AbortRequest, DrainKVEvents, GetKVSnapshot, GetKVSt
 from prefix_store import BlockStored
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts
+from tests.actors.waiting import wait_until
 
 
 class Sink(Actor):
@@ -44,11 +45,7 @@ class Sink(Actor):
         self.changed.set()
 
     async def wait(self, pred, timeout=60.0):
-        async def loop():
-            while not pred():
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), timeout)
+        await wait_until(self.changed, pred, timeout)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVCan
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
+from tests.actors.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -50,11 +51,7 @@ class Front(Actor):
         self.changed.set()
 
     async def wait(self, pred, timeout=60.0):
-        async def loop():
-            while not pred():
-                self.changed.clear()
-                await self.changed.wait()
-        await asyncio.wait_for(loop(), timeout)
+        await wait_until(self.changed, pred, timeout)
 
 
 def _config(model: str, num_blocks: int, kv_cache_dtype: str = "auto") -> EngineConfig:
