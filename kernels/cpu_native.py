@@ -118,6 +118,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
     lib.matinee_paged_attention_quant.restype = int_
     lib.matinee_paged_attention_quant.argtypes = [ptr] * 9 + [long_] * 8 + [ctypes.c_float] + [int_] * 3
+    lib.matinee_prefill_attention.restype = int_
+    lib.matinee_prefill_attention.argtypes = [ptr] * 10 + [long_] * 9 + [ctypes.c_float] + [int_] * 3
     lib.matinee_packed_gemm.restype = int_
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_

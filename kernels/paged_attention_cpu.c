@@ -76,23 +76,29 @@ static inline void store_bf16(bf16 *dst, const float *src, long n) {
 }
 
 /* e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, and
- * eight at a time where glibc's expf took as long as the rest of a decode row. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);   /* keeps NaN, which max_ps returns from x */
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+ * eight (exp8) or sixteen (exp16) at a time where glibc's expf took as long as the rest of a decode row. */
+#define DEFINE_EXP(name, T, P, SI, ROUND)                                                                       \
+    static inline T name(T x) {                                                                               \
+        x = P##_max_ps(P##_set1_ps(-87.3f), x);   /* keeps NaN, which max_ps returns from x */                 \
+        T n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));                                         \
+        x = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                    \
+        x = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), x);                                                 \
+        T y = P##_set1_ps(1.9875691500e-4f);                                                                   \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                                 \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                                 \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.f)));                                \
+        __m##SI##i e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);             \
+        return P##_mul_ps(y, P##_castsi##SI##_ps(e));                                                          \
+    }
+#define ROUND8(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+DEFINE_EXP(exp8, __m256, _mm256, 256, ROUND8)
+#ifdef __AVX512F__
+#define ROUND16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+DEFINE_EXP(exp16, __m512, _mm512, 512, ROUND16)
+#endif
 
 static inline float hsum(__m256 a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -127,6 +133,14 @@ static inline __m256 fold(vec a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 #define ROWS 4   /* query rows scored together: 16 accumulators of 32 registers */
+#define vexp exp16
+#define vmax(a, b) _mm512_max_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+#define vdiv(a, b) _mm512_div_ps(a, b)
+/* a where t <= limit, lane by lane, else b */
+#define vwhere_le(t, limit, a, b) _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(t, limit, _CMP_LE_OQ), a)
 #else
 typedef __m256 vec;
 #define W 8
@@ -138,6 +152,13 @@ typedef __m256 vec;
 #define vzero() _mm256_setzero_ps()
 static inline __m256 fold(vec a) { return a; }
 #define ROWS 3   /* 12 accumulators of 16 registers */
+#define vexp exp8
+#define vmax(a, b) _mm256_max_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+#define vdiv(a, b) _mm256_div_ps(a, b)
+#define vwhere_le(t, limit, a, b) _mm256_blendv_ps(b, a, _mm256_cmp_ps(t, limit, _CMP_LE_OQ))
 #endif
 #define KEYS 4   /* keys scored together, reduced by one transpose-add */
 
@@ -446,6 +467,197 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
     return failed ? -1 : 0;
 }
 
+/* ---- Long query runs (prefill chunks) ----
+ *
+ * Scoring a row at a time reads every key once per row; a prefill chunk has hundreds of rows per key.
+ * Here a work item is one KV head of up to PR * W rows of one sequence (token, query head of the group;
+ * token-major), and the rows lie in the lanes of PR vectors: the item's queries are transposed once
+ * into qt[D][rows], so a key's scores for every row are PR fused multiply-adds per element of D, and
+ * the softmax's max, exponentials and sums are lane-wise, with no horizontal sum. The context is walked
+ * PK keys at a time, each block widened (and, for an int8 or fp8 cache, scaled) into float32 scratch,
+ * with flash attention's running max and sum: a block's weights are summed into ot[D][rows], the
+ * output kept transposed until the end. A row's arithmetic depends only on its query, the keys it sees
+ * and D: the blocks start at multiples of PK from key 0 whichever rows share the item.
+ */
+#define PR 3    /* row vectors per item: 48 rows with AVX-512, 24 with AVX2 */
+#define PK 32   /* keys per block of the running softmax */
+#ifdef __AVX512F__
+#define SK 8    /* keys scored together: SK x PR accumulators */
+#define SD 8    /* value columns summed together: SD x PR accumulators */
+#else
+#define SK 4
+#define SD 4
+#endif
+#define PROWS (PR * W)
+
+/* Tokens [i0, i0 + nt) of sequence b, KV head h: 0, or -1 when its scratch cannot be had. */
+static inline __attribute__((always_inline)) int prefill_item(const Problem *pb, long b, long i0, long nt, long h,
+                                                              int act_bf16, int kind) {
+    const long D = pb->D, Hq = pb->Hq, group = Hq / pb->Hk, block_size = pb->block_size;
+    const long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
+    const long past = pb->seq_lens[b] - q_len + i0, span = past + nt, rows = nt * group;   /* row r: key <= past + r / group */
+    const long slot_stride = pb->Hk * D;
+    const int *table = pb->block_tables + b * pb->table_width;
+    float *scratch = aligned_alloc(64, sizeof(float) * (2 * D * PROWS + PK * PROWS + 2 * PK * D + 3 * PROWS));
+    if (scratch == NULL) return -1;
+    float *qt = scratch, *ot = qt + D * PROWS, *s = ot + D * PROWS, *kf = s + PK * PROWS, *vf = kf + PK * D;
+    float *limit = vf + PK * D, *run_max = limit + PROWS, *run_sum = run_max + PROWS;
+    for (long r = 0; r < PROWS; r++) {   /* lanes past the rows: zero queries, their results dropped */
+        long row = (first + i0 + r / group) * Hq + h * group + r % group;
+        for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
+        limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
+        run_max[r] = -INFINITY, run_sum[r] = 0.f;
+    }
+    memset(ot, 0, sizeof(float) * D * PROWS);
+    for (long t0 = 0; t0 < span; t0 += PK) {
+        const long n = span - t0 < PK ? span - t0 : PK, padded = (n + SK - 1) / SK * SK;
+        /* The block's keys (times the softmax scale) and values in float32; keys past the span are zeros,
+         * masked below like any key a row does not see. */
+        for (long j = 0; j < padded; j++) {
+            if (j >= n) {
+                memset(kf + j * D, 0, sizeof(float) * D), memset(vf + j * D, 0, sizeof(float) * D);
+                continue;
+            }
+            long t = t0 + j, at = ((long)table[t / block_size] * block_size + t % block_size) * slot_stride + h * D;
+            float ks = pb->scale, vs = 1.f;
+            if (kind >= I8) {
+                long scale_at = (long)table[t / block_size] * pb->Hk + h;
+                ks *= pb->k_scales[scale_at], vs = pb->v_scales[scale_at];
+            }
+            long d = 0;
+            for (; d + W <= D; d += W) {
+                vstoref(kf + j * D + d, vmul(vload(pb->k_cache, at + d, kind), vset1(ks)));
+                vstoref(vf + j * D + d, vmul(vload(pb->v_cache, at + d, kind), vset1(vs)));
+            }
+            for (; d < D; d++) {
+                kf[j * D + d] = load1(pb->k_cache, at + d, kind) * ks;
+                vf[j * D + d] = load1(pb->v_cache, at + d, kind) * vs;
+            }
+        }
+        const int masked = t0 + padded - 1 > past;   /* some row does not see some key of the block */
+        vec lim[PR], block_max[PR];
+        for (int p = 0; p < PR; p++) lim[p] = vloadf(limit + p * W), block_max[p] = vset1(-INFINITY);
+        for (long j0 = 0; j0 < padded; j0 += SK) {   /* scores: SK keys x PR row vectors in registers */
+            vec acc[SK][PR];
+            for (int j = 0; j < SK; j++)
+                for (int p = 0; p < PR; p++) acc[j][p] = vzero();
+            for (long d = 0; d < D; d++) {
+                vec qv[PR];
+                for (int p = 0; p < PR; p++) qv[p] = vloadf(qt + d * PROWS + p * W);
+                for (int j = 0; j < SK; j++) {
+                    vec kv = vset1(kf[(j0 + j) * D + d]);
+                    for (int p = 0; p < PR; p++) acc[j][p] = vfma(kv, qv[p], acc[j][p]);
+                }
+            }
+            for (int j = 0; j < SK; j++)
+                for (int p = 0; p < PR; p++) {
+                    vec a = masked ? vwhere_le(vset1((float)(t0 + j0 + j)), lim[p], acc[j][p], vset1(-INFINITY))
+                                   : acc[j][p];
+                    block_max[p] = vmax(block_max[p], a);
+                    vstoref(s + (j0 + j) * PROWS + p * W, a);
+                }
+        }
+        /* The running softmax: the sums so far rescaled to the new max, the block's weights added. Every
+         * row sees key 0, so its max is finite from the first block on. */
+        vec new_max[PR], rescale[PR], sum[PR];
+        for (int p = 0; p < PR; p++) {
+            vec old = vloadf(run_max + p * W);
+            new_max[p] = vmax(old, block_max[p]);
+            rescale[p] = vexp(vsub(old, new_max[p]));
+            sum[p] = vzero();
+        }
+        for (long j = 0; j < padded; j++)
+            for (int p = 0; p < PR; p++) {
+                vec e = vexp(vsub(vloadf(s + j * PROWS + p * W), new_max[p]));
+                if (masked) e = vwhere_le(vset1((float)(t0 + j)), lim[p], e, vzero());
+                sum[p] = vadd(sum[p], e);
+                vstoref(s + j * PROWS + p * W, e);
+            }
+        for (int p = 0; p < PR; p++) {
+            vstoref(run_sum + p * W, vadd(vmul(vloadf(run_sum + p * W), rescale[p]), sum[p]));
+            vstoref(run_max + p * W, new_max[p]);
+        }
+        for (long d0 = 0; d0 < D; d0 += SD) {   /* ot[d] = ot[d] * rescale + sum over keys of weight x value[d] */
+            vec acc[SD][PR];
+            for (int c = 0; c < SD; c++)
+                for (int p = 0; p < PR; p++) acc[c][p] = vmul(vloadf(ot + (d0 + c) * PROWS + p * W), rescale[p]);
+            for (long j = 0; j < padded; j++) {
+                vec w[PR];
+                for (int p = 0; p < PR; p++) w[p] = vloadf(s + j * PROWS + p * W);
+                for (int c = 0; c < SD; c++) {
+                    vec v = vset1(vf[j * D + d0 + c]);
+                    for (int p = 0; p < PR; p++) acc[c][p] = vfma(v, w[p], acc[c][p]);
+                }
+            }
+            for (int c = 0; c < SD; c++)
+                for (int p = 0; p < PR; p++) vstoref(ot + (d0 + c) * PROWS + p * W, acc[c][p]);
+        }
+    }
+    vec inv[PR];   /* divided by the sums, in place */
+    for (int p = 0; p < PR; p++) inv[p] = vdiv(vset1(1.f), vloadf(run_sum + p * W));
+    for (long d = 0; d < D; d++)
+        for (int p = 0; p < PR; p++) vstoref(ot + d * PROWS + p * W, vmul(vloadf(ot + d * PROWS + p * W), inv[p]));
+    for (long r = 0; r < rows; r++) {   /* transposed back into the token's rows */
+        long row = ((first + i0 + r / group) * Hq + h * group + r % group) * D;
+        float *o = act_bf16 ? kf : (float *)pb->out + row;   /* kf: free now, a row of float32 to round */
+        for (long d = 0; d < D; d++) o[d] = ot[d * PROWS + r];
+        if (act_bf16) store_bf16((bf16 *)pb->out + row, o, D);
+    }
+    free(scratch);
+    return 0;
+}
+
+static int prefill_item_any(const Problem *pb, long b, long i0, long nt, long h, int act_bf16, int kind) {
+    switch (act_bf16 * 4 + kind) {
+    case F32: return prefill_item(pb, b, i0, nt, h, 0, F32);
+    case I8: return prefill_item(pb, b, i0, nt, h, 0, I8);
+    case FP8: return prefill_item(pb, b, i0, nt, h, 0, FP8);
+    case 4 + BF16: return prefill_item(pb, b, i0, nt, h, 1, BF16);
+    case 4 + I8: return prefill_item(pb, b, i0, nt, h, 1, I8);
+    case 4 + FP8: return prefill_item(pb, b, i0, nt, h, 1, FP8);
+    }
+    return -1;
+}
+
+/* The long runs: sequences seqs[0, S) of the batch (its metadata as paged_attention's), every run's
+ * tokens cut into items of PROWS / group tokens per KV head, attended in parallel. Returns 0; -1 when
+ * out of memory; -2 or -3 as check_metadata; -4 for a shape it does not take (D not a multiple of
+ * SD, a group wider than PROWS, a sequence index out of range). */
+static int prefill(const Problem *pb, const int *seqs, long S, long B, long T, long num_blocks, int threads,
+                   int act_bf16, int kind) {
+    int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
+                             pb->table_width, num_blocks);
+    if (bad) return bad;
+    long group = pb->Hk > 0 && pb->Hq % pb->Hk == 0 ? pb->Hq / pb->Hk : 0;
+    if (group < 1 || group > PROWS || pb->D % SD != 0 || pb->D <= 0) return -4;
+    long per = PROWS / group;   /* tokens per item */
+    long *items = malloc(sizeof(long) * (S + 1));   /* seqs[x]'s items are [items[x], items[x + 1]) */
+    if (items == NULL) return -1;
+    items[0] = 0;
+    for (long x = 0; x < S; x++) {
+        if (seqs[x] < 0 || seqs[x] >= B) {
+            free(items);
+            return -4;
+        }
+        long q_len = pb->query_start_loc[seqs[x] + 1] - pb->query_start_loc[seqs[x]];
+        items[x + 1] = items[x] + (q_len + per - 1) / per * pb->Hk;
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && items[S] > 1)
+    for (long w = 0; w < items[S]; w++) {
+        long lo = 0, hi = S;   /* the sequence holding item w: items[lo] <= w < items[lo + 1] */
+        while (hi - lo > 1) {
+            long mid = (lo + hi) / 2;
+            if (items[mid] <= w) lo = mid; else hi = mid;
+        }
+        long b = seqs[lo], k = w - items[lo], i0 = k / pb->Hk * per, h = k % pb->Hk;
+        long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
+        if (prefill_item_any(pb, b, i0, q_len - i0 < per ? q_len - i0 : per, h, act_bf16, kind)) failed = 1;
+    }
+    free(items);
+    return failed ? -1 : 0;
+}
+
 /* q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, table_width];
  * query_start_loc: [B + 1]; seq_lens: [B]. Returns 0; -1 when a scratch buffer cannot be had; -2 or
  * -3 for inconsistent metadata (see check_metadata), before anything is read through it. */
@@ -478,4 +690,18 @@ int matinee_paged_attention_quant(const void *q, const void *k_cache, const void
     Problem pb = {q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
                   block_size, table_width, scale};
     return paged_attention(&pb, B, T, num_blocks, threads, act_bf16 != 0, fp8 ? FP8 : I8);
+}
+
+/* The long query runs of sequences seqs[0, S): q and out in bfloat16 when act_bf16, else float32; the
+ * caches `cache_kind` (0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3; scales as the quant kernel's, else
+ * NULL). Other metadata as matinee_paged_attention's; out rows of other sequences are not touched. */
+int matinee_prefill_attention(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
+                              const float *v_scales, const int *block_tables, const int *query_start_loc,
+                              const int *seq_lens, const int *seqs, void *out, long S, long B, long T, long Hq,
+                              long Hk, long D, long block_size, long table_width, long num_blocks, float scale,
+                              int threads, int act_bf16, int cache_kind) {
+    if (cache_kind < F32 || cache_kind > FP8 || (cache_kind == BF16) != (act_bf16 != 0 && cache_kind < I8)) return -4;
+    Problem pb = {q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
+                  block_size, table_width, scale};
+    return prefill(&pb, seqs, S, B, T, num_blocks, threads, act_bf16 != 0, cache_kind);
 }

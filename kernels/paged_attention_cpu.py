@@ -1,11 +1,12 @@
-"""Paged attention on the CPU: paged_attention_cpu.c's launcher for short query runs, SDPA per chunk.
+"""Paged attention on the CPU: paged_attention_cpu.c's launchers, for short query runs and for prefill chunks.
 
 Decode tokens and short speculative verifications read their context in place through the block
 table, in float32 or bfloat16, from a cache of the same dtype or an int8 or fp8 one (kv_quant.py); the reference (paged_attention.py) gathers a padded copy
 of every sequence's context and runs SDPA over it, which took 40% of a SmolLM2 decode step at
-batch 7 (0.6k-token contexts) on the reference 2-core AMD EPYC. Longer runs (prefill chunks), where
-SDPA's blocked kernel pays off, run it on their own context each, while the short runs of the same
-batch stay in the kernel; other dtypes go to the reference.
+batch 7 (0.6k-token contexts) on the reference 2-core AMD EPYC. Longer runs (prefill chunks) go to
+the prefill kernel of the same file, which reads each key once for up to 48 query rows (SDPA on a
+gathered float32 copy, what they ran before, took 2.5-4x its time on 256-512-token prompts), while
+the short runs of the same batch stay in the decode kernel; other dtypes go to the reference.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.paged_attention import paged_attention as reference_paged_attention
 
-# Longer runs: the reference's blocked SDPA. With SmolLM2's heads and 0.6k-2k-token contexts the kernel
-# took 0.65-1.07x the reference's time at 4 new tokens per sequence and 1.0-1.4x at 8 (either dtype;
-# from an empty context it won up to ~128 tokens, but prefill chunks after a 1k-token past lost from 16).
-MAX_QUERY_LEN = {torch.float32: 4, torch.bfloat16: 4}
+# Longer runs: the prefill kernel (or, for a head size it does not take, SDPA per chunk). SmolLM2's heads,
+# 8 sequences, 200-1500 tokens of past, on a Zen 5: the decode kernel took 0.79-0.96x the prefill kernel's
+# time at 5 new tokens (bf16 and float32), 0.91-1.07x at 6, 1.0-1.4x at 7 and 8, 2-3x at 16.
+MAX_QUERY_LEN = {torch.float32: 5, torch.bfloat16: 5}
 _KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
+_CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # paged_attention_cpu.c's kinds (2, 3: int8, fp8)
+PREFILL_D_MULTIPLE, PREFILL_MAX_GROUP = 8, 24
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -54,9 +57,10 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max
 
 def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales) -> torch.Tensor:
     """A batch with prefill chunks: the short query runs (decodes, verifications) go through the
-    kernel together, each chunk through SDPA on its own context alone. The reference pads every
-    chunk to the longest and gathers every context to the longest sequence; in a step of 4 fresh
-    256-token prompts and 24 decodes it took 15 ms a layer, the decodes 3 ms of it (0.5 in the kernel)."""
+    decode kernel together, the chunks through the prefill kernel (SDPA on each chunk's own context
+    where it does not take the shapes). The reference pads every chunk to the longest and gathers
+    every context to the longest sequence; in a step of 4 fresh 256-token prompts and 24 decodes it
+    took 15 ms a layer, the decodes 3 ms of it (0.5 in the kernel)."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if len(starts) != len(lens) + 1 or block_tables.shape[0] != len(lens) or starts[-1] != q.shape[0]:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
@@ -69,10 +73,12 @@ def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
         picked = torch.tensor(short)
         out[rows] = _kernel(cpu_native.library(), q[rows], k_cache, v_cache, block_tables[picked], seq_lens[picked],
                             torch.cumsum(q_lens, 0).to(torch.int32), scale, k_scales, v_scales)
-    for b in range(len(lens)):
+    long = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > limit]
+    if long and _prefill_fits(q, k_cache):
+        _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales, long, out)
+        return out
+    for b in long:
         first, end = starts[b], starts[b + 1]
-        if end - first <= limit:
-            continue
         if is_quantized(k_cache):   # the reference dequantizes the blocks as it gathers them
             out[first:end] = _reference(q[first:end], k_cache, v_cache, block_tables[b:b + 1], seq_lens[b:b + 1],
                                         torch.tensor([0, end - first], dtype=torch.int32), end - first, lens[b],
@@ -80,6 +86,45 @@ def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
         else:
             out[first:end] = _chunk(q[first:end], k_cache, v_cache, block_tables[b], lens[b], scale)
     return out
+
+
+def _prefill_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Shapes the prefill kernel takes: D a multiple of 8, a group of at most 24 query heads per KV head."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    return head_dim % PREFILL_D_MULTIPLE == 0 and num_q_heads % num_kv_heads == 0 and \
+        num_q_heads // num_kv_heads <= PREFILL_MAX_GROUP
+
+
+def _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales,
+             seqs: list[int], out: torch.Tensor) -> None:
+    """The runs of sequences `seqs` through paged_attention_cpu.c's prefill kernel, into their rows of out:
+    each KV head's keys are read in place once per 48 (AVX2: 24) rows, where SDPA on a gathered float32 copy
+    ran at ~60 GFLOP/s (SmolLM2's heads, 256-token prompts)."""
+    quantized = is_quantized(k_cache)
+    cache_kind = (_CACHE_KINDS[k_cache.dtype] if not quantized
+                  else 3 if k_cache.dtype == torch.float8_e4m3fn else 2)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.shape != k_cache.shape:
+        raise ValueError("paged_attention needs contiguous K/V caches of one shape")
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    picked = torch.tensor(seqs, dtype=torch.int32)
+    status = cpu_native.library().matinee_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr() if quantized else None,
+        v_scales.data_ptr() if quantized else None, tables.data_ptr(),
+        query_start_loc.to(torch.int32).contiguous().data_ptr(), seq_lens.to(torch.int32).contiguous().data_ptr(),
+        picked.data_ptr(), out.data_ptr(), len(seqs), seq_lens.shape[0], q.shape[0], q.shape[1], k_cache.shape[2],
+        q.shape[2], k_cache.shape[1], tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
+        int(q.dtype == torch.bfloat16), cache_kind)
+    if status == -2:
+        raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
+    if status == -3:
+        raise ValueError("paged_attention: a block id out of range")
+    if status == -4:
+        raise ValueError(f"paged_attention: the prefill kernel does not take q {tuple(q.shape)} over "
+                         f"a {k_cache.dtype} cache {tuple(k_cache.shape)}")
+    if status != 0:
+        raise MemoryError("paged_attention: no memory for a prefill item's scratch")
 
 
 def _chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,

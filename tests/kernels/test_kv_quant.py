@@ -225,8 +225,8 @@ def test_missing_or_misshapen_scales_are_refused(ops_name):
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_cpu_prefill_chunks_beside_short_runs(poisoned_empty, each_build, cache_dtype, dtype, monkeypatch):
-    """A step's prefill chunks (past the kernel's limit) read the quantized cache through the reference,
-    its decodes through the kernel, in one batch."""
+    """A step's prefill chunks (past the decode kernel's limit) read the quantized cache through the prefill
+    kernel, its decodes through the decode kernel, in one batch."""
     monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
     batch, k_scales, v_scales, dequantized = quantized_batch([(20, 20), (1, 37), (3, 19), (9, 40)], *SHAPES[0],
                                                              cache_dtype, dtype=dtype)

@@ -128,8 +128,8 @@ PREFILL_MIX = [(40, 40), (1, 30), (3, 19), (17, 100), (1, 5), (33, 33), (2, 2), 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "mha"])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_prefill_chunks_beside_short_runs(poisoned_empty, monkeypatch, dtype, heads, block_size):
-    """Chunks longer than the kernel's limit each run SDPA on their own context; the short runs of the
-    same batch go through the kernel, with the very bits they get in a batch of their own."""
+    """Chunks longer than the decode kernel's limit go to the prefill kernel; the short runs of the same
+    batch go through the decode kernel, with the very bits they get in a batch of their own."""
     monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
     monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention", None)
     batch = make_batch(PREFILL_MIX, *heads, head_dim=64, block_size=block_size, dtype=dtype, seed=block_size)
@@ -150,6 +150,69 @@ def _assert_matches_oracle_only(batch):
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     tol = (BF16_ATOL, BF16_RTOL) if out.dtype == torch.bfloat16 else (2e-5, 2e-5)
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=tol[0], rtol=tol[1])
+
+
+# The prefill kernel: a work item holds up to 48 rows (24 on AVX2) of one KV head, 48 // group tokens, and
+# walks the context 32 keys at a time; these runs end mid-item and mid-block, or fit in one, after a past
+# or none.
+PREFILL_RUNS = [(100, 100), (1, 1), (37, 250), (6, 6), (17, 33), (64, 64), (49, 80), (2, 300)]
+
+
+def _prefill_kernel_only(monkeypatch, limit=0):
+    """Every run longer than `limit` goes to the prefill kernel: SDPA and the reference would raise."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a prefill chunk left the kernel")
+    for dtype in list(MAX_QUERY_LEN):
+        monkeypatch.setitem(MAX_QUERY_LEN, dtype, limit)
+    monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention", refuse)
+    monkeypatch.setattr("kernels.paged_attention_cpu.F.scaled_dot_product_attention", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (7, 1), (32, 2)], ids=["gqa3", "mha", "gqa7", "gqa16"])
+@pytest.mark.parametrize("head_dim", [64, 40, 128])
+def test_prefill_kernel_matches_oracle(poisoned_empty, monkeypatch, dtype, heads, head_dim):
+    batch = make_batch(PREFILL_RUNS, *heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim)
+    _prefill_kernel_only(monkeypatch)
+    _assert_matches_oracle_only(batch)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_prefill_kernel_block_sizes(poisoned_empty, monkeypatch, block_size):
+    batch = make_batch(PREFILL_RUNS, 9, 3, head_dim=64, block_size=block_size, seed=block_size)
+    _prefill_kernel_only(monkeypatch)
+    _assert_matches_oracle_only(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_rows_do_not_depend_on_the_batch_or_threads(monkeypatch, dtype):
+    """A run's bits are its own: alone or beside others, with one thread or two."""
+    _prefill_kernel_only(monkeypatch)
+    whole = make_batch(PREFILL_RUNS, 9, 3, head_dim=64, block_size=16, seed=5, dtype=dtype)
+    out = paged_attention(*whole.args())
+    starts = whole.query_start_loc.tolist()
+    for b in range(len(PREFILL_RUNS)):
+        q_len = starts[b + 1] - starts[b]
+        alone = paged_attention(whole.q[starts[b]:starts[b + 1]], whole.k_cache, whole.v_cache,
+                                whole.block_tables[b:b + 1], whole.seq_lens[b:b + 1],
+                                torch.tensor([0, q_len], dtype=torch.int32), q_len, int(whole.seq_lens[b]),
+                                whole.scale)
+        assert torch.equal(alone, out[starts[b]:starts[b + 1]])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*whole.args())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, out)
+
+
+def test_prefill_chunks_of_other_head_sizes_take_sdpa(poisoned_empty, monkeypatch):
+    """D not a multiple of 8: the chunks run SDPA on their own context (the kernel would refuse them)."""
+    for dtype in list(MAX_QUERY_LEN):
+        monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
+    monkeypatch.setattr("kernels.paged_attention_cpu._prefill", None)
+    _assert_matches_oracle_only(make_batch(PREFILL_RUNS, 9, 3, head_dim=20, block_size=16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
