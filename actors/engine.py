@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class Engine:
         for ref in (self.scheduler, self.draft, self.worker, self.kv):
             if ref is not None and ref.is_alive:
                 await self.system.stop(ref)
+        gc.unfreeze()   # what it loaded can be collected again
         if self.owns_system:
             await self.system.shutdown()
 
@@ -111,9 +113,19 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         if owns:
             await system.shutdown()
         raise
+    freeze_heap()
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
                   info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft,
                   KVBlockIO(worker_actor.runner.kv_caches))
+
+
+def freeze_heap() -> None:
+    """The objects alive after loading (torch, the model, the tokenizer: ~250k) leave the collector's
+    generations: a full collection walked them all, a 136 ms pause in the middle of a prefill, and
+    serving only ever adds to them. The garbage of earlier engines in this process is collected first."""
+    gc.collect()
+    gc.freeze()
+    log.info("heap frozen", objects=gc.get_freeze_count())
 
 
 async def _start_draft(config: EngineConfig, system: ActorSystem, name: str,
