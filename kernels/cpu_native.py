@@ -1,5 +1,5 @@
 """The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
-quant_gemm.c, token_mask.c):
+quant_gemm.c, token_mask.c, decode_layers.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -28,7 +28,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c",
-                                                             "token_mask.c")]
+                                                             "token_mask.c", "decode_layers.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
@@ -139,6 +139,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             fn.restype, fn.argtypes = restype, args
         fn = getattr(lib, f"matinee_write_kv_quant_{dtype}")
         fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 7 + [int_]
+    from kernels import decode_layers   # its argument structs live beside their Python side
+    decode_layers.declare(lib)
     return lib
 
 

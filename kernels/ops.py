@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, cpu_layer_ops, cpu_native, kv_write, packed_linear, paged_attention, \
+from kernels import activation, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, paged_attention, \
     paged_attention_cpu, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
 from kernels.quantize import Int4Weight, Int8Weight
 
@@ -35,6 +35,9 @@ class Ops:
     silu_and_mul: Callable
     write_kv: Callable
     paged_attention: Callable
+    # (model, embeddings, positions, meta, kv_caches) -> (hidden, residual) after the layers, the whole
+    # loop in one call; None where the backend has none, or it returns None for the step: model.py loops
+    decode_layers: Callable | None = None
 
 
 def _torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,11 +94,21 @@ def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:
     return packed_linear.embedding(ids, weight)
 
 
+def _cpu_decode_layers(model, *args):
+    """decode_layers.c runs the CPU table's own kernels: a table with any of them replaced (a test's
+    reference) runs the layer loop, which calls what it holds."""
+    if any(getattr(model.ops, name) is not getattr(CPU_OPS, name) for name in _LAYER_OPS):
+        return None
+    return decode_layers.run(model, *args)
+
+
+_LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",
+              "silu_and_mul")
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=_cpu_linear,
                   prepare_int=_cpu_prepare_int, embedding=_int_rows_or(_cpu_embedding), paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
                   rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,
-                  silu_and_mul=cpu_layer_ops.silu_and_mul)
+                  silu_and_mul=cpu_layer_ops.silu_and_mul, decode_layers=_cpu_decode_layers)
 
 
 def _triton_interpreter_on() -> bool:

@@ -197,7 +197,10 @@ class DecoderModel:
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
         hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
+        fused = ops.decode_layers(self, hidden, positions, meta, kv_caches) if ops.decode_layers else None
+        if fused is not None:   # the loop below in one kernel call, bit for bit
+            hidden, residual = fused
+        for layer, kv in zip(self.layers if fused is None else [], kv_caches):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)

@@ -1,0 +1,130 @@
+"""A decode step's layers in one C call (kernels/decode_layers.c) give the layer loop's logits bit for
+bit: GGUF weights (the default model's Q4_1/Q8_0 mix, Q8_0 alone) and packed bf16 ones, float32 and
+bf16 activations, biases (Qwen2), per-head norms (Qwen3, packed bf16), an int8 KV cache, decodes beside short
+verification runs; and they fail as the loop fails, with the loop's errors."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from actors.worker.forward_batch import ForwardBatch, SequenceInput, flatten
+from actors.worker.model_runner import ModelRunner
+from kernels import cpu_native, decode_layers, packed_linear
+from kernels.packed_linear import PackedWeight
+from tests.actors.test_loader_gguf import hf_folder_to_gguf
+from tests.actors.test_quantized_gguf import MIXES
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no CPU C kernels here")
+
+
+def _runner(path, dtype, kv_cache_dtype="auto"):
+    return ModelRunner(path, dtype=dtype, kernels="cpu", block_size=8, num_blocks=48, num_threads=2,
+                       quantization="auto", kv_cache_dtype=kv_cache_dtype)
+
+
+def _looping(runner: ModelRunner) -> ModelRunner:
+    """The same runner with the C layer loop taken out of its ops table."""
+    runner.model.ops = replace(runner.model.ops, decode_layers=None)
+    return runner
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+    real = decode_layers.run
+
+    def counting(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(decode_layers, "run", counting)
+    return calls
+
+
+def _steps(fused: ModelRunner, looped: ModelRunner, fused_calls: list) -> None:
+    """Two prompts prefilled (the loop: prefill chunks never come here), then 12 steps of two greedy
+    decodes beside a 3-token verification run of the second prompt's continuation; the logits equal
+    at every step, and every decode step went through the C loop."""
+    prompts = [list(range(3, 30)), [7, 8, 9, 300, 5]]
+    tables = [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12], [16, 17, 18, 19, 20, 21]]
+    batch = ForwardBatch([SequenceInput(prompts[0], 0, tables[0], 1), SequenceInput(prompts[1], 0, tables[1], 1),
+                          SequenceInput(prompts[1], 0, tables[2], 1)])
+    got, want = fused.execute(batch), looped.execute(batch)
+    assert torch.equal(got, want)
+    assert fused_calls == [False]   # a prefill: not for the C loop
+    seqs = [list(p) for p in prompts + [prompts[1]]]
+    for step in range(12):
+        tokens = [int(got[i].argmax()) for i in (0, 1)] + [int(got[2].argmax())]
+        draft = [(tokens[2] + j) % 50 for j in (1, 2)]   # a verification of 2 drafted tokens
+        inputs = [SequenceInput([tokens[0]], len(seqs[0]), tables[0], 1),
+                  SequenceInput([tokens[1]], len(seqs[1]), tables[1], 1),
+                  SequenceInput([tokens[2]] + draft, len(seqs[2]), tables[2], 3)]
+        seqs[0].append(tokens[0]), seqs[1].append(tokens[1]), seqs[2].extend([tokens[2]] + draft)
+        got, want = fused.execute(ForwardBatch(inputs)), looped.execute(ForwardBatch(inputs))
+        assert torch.equal(got, want), f"step {step}"
+        got = got[[0, 1, 4]]
+    assert fused_calls[1:] == [True] * 12
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mix", ["q4_1+q8_0", "q8_0"])
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_gguf_weights_give_the_loops_logits(arch, mix, dtype, tiny_model_dir, tmp_path, fused_calls):
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), MIXES[mix])
+    _steps(_runner(path, dtype), _looping(_runner(path, dtype)), fused_calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int8_kv_cache(dtype, tiny_model_dir, tmp_path, fused_calls):
+    path = hf_folder_to_gguf(tiny_model_dir("qwen2"), str(tmp_path / "model.gguf"), MIXES["q4_1+q8_0"])
+    _steps(_runner(path, dtype, "int8"), _looping(_runner(path, dtype, "int8")), fused_calls)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_packed_bf16_weights(arch, tiny_model_dir, monkeypatch, fused_calls):
+    """A bf16 safetensors model whose projections the packed kernel multiplies (whatever this CPU's
+    measurement would choose); Qwen3's per-head norms."""
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
+    fused = _runner(tiny_model_dir(arch), "bfloat16")
+    assert all(isinstance(w, PackedWeight) for w in (fused.model.layers[0].qkv_weight, fused.model.layers[0].o_weight))
+    assert (fused.model.layers[0].q_norm is not None) == (arch == "qwen3")
+    _steps(fused, _looping(_runner(tiny_model_dir(arch), "bfloat16")), fused_calls)
+
+
+def test_a_replaced_op_runs_the_loop(tiny_model_dir, tmp_path, fused_calls):
+    """A table with another linear (a test's torch reference) never takes the C loop, which would not call it."""
+    path = hf_folder_to_gguf(tiny_model_dir("qwen2"), str(tmp_path / "model.gguf"), MIXES["q8_0"])
+    runner = _runner(path, "float32")
+    seen = []
+    linear = runner.model.ops.linear
+    runner.model.ops = replace(runner.model.ops, linear=lambda *a: seen.append(1) or linear(*a))
+    runner.execute(ForwardBatch([SequenceInput([5, 6, 7], 0, [0, 1], 1)]))
+    seen.clear()
+    runner.execute(ForwardBatch([SequenceInput([8], 3, [0, 1], 1)]))
+    assert len(seen) == 4 * runner.model_config.num_layers + 1
+    assert True not in fused_calls
+
+
+@pytest.mark.parametrize("bad", ["slot", "block", "position"])
+def test_bad_metadata_fails_as_the_loop_fails(bad, tiny_model_dir, tmp_path):
+    path = hf_folder_to_gguf(tiny_model_dir("llama_tied"), str(tmp_path / "model.gguf"), MIXES["q8_0"])
+    runners = [_runner(path, "float32"), _looping(_runner(path, "float32"))]
+    for runner in runners:
+        runner.execute(ForwardBatch([SequenceInput([5, 6, 7], 0, [0, 1], 1)]))
+    errors = []
+    for runner in runners:
+        model = runner.model
+        flat = flatten(ForwardBatch([SequenceInput([8], 3, [0, 1], 1)]), runner.block_size, runner.kv_caches[0][0].shape[0],
+                       runner.model_config.vocab_size)
+        if bad == "slot":
+            flat.slot_mapping[0] = runner.kv_caches[0][0].shape[0] * runner.block_size
+        elif bad == "block":
+            flat.block_tables[0, 0] = runner.kv_caches[0][0].shape[0]
+        else:
+            flat.positions[0] = model.cos_sin_cache.shape[0]
+        with pytest.raises((IndexError, ValueError)) as caught:
+            runner.forward(flat, runner.kv_caches)
+        errors.append((type(caught.value), str(caught.value).split(":")[0]))
+    assert errors[0] == errors[1]
