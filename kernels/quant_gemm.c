@@ -153,36 +153,71 @@ static inline long group_bytes(int type) {
     }
 }
 
+/* The sums of a's 8 lanes and of b's. */
+static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
+    __m256i p = _mm256_hadd_epi32(a, b);   /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s = _mm_hadd_epi32(s, s);
+    *sa = _mm_cvtsi128_si32(s);
+    *sb = _mm_extract_epi32(s, 1);
+}
+
+/* An int32 lane's low byte, sign-extended: the (int8_t) it is stored as. */
+#define LOW_I8(v, w) _mm##w##_srai_epi32(_mm##w##_slli_epi32(v, 24), 24)
+/* 8 or 16 bf16 to float32: their bits in the high half. */
+#define WIDEN8(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define WIDEN16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
 /* One row of x (float32 or bf16) -> int8 values, a float32 scale, the sum of the values per block and
- * the sum of its first 16 (Q6_K's scales cover 16 values). */
+ * the sum of its first 16 (Q6_K's scales cover 16 values). amax is taken over 4 vectors of 8 in one
+ * order on both widths (x86's max keeps its second operand for a NaN), the values are truncated to
+ * their low byte as (int8_t) does: any x, NaN included, quantizes as the scalar loop did. */
 static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum, int32_t *half) {
-    float v[QK];
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long b = 0; b < K / QK; b++) {
-        for (int j = 0; j < QK; j++)
-            v[j] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
+        const uint16_t *xh = (const uint16_t *)x + b * QK;
+        const float *xf = (const float *)x + b * QK;
+        __m256 v[4];
+#ifdef __AVX512F__
+        __m512 w[2];
+        for (int j = 0; j < 2; j++) w[j] = x_bf16 ? WIDEN16(xh + 16 * j) : _mm512_loadu_ps(xf + 16 * j);
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j / 2]), j & 1));
+#else
+        for (int j = 0; j < 4; j++) v[j] = x_bf16 ? WIDEN8(xh + 8 * j) : _mm256_loadu_ps(xf + 8 * j);
+#endif
         __m256 amax = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int j = 0; j < QK; j += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+        for (int j = 0; j < 4; j++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
         float scale = _mm_cvtss_f32(m4) / 127.0f;
         float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        __m256i total = _mm256_setzero_si256();
-        for (int j = 0; j < QK; j += 8) {
-            __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j), _mm256_set1_ps(inv)));  /* nearest even */
-            total = _mm256_add_epi32(total, r);
-            int32_t lanes[8];
-            _mm256_storeu_si256((__m256i *)lanes, r);
-            for (int l = 0; l < 8; l++) q[b * QK + j + l] = (int8_t)lanes[l];
-        }
-        int32_t t[8];
-        _mm256_storeu_si256((__m256i *)t, total);
+        __m256i total, first;
+#ifdef __AVX512F__
+        __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(w[0], _mm512_set1_ps(inv)));   /* nearest even */
+        __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(w[1], _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(r0));   /* vpmovdb: the low bytes */
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(r1));
+        __m512i t = _mm512_add_epi32(r0, r1), h = LOW_I8(r0, 512);
+        total = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+        first = _mm256_add_epi32(_mm512_castsi512_si256(h), _mm512_extracti64x4_epi64(h, 1));
+#else
+        __m256i r[4];
+        for (int j = 0; j < 4; j++) r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        /* Low bytes (0..255) packed without saturating; the packs interleave 4-byte groups of the 128-bit halves. */
+        __m256i lo[4];
+        for (int j = 0; j < 4; j++) lo[j] = _mm256_and_si256(r[j], _mm256_set1_epi32(0xff));
+        __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(lo[0], lo[1]), _mm256_packus_epi32(lo[2], lo[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        first = _mm256_add_epi32(LOW_I8(r[0], 256), LOW_I8(r[1], 256));
+#endif
         d[b] = scale;
-        sum[b] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-        int32_t h = 0;
-        for (int j = 0; j < QK / 2; j++) h += q[b * QK + j];
-        half[b] = h;
+        sum2(total, first, sum + b, half + b);
     }
 }
 
@@ -400,16 +435,61 @@ static const kernel_fn KERNELS_Q6_K[MR_MAX + 1] = TABLE(14);
 
 int matinee_quant_width(void) { return WIDTH; }
 
-/* rows x cols of a tile (+ bias) into y, as float32 or bf16. */
+/* f32_to_bf16 (bf16.h) of each lane, in its low 16 bits: to nearest even by integer adds (denormals kept),
+ * any NaN 0x7fc0. */
+static inline vi bf16_lanes(vf v) {
+#ifdef __AVX512F__
+    const vi u = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(ANDI(u, SET1I(0x7fffffff)), SET1I(0x7f800000));
+#else
+    const vi u = _mm256_castps_si256(v);
+    const vi nan = _mm256_cmpgt_epi32(ANDI(u, SET1I(0x7fffffff)), SET1I(0x7f800000));
+#endif
+    const vi r = SRLI32(ADDI(ADDI(u, SET1I(0x7fff)), ANDI(SRLI32(u, 16), SET1I(1))), 16);
+#ifdef __AVX512F__
+    return _mm512_mask_blend_epi32(nan, r, SET1I(0x7fc0));
+#else
+    return _mm256_blendv_epi8(r, SET1I(0x7fc0), nan);
+#endif
+}
+
+/* rows x cols of a tile (+ bias) into y, as float32 or bf16. Without a bias the tile still gets + 0.0f
+ * (a -0.0 comes out +0.0), as the scalar loop wrote it. */
 static void emit(const float *tile, int rows, int cols, const float *bias, void *y, int y_bf16, long ldy) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
+#ifdef __AVX512F__
+    const __mmask16 m = (__mmask16)((1u << cols) - 1);   /* a group's columns past N are not y's */
+    const vf b = bias ? _mm512_maskz_loadu_ps(m, bias) : VZERO();
+    for (int r = 0; r < rows; r++) {
+        vf v = VADD(_mm512_loadu_ps(tile + r * GR), b);
+        if (y_bf16)
+            _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)y + r * ldy, m, bf16_lanes(v));   /* vpmovdw */
+        else
+            _mm512_mask_storeu_ps((float *)y + r * ldy, m, v);
+    }
+#else
+    const int whole = cols / LANES * LANES;   /* in vectors of 8; the rest of a partial group one by one */
+    vf b[HALVES] = {VZERO(), VZERO()};
+    for (int c = 0; bias && c < whole; c += LANES) b[c / LANES] = _mm256_loadu_ps(bias + c);
+    for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < whole; c += LANES) {
+            vf v = VADD(_mm256_loadu_ps(tile + r * GR + c), b[c / LANES]);
+            if (y_bf16) {
+                vi h = bf16_lanes(v);
+                _mm_storeu_si128((__m128i *)((uint16_t *)y + r * ldy + c),
+                                 _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+            } else {
+                VSTORE((float *)y + r * ldy + c, v);
+            }
+        }
+        for (int c = whole; c < cols; c++) {
             float v = tile[r * GR + c] + (bias ? bias[c] : 0.0f);
             if (y_bf16)
                 ((uint16_t *)y)[r * ldy + c] = f32_to_bf16(v);
             else
                 ((float *)y)[r * ldy + c] = v;
         }
+    }
+#endif
 }
 
 /* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32, K a multiple of 32; w the packed weight

@@ -116,3 +116,77 @@ def test_bad_input_is_refused():
         quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q5_1), torch.from_numpy(raw), 64))   # Q8_0's bytes
     with pytest.raises(ValueError, match="type"):
         quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q2_K), torch.from_numpy(raw), 64))
+
+
+def _q8_0(values: np.ndarray) -> quant_linear.QuantWeight:
+    """A Q8_0 weight of int8 `values` [N, K] with every scale d 1.0: its products are exact integers."""
+    n, k = values.shape
+    blocks = np.empty((n, k // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    blocks[..., 2:] = values.astype(np.int8).reshape(n, k // 32, 32).view(np.uint8)
+    raw = torch.from_numpy(blocks.reshape(n, -1))
+    return quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q8_0), raw, k))
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _f32(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
+# Biases of the columns whose weight rows are zero, and the bf16 each must come out as (f32_to_bf16).
+SPECIAL = [(float("nan"), 0x7FC0), (_f32(0xFFC00001), 0x7FC0),           # any NaN: 0x7fc0
+           (float("inf"), 0x7F80), (float("-inf"), 0xFF80), (_f32(0x7F7FFFFF), 0x7F80),   # FLT_MAX rounds up to inf
+           (2.0 ** -134, 0x0000), (3 * 2.0 ** -134, 0x0002), (5 * 2.0 ** -134, 0x0002),    # denormal ties
+           (-3 * 2.0 ** -134, 0x8002), (_f32(0x007FFFFF), 0x0080),                         # kept, not flushed
+           (1 + 2.0 ** -8, 0x3F80), (1 + 3 * 2.0 ** -8, 0x3F82)]                           # normal ties
+
+
+def test_bf16_outputs_round_ties_to_even(lib):
+    """Integer outputs in [256, 1024), a bf16 step of 2 or 4 apart, most of them exact ties (257 -> 256,
+    259 -> 260, 514 -> 512, 518 -> 520): random data almost never gives a tie, so a rounding other than
+    to nearest even would pass every other test. The last 12 columns take their bias as it is: NaN, inf,
+    denormals. 11 rows and 44 columns leave partial tiles on both builds."""
+    m, n, k = 11, 44, 64
+    targets = np.concatenate([np.arange(257, 289, 2), np.arange(514, 578, 4)])   # 32 ties, before offsets
+    w = np.zeros((n, k), dtype=np.int64)
+    w[:32, 0], w[:32, 1], w[:32, 33] = targets // 127, targets % 127, 1
+    x = torch.zeros(m, k)
+    x[:, 0], x[:, 1] = 127.0, 1.0                               # block 0: 127 * w0 + w1, the target
+    x[:, 32] = torch.tensor([127.0, -127.0]).repeat(6)[:m]      # block 1: scale 1 too, and 2 * row
+    x[:, 33] = 2.0 * torch.arange(m)
+    weight = _q8_0(w)
+    exact = targets[None, :] + 2 * np.arange(m)[:, None]        # [m, 32]: ties where odd below 512, 2 mod 4 above
+    bias = torch.zeros(n)
+    bias[:32] = torch.tensor([1.0, -1.0, 3.0, 0.0]).repeat(8)
+    bias[32:] = torch.tensor([b for b, _ in SPECIAL])
+    for b in (None, bias):
+        got = quant_linear.matmul(x.to(torch.bfloat16), weight, b, lib=lib)
+        value = exact + (0 if b is None else b[:32].numpy().astype(np.int64))
+        step = np.where(value < 512, 2, 4)
+        expect = np.round(value / step) * step                  # numpy rounds halves to even, as bf16 must
+        assert (exact % 2 == 1).sum() > 100 and (value % step != 0).sum() > 100   # ties, with and without bias
+        assert np.array_equal(got[:, :32].float().numpy(), expect)
+        specials = np.array([bits for _, bits in SPECIAL] if b is not None else [0] * 12, dtype=np.uint16)
+        assert (_bits(got[:, 32:]) == specials).all()
+        ref = quant_linear.reference_matmul(x.to(torch.bfloat16), weight, b)
+        finite = ~torch.isnan(ref)
+        assert torch.equal(torch.isnan(got), ~finite)           # torch's NaN bits are its own (0xffff)
+        assert np.array_equal(_bits(got)[finite.numpy()], _bits(ref)[finite.numpy()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_quantizes_halves_to_even(lib, dtype):
+    """x of scale 1 (amax 127) with half-integer values times an identity weight: each output is its
+    quantized x, a half rounded to even (2.5 -> 2, -3.5 -> -4)."""
+    k = 64
+    x = torch.arange(-31.5, 32.5, 1.0).repeat(3, 1)             # 64 halves, -31.5 .. 31.5
+    x[1] *= 3.0                                                 # -94.5 .. 94.5
+    x[2] = x[2].flip(0) * 4.0 + 0.5                             # halves again, 126.5 .. -125.5
+    x[:, 31], x[:, 63] = 127.0, -127.0                          # every block's amax 127
+    weight = _q8_0(np.eye(k, dtype=np.int64))
+    got = quant_linear.matmul(x.to(dtype), weight, lib=lib)
+    assert torch.equal(got.float(), torch.from_numpy(np.round(x.numpy())))
+    assert torch.equal(got, quant_linear.reference_matmul(x.to(dtype), weight))
