@@ -423,22 +423,27 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     return 0;
 }
 
+/* CALL(act_bf16, kind) for the combinations the kernels take, each with its arguments constant. */
+#define EACH_KIND(act_bf16, kind, CALL)       \
+    switch ((act_bf16) * 4 + (kind)) {        \
+    case F32: return CALL(0, F32);            \
+    case I8: return CALL(0, I8);              \
+    case FP8: return CALL(0, FP8);            \
+    case 4 + BF16: return CALL(1, BF16);      \
+    case 4 + I8: return CALL(1, I8);          \
+    case 4 + FP8: return CALL(1, FP8);        \
+    }                                         \
+    return -1;
+
+static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, int act_bf16, int kind) {
+#define ATTEND(a, k) attend(pb, b, i0, h0, h1, a, k)
+    EACH_KIND(act_bf16, kind, ATTEND)
+#undef ATTEND
+}
+
 /* Checks the metadata, then attends every (sequence, query tile) in parallel: with fewer tiles than
  * 4 per thread, every (tile, KV head), or a lone decode would keep one core. Either way each row is
  * computed by the same steps, so the split changes no bits. */
-/* attend() for the combinations the kernels take, each with its arguments constant. */
-static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, int act_bf16, int kind) {
-    switch (act_bf16 * 4 + kind) {
-    case F32: return attend(pb, b, i0, h0, h1, 0, F32);
-    case I8: return attend(pb, b, i0, h0, h1, 0, I8);
-    case FP8: return attend(pb, b, i0, h0, h1, 0, FP8);
-    case 4 + BF16: return attend(pb, b, i0, h0, h1, 1, BF16);
-    case 4 + I8: return attend(pb, b, i0, h0, h1, 1, I8);
-    case 4 + FP8: return attend(pb, b, i0, h0, h1, 1, FP8);
-    }
-    return -1;
-}
-
 static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind) {
     int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
                              pb->table_width, num_blocks);
@@ -608,15 +613,9 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
 }
 
 static int prefill_item_any(const Problem *pb, long b, long i0, long nt, long h, int act_bf16, int kind) {
-    switch (act_bf16 * 4 + kind) {
-    case F32: return prefill_item(pb, b, i0, nt, h, 0, F32);
-    case I8: return prefill_item(pb, b, i0, nt, h, 0, I8);
-    case FP8: return prefill_item(pb, b, i0, nt, h, 0, FP8);
-    case 4 + BF16: return prefill_item(pb, b, i0, nt, h, 1, BF16);
-    case 4 + I8: return prefill_item(pb, b, i0, nt, h, 1, I8);
-    case 4 + FP8: return prefill_item(pb, b, i0, nt, h, 1, FP8);
-    }
-    return -1;
+#define PREFILL_ITEM(a, k) prefill_item(pb, b, i0, nt, h, a, k)
+    EACH_KIND(act_bf16, kind, PREFILL_ITEM)
+#undef PREFILL_ITEM
 }
 
 /* The long runs: sequences seqs[0, S) of the batch (its metadata as paged_attention's), every run's
