@@ -1,5 +1,5 @@
 """The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
-quant_gemm.c, token_mask.c, decode_layers.c):
+quant_gemm.c, quant_amx.c, token_mask.c, decode_layers.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -28,8 +28,8 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c",
-                                                             "token_mask.c", "decode_layers.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h")]   # included by the sources: part of the library's name
+                                                             "quant_amx.c", "token_mask.c", "decode_layers.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "e4m3.h", "quant_layout.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
 X86 = ("x86_64", "amd64", "i386", "i686")   # the sources use x86 vector intrinsics (immintrin.h)
@@ -128,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_quant_gemm.argtypes = [ptr, int_, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_quant_width.restype = int_
     lib.matinee_quant_width.argtypes = []
+    lib.matinee_quant_amx.restype = int_
+    lib.matinee_quant_amx.argtypes = [ptr, int_, ptr, ptr, ptr] + [long_] * 3 + [int_]
     lib.matinee_apply_token_bitmask.restype = None
     lib.matinee_apply_token_bitmask.argtypes = [ptr, long_, long_, ptr, long_, ptr, long_]
     for dtype in ("f32", "bf16"):   # cpu_layer_ops.c

@@ -15,6 +15,8 @@
 /* The kernels of the other sources of the library. */
 int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
                        int y_bf16, long M, long N, long K, int threads);
+int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
+                      long K, int threads);
 int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
                         long M, long N, long K, int threads);
 void matinee_rms_norm_f32(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
@@ -58,6 +60,7 @@ typedef struct {
     const float *bias;   /* float32 [N], or NULL */
     long N, K;
     int kind, qtype;
+    long amx_from;       /* GGUF with bf16 rows: quant_amx.c from this many rows on; 0 never */
 } Projection;
 
 typedef struct {
@@ -79,6 +82,8 @@ typedef struct {
 } Shape;
 
 static int project(const Projection *p, const void *x, void *y, long M, int bf16, int threads) {
+    if (p->kind == GGUF && bf16 && p->amx_from && M >= p->amx_from)
+        return matinee_quant_amx(x, p->qtype, p->w, p->bias, y, M, p->N, p->K, threads);
     if (p->kind == GGUF) return matinee_quant_gemm(x, bf16, p->qtype, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
     return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
 }

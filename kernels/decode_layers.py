@@ -27,7 +27,8 @@ _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("bias", _ptr), ("N", _long), ("K", _long), ("kind", _int), ("qtype", _int)]
+    _fields_ = [("w", _ptr), ("bias", _ptr), ("N", _long), ("K", _long), ("kind", _int), ("qtype", _int),
+                ("amx_from", _long)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,11 +76,13 @@ class _Plan:
     def _projection(self, weight, bias: torch.Tensor | None) -> _Projection:
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()   # as cpu_native.projection converts it each call
+        amx_from = 0
         if isinstance(weight, QuantWeight):
-            kind, qtype, w = GGUF, int(weight.qtype), weight.packed
+            kind, qtype, w, amx_from = GGUF, int(weight.qtype), weight.packed, weight.amx_from or 0
         else:
             kind, qtype, w = PACKED, 0, weight.packed
-        return _Projection(self._tensor(w), self._tensor(bias), weight.out_features, weight.in_features, kind, qtype)
+        return _Projection(self._tensor(w), self._tensor(bias), weight.out_features, weight.in_features, kind, qtype,
+                           amx_from)
 
     def layer_caches(self, kv_caches: list) -> ctypes.Array:
         key = [p for kv in kv_caches for p in (kv[0].data_ptr(), kv[1].data_ptr())]

@@ -1,7 +1,8 @@
 """The set of ops the model code calls, and the one place that picks their backend.
 
 "torch" is the pure-torch reference; "cpu" the C kernels of the CPU serving path (few-row
-float32 matmuls, bf16 matmuls on weights packed at load, int8 products on GGUF-quantized weights,
+float32 matmuls, bf16 matmuls on weights packed at load, int8 products on GGUF-quantized weights
+(bf16 products on AMX from the rows where they measure faster),
 torch's int8 and int4 matmuls on weights quantized at load,
 short-query paged attention, one call per norm, rotary embedding, KV write and SiLU-and-multiply;
 the reference for everything else);
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, paged_attention, \
-    paged_attention_cpu, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
+    paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
 from kernels.quantize import Int4Weight, Int8Weight
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -77,7 +78,7 @@ TORCH_OPS = Ops(
 
 def _cpu_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, quant_linear.QUANTIZED):
-        return quant_linear.matmul(x, weight, bias)
+        return quant_amx.linear(x, weight, bias)
     if isinstance(weight, (Int8Weight, quant_linear_cpu.Int4CpuWeight)):
         return quant_linear_cpu.linear(x, weight, bias)
     return packed_linear.linear(x, weight, bias)
@@ -104,7 +105,8 @@ def _cpu_decode_layers(model, *args):
 
 _LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",
               "silu_and_mul")
-CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight, linear=_cpu_linear,
+CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight,
+                  prepare_quantized=quant_amx.prepare, linear=_cpu_linear,
                   prepare_int=_cpu_prepare_int, embedding=_int_rows_or(_cpu_embedding), paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
                   rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,

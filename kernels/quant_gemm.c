@@ -33,18 +33,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "quant_layout.h"
 
-#define QK 32
-#define GR 16
-#define Q4_0 2                      /* ggml's type numbers */
-#define Q4_1 3
-#define Q5_0 6
-#define Q5_1 7
-#define Q8_0 8
-#define Q4_K 12
-#define Q5_K 13
-#define Q6_K 14
-#define QKK 256                     /* values per K-quant super-block: 8 blocks of x */
 #define MAX_CHUNK_BYTES (512L << 10) /* int8 rows of x per pass over the weights: within L2 */
 
 #ifdef __AVX512F__
@@ -136,22 +126,6 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
 /* A product kept apart from the sum it enters: no fused multiply-add, so every output is the float32
  * sequence quant_linear.reference_matmul computes, bit for bit. */
 #define KEEP(v) __asm__("" : "+v"(v))
-
-static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-
-/* Bytes of one group: 16 rows of one block (32 values), or of one super-block (256) for a K-quant. */
-static inline long group_bytes(int type) {
-    switch (type) {
-    case Q8_0: return 2 * GR + GR * QK;
-    case Q4_0: return 2 * GR + GR * QK / 2;
-    case Q4_1: return 4 * GR + GR * QK / 2;
-    case Q5_0: return 2 * GR + GR * (4 + QK / 2);
-    case Q5_1: return 4 * GR + GR * (4 + QK / 2);
-    case Q4_K: return GR * 148;   /* d, dmin, 8 scales, 8 mins, 128 bytes of nibbles */
-    case Q5_K: return GR * 180;   /* and 32 of fifth bits */
-    default: return GR * 210;     /* Q6_K: d, 16 scales, 128 of nibbles, 64 of high pairs */
-    }
-}
 
 /* The sums of a's 8 lanes and of b's. */
 static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {

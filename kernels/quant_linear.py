@@ -48,12 +48,14 @@ class QuantTensor:
 
 class QuantWeight:
     """A [N, K] weight of `qtype` as quant_gemm.c reads it: `packed` is uint8 [ceil(N/16), K/32, group bytes].
-    `dtype` is the activation dtype its products and embedding rows come out in."""
+    `dtype` is the activation dtype its products and embedding rows come out in; `amx_from` the row
+    count from which the CPU backend multiplies bf16 rows by it on AMX (quant_amx.py), None for never."""
 
     def __init__(self, packed: torch.Tensor, qtype: int, out_features: int, in_features: int,
                  dtype: torch.dtype) -> None:
         self.packed, self.qtype, self.out_features, self.in_features = packed, qtype, out_features, in_features
         self.dtype = dtype
+        self.amx_from: int | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -199,7 +201,7 @@ def reference_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear shapes do not match: {tuple(x.shape)} @ {tuple(weight.shape)}.T")
     if isinstance(weight, QuantStack):
-        return _stacked(x, weight, bias, reference_matmul)
+        return stacked(x, weight, bias, reference_matmul)
     if weight.qtype in kquant.TYPES:
         out = kquant.reference_matmul(x, unpack(weight), weight.qtype, weight.out_features)
         return (out if bias is None else out + bias.float()).to(x.dtype)
@@ -224,7 +226,7 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     """x[M, K] (bf16 or float32) @ weight.T (+ bias) -> [M, N] in x's dtype, through quant_gemm.c; `lib`
     defaults to the loaded kernels (a test passes another build)."""
     if isinstance(weight, QuantStack):
-        return _stacked(x, weight, bias, lambda x, part, bias: matmul(x, part, bias, lib))
+        return stacked(x, weight, bias, lambda x, part, bias: matmul(x, part, bias, lib))
 
     def launch(lib, x, bias, out, bf16):
         return lib.matinee_quant_gemm(x.data_ptr(), bf16, weight.qtype, weight.packed.data_ptr(),
@@ -233,7 +235,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     return cpu_native.projection(x, weight, bias, lib, "quantized linear", "int8", launch)
 
 
-def _stacked(x: torch.Tensor, weight: QuantStack, bias: torch.Tensor | None, product) -> torch.Tensor:
+def stacked(x: torch.Tensor, weight: QuantStack, bias: torch.Tensor | None, product) -> torch.Tensor:
+    """`product(x, part, bias)` of each part, side by side."""
     outs, start = [], 0
     for part in weight.parts:
         end = start + part.out_features

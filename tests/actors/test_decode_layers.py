@@ -11,7 +11,7 @@ import torch
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput, flatten
 from actors.worker.model_runner import ModelRunner
-from kernels import cpu_native, decode_layers, packed_linear
+from kernels import cpu_native, decode_layers, packed_linear, quant_amx
 from kernels.packed_linear import PackedWeight
 from tests.actors.test_loader_gguf import hf_folder_to_gguf
 from tests.actors.test_quantized_gguf import MIXES
@@ -128,3 +128,21 @@ def test_bad_metadata_fails_as_the_loop_fails(bad, tiny_model_dir, tmp_path):
             runner.forward(flat, runner.kv_caches)
         errors.append((type(caught.value), str(caught.value).split(":")[0]))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.skipif(not quant_amx.available(), reason="no AMX on this CPU")
+def test_amx_projections_in_the_c_loop(tiny_model_dir, tmp_path, fused_calls):
+    """With every GGUF projection on AMX from one row on, the C loop's logits are the loop's bit for bit,
+    and differ from the int8 kernel's: the C loop did take quant_amx.c."""
+    path = hf_folder_to_gguf(tiny_model_dir("llama_tied"), str(tmp_path / "model.gguf"), MIXES["q4_1+q8_0"])
+    amx, looped, int8 = (_runner(path, "bfloat16") for _ in range(3))
+    for runner, rows in ((amx, 1), (looped, 1), (int8, None)):
+        for layer in runner.model.layers:
+            for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
+                weight.amx_from = rows
+    _steps(amx, _looping(looped), fused_calls)
+    decode = ForwardBatch([SequenceInput([5, 6, 7], 0, [0, 1], 1)])
+    amx.execute(decode), int8.execute(decode)   # the prompt, then one decode step on each
+    step = ForwardBatch([SequenceInput([9], 3, [0, 1], 1)])
+    assert not torch.equal(amx.execute(step), int8.execute(step))
+    assert fused_calls[-1] is True

@@ -1,0 +1,231 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x and a packed GGUF weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1;
+ * quant_layout.h), on AMX's bf16 tiles.
+ *
+ * quant_gemm.c's int8 products run on VNNI: right where a step reads each weight byte once for a few rows.
+ * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
+ * Each thread widens one 16-row group of the weight at a time into its own bf16 buffer in the tiles' pair
+ * layout (at most K x 64 bytes: within L2), then multiplies every 16-row tile of x by it, four tiles of x
+ * to one B tile. The weight is widened once per call, never kept: the model holds only the packed bytes.
+ *
+ * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
+ * rounded apart), then rounded to the nearest even bf16, as torch rounds: the product is x times exactly
+ * dequantize(W).bfloat16(), summed in float32 in the tiles, plus the bias, rounded to bf16 once.
+ *
+ * The B tile of one block (32 values of 16 rows) is 16 rows of 64 bytes: row p holds, for each weight row
+ * n, the bf16 pair of columns 2p and 2p + 1. A packed block gives one weight row per int32 lane (its
+ * 4-byte columns [v][row][4]), so the widening runs on 16 rows at once, a column at a time.
+ *
+ * Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it,
+ * or in a build for a CPU without AMX, matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_layout.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define KEEP(v) __asm__("" : "+v"(v))      /* d * q is rounded before + m: no fused multiply-add */
+#define STREAM_BYTES (1L << 20)             /* outputs larger than this are written past the cache */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permitted(void) {
+    static int state = 0;   /* 0 unknown, 1 granted, -1 refused; a request twice is harmless */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {   /* C 0-3, x 4-5, weight 6-7: 16 rows of 64 bytes each */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Two columns of 16 weight rows (float32) -> one B tile row: the bf16 pair of each row, in lane order. */
+static inline void pair_row(__m512 even, __m512 odd, uint16_t *row) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* words 0-15: even, 16-31: odd */
+    _mm512_store_si512((void *)row, _mm512_permutexvar_epi16(interleave, both));
+}
+
+static inline __m512 scaled(__m512i q, __m512 d, __m512 m, int has_min) {
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+    if (has_min) {
+        KEEP(v);
+        v = _mm512_add_ps(v, m);
+    }
+    return v;
+}
+
+/* One group's block (16 weight rows x 32 columns) -> its B tile, 16 rows of 64 bytes at `tile`. */
+static void widen_block(int type, const uint8_t *blk, uint16_t *tile) {
+    const int has_min = type == Q4_1 || type == Q5_1;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * GR))) : d;
+    const uint8_t *qs = blk + (has_min ? 4 * GR : 2 * GR);
+    if (type == Q8_0) {   /* vector v: columns 4v..4v+3, one signed byte each */
+        for (int v = 0; v < 8; v++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(qs + v * GR * 4));
+            __m512 col[4];
+            for (int k = 0; k < 4; k++)
+                col[k] = scaled(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * k), 24), d, m, 0);
+            pair_row(col[0], col[1], tile + (2 * v) * 32);
+            pair_row(col[2], col[3], tile + (2 * v + 1) * 32);
+        }
+        return;
+    }
+    const int q5 = type == Q5_0 || type == Q5_1;
+    const __m512i low = _mm512_set1_epi32(15), offset = _mm512_set1_epi32(type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0);
+    const __m512i qh = q5 ? _mm512_loadu_si512((const void *)qs) : _mm512_setzero_si512();
+    const uint8_t *nibbles = q5 ? qs + GR * 4 : qs;
+    for (int c = 0; c < 4; c++) {   /* byte k of vector c: column 4c + k low, 16 + 4c + k high */
+        __m512i raw = _mm512_loadu_si512((const void *)(nibbles + c * GR * 4));
+        __m512 lo[4], hi[4];
+        for (int k = 0; k < 4; k++) {
+            const int j = 4 * c + k;
+            __m512i a = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k), low);
+            __m512i b = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k + 4), low);
+            if (q5) {   /* bit j of qh: column j's fifth bit, as 16 */
+                a = _mm512_or_si512(a, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, j), 4),
+                                                        _mm512_set1_epi32(16)));
+                b = _mm512_or_si512(b, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, 16 + j), 4),
+                                                        _mm512_set1_epi32(16)));
+            }
+            lo[k] = scaled(_mm512_sub_epi32(a, offset), d, m, has_min);
+            hi[k] = scaled(_mm512_sub_epi32(b, offset), d, m, has_min);
+        }
+        pair_row(lo[0], lo[1], tile + (2 * c) * 32);
+        pair_row(lo[2], lo[3], tile + (2 * c + 1) * 32);
+        pair_row(hi[0], hi[1], tile + (8 + 2 * c) * 32);
+        pair_row(hi[2], hi[3], tile + (8 + 2 * c + 1) * 32);
+    }
+}
+
+/* Two 16-row tiles of x (nb blocks of 1 KB each at a0 and a1, as `repack` lays them) times two widened
+ * groups (nb B tiles each at w0 and w1) -> out[32][32] float32: C tile 2i + j is x tile i times group j. */
+static void multiply(const uint16_t *a0, const uint16_t *a1, const uint16_t *w0, const uint16_t *w1, long nb,
+                     float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long b = 0; b < nb; b++) {
+        _tile_loadd(4, a0 + b * 16 * 32, 64);
+        _tile_loadd(5, a1 + b * 16 * 32, 64);
+        _tile_loadd(6, w0 + b * 16 * 32, 64);
+        _tile_loadd(7, w1 + b * 16 * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+    _tile_stored(2, out + 512, 128);
+    _tile_stored(3, out + 512 + 16, 128);
+}
+
+/* Tile t of x (rows 16t.. of M, zeros past M) -> xp: nb blocks of 16 rows x 32 values, 1 KB each, so that
+ * every tile load reads one contiguous KB (rows of x K * 2 bytes apart defeat the prefetchers). */
+static void repack(const uint16_t *x, long M, long K, long t, uint16_t *xp) {
+    const long nb = K / QK;
+    for (int r = 0; r < 16; r++) {
+        const long row = t * 16 + r;
+        for (long b = 0; b < nb; b++) {
+            __m512i v = row < M ? _mm512_loadu_si512((const void *)(x + row * K + b * QK)) : _mm512_setzero_si512();
+            _mm512_store_si512((void *)(xp + (b * 16 + r) * 32), v);
+        }
+    }
+}
+
+/* rows x cols of out (row stride 32, + bias) -> y (bf16, row stride N), rounded to nearest even. `stream`:
+ * whole lines bypass the cache (an output larger than L2 written a column strip at a time otherwise reads
+ * every line it writes). */
+static void emit(const float *out, int rows, int cols, const float *bias, uint16_t *y, long N, int stream) {
+    const __mmask32 mask = (__mmask32)(cols >= 32 ? 0xffffffffu : (1u << cols) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps((__mmask16)mask, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps((__mmask16)(mask >> 16), bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * 32), b0);
+        __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + r * 32 + 16), b1);
+        __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        uint16_t *to = y + r * N;
+        if (stream && cols == 32 && ((uintptr_t)to & 63) == 0)
+            _mm512_stream_si512((void *)to, v);
+        else
+            _mm512_mask_storeu_epi16(to, mask, v);
+    }
+}
+
+int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
+                      long K, int threads) {
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1) return -2;
+    if (!amx_permitted()) return -4;
+    const long nb = K / QK, groups = (N + GR - 1) / GR, gb = group_bytes(type);
+    const long tiles = (M + 15) / 16, pairs = (groups + 1) / 2, even = (tiles + 1) / 2 * 2;
+    const int stream = M * N * 2 > STREAM_BYTES;
+    /* x in tiles (an even count: a last odd one pairs with zeros), each [nb][16][32] */
+    uint16_t *xp = aligned_alloc(64, (size_t)even * K * 16 * 2);
+    if (!xp) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        uint16_t *wbuf = aligned_alloc(64, (size_t)2 * nb * 16 * 64);
+        float *out = aligned_alloc(64, 32 * 32 * sizeof(float));
+        if (!wbuf || !out) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            configure();
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < even; t++) repack(x, M, K, t, xp + t * K * 16);
+#pragma omp for schedule(static)
+        for (long p = 0; p < pairs; p++) {
+            if (!wbuf || !out) continue;
+            const long g = 2 * p;
+            const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
+            uint16_t *w1 = wbuf + nb * 16 * 32;
+            for (long b = 0; b < nb; b++) widen_block(type, w + (g * nb + b) * gb, wbuf + b * 16 * 32);
+            if (g + 1 < groups)
+                for (long b = 0; b < nb; b++) widen_block(type, w + ((g + 1) * nb + b) * gb, w1 + b * 16 * 32);
+            else
+                memset(w1, 0, (size_t)nb * 16 * 64);
+            for (long t = 0; t < tiles; t += 2) {
+                multiply(xp + t * K * 16, xp + (t + 1) * K * 16, wbuf, w1, nb, out);
+                const long rows = M - t * 16 < 32 ? M - t * 16 : 32;
+                emit(out, (int)rows, cols, bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N, stream);
+            }
+        }
+        if (stream) _mm_sfence();   /* the streamed lines are visible before the region ends */
+        if (wbuf && out) _tile_release();
+        free(wbuf);
+        free(out);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+#else
+int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
+                      long K, int threads) {
+    (void)x, (void)type, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return -4;   /* built for a CPU without AMX */
+}
+#endif

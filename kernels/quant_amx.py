@@ -1,0 +1,141 @@
+"""Many rows of bf16 x times a GGUF-quantized weight on AMX: quant_amx.c's launcher, and when to use it.
+
+quant_gemm.c multiplies int8 blocks through VNNI: right for a few rows, where a step reads each weight
+byte once. From a few dozen rows on the arithmetic dominates, and AMX's bf16 tiles do it 2-4x faster,
+widening the weight into bf16 a 16-row group at a time (quant_amx.c); the model keeps only the packed
+bytes. From which row count AMX wins is measured once per weight type and shape on this machine (kept
+beside the built library) and stored on the weight as `amx_from`; `linear` (and decode_layers.c) then
+pick by the rows of each call. AMX rounds the weight to bf16 where the int8 kernel rounds x to int8: two
+approximations of the same float32 product, each tested against it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from kernels import cpu_native, quant_linear
+from kernels.quant_linear import QuantStack, QuantTensor, QuantWeight
+
+TYPES = (quant_linear.Q8_0, quant_linear.Q4_0, quant_linear.Q4_1, quant_linear.Q5_0, quant_linear.Q5_1)
+ROWS = (16, 32, 64, 128, 256, 512)   # the row counts measured
+MARGIN = 1.1                         # AMX must win by 10%: noise never flips the choice
+SAMPLE_ROWS, REPEATS = 4096, 4
+UNAVAILABLE = -4                     # quant_amx.c's answer on a CPU (or kernel) without AMX
+
+
+def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """x[M, K] bf16 @ dequantize(weight).bfloat16().T (+ bias), summed in float32 -> [M, N] bf16.
+    Raises RuntimeError where this CPU or build has no AMX."""
+    if weight.qtype not in TYPES:
+        raise ValueError(f"quant_amx.c does not read {weight.name}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the AMX product takes bf16 rows, not {x.dtype}")
+
+    def launch(lib, x, bias, out, bf16):
+        status = lib.matinee_quant_amx(x.data_ptr(), weight.qtype, weight.packed.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                       x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
+        if status == UNAVAILABLE:
+            raise RuntimeError("this CPU or kernel build has no AMX tiles")
+        return status
+    return cpu_native.projection(x, weight, bias, lib, "AMX quantized linear", "bf16", launch)
+
+
+def linear(x: torch.Tensor, weight: QuantWeight | QuantStack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU backend's quantized projection: AMX where this call's rows reach the weight's measured
+    threshold, else quant_gemm.c."""
+    if isinstance(weight, QuantStack):
+        return quant_linear.stacked(x, weight, bias, linear)
+    if weight.amx_from is not None and x.shape[0] >= weight.amx_from and x.dtype == torch.bfloat16:
+        return matmul(x, weight, bias)
+    return quant_linear.matmul(x, weight, bias)
+
+
+def prepare(tensor: QuantTensor, dtype: torch.dtype = torch.float32) -> QuantWeight:
+    """quant_linear.pack, and for bf16 activations the row count from which AMX is faster."""
+    weight = quant_linear.pack(tensor, dtype)
+    if dtype == torch.bfloat16 and weight.qtype in TYPES and available():
+        weight.amx_from = from_rows(weight.qtype, weight.out_features, weight.in_features)
+    return weight
+
+
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether the loaded kernels can use AMX here (the CPU has it, the build used it, Linux grants it)."""
+    global _available
+    if _available is None:
+        lib = cpu_native.library()
+        if lib is None:
+            _available = False
+        else:
+            x, weight = torch.zeros(1, 32, dtype=torch.bfloat16), _random_weight(quant_linear.Q8_0, 16, 32)
+            try:
+                matmul(x, weight, lib=lib)
+                _available = True
+            except RuntimeError:
+                _available = False
+    return _available
+
+
+_decisions: dict[tuple[int, int, int, int], int | None] = {}
+
+
+def from_rows(qtype: int, n: int, k: int) -> int | None:
+    """The smallest measured row count from which AMX beat the int8 kernel at it and at every larger
+    count, or None. Measured once per shape and thread count, kept on disk beside the library."""
+    key = (torch.get_num_threads(), qtype, n, k)
+    if key not in _decisions:
+        path = cpu_native.library().path.with_suffix(".quant-amx.json")
+        name = f"{key[0]} threads {quant_linear.NAMES[qtype]} {n}x{k}"
+        known = cpu_native.read_measurements(path)
+        if name not in known:
+            known = cpu_native.read_measurements(path) | {name: _measure(qtype, n, k)}   # another process may have added some
+            cpu_native.keep_measurements(path, known)
+        ms = known[name]
+        _decisions[key] = threshold(ms)
+        structlog.get_logger().info("quantized linear", shape=f"{n}x{k}", type=quant_linear.NAMES[qtype],
+                                    amx_from_rows=_decisions[key], ms=ms)
+    return _decisions[key]
+
+
+def threshold(ms: dict[str, float]) -> int | None:
+    """From `_measure`'s timings: the row count from which AMX wins by MARGIN at every larger count."""
+    start = None
+    for rows in reversed(ROWS):
+        if ms[f"amx_{rows}"] * MARGIN >= ms[f"int8_{rows}"]:
+            break
+        start = rows
+    return start
+
+
+def _random_weight(qtype: int, n: int, k: int) -> QuantWeight:
+    import gguf   # the quantizer is only needed to measure, once per shape
+
+    floats = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+    raw = torch.from_numpy(gguf.quants.quantize(floats.numpy(), gguf.GGMLQuantizationType(int(qtype))))
+    return quant_linear.pack(QuantTensor(int(qtype), raw, k), torch.bfloat16)
+
+
+def _measure(qtype: int, n: int, k: int) -> dict[str, float]:
+    """Best-of milliseconds of both kernels at each of ROWS, on at most SAMPLE_ROWS of a random weight of
+    this type; the two alternate, so a neighbour's load on the cores slows both alike."""
+    weight = _random_weight(qtype, min(n, SAMPLE_ROWS), k)
+    gen = torch.Generator().manual_seed(1)
+    ms = {}
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        runs = {"int8": lambda: quant_linear.matmul(x, weight), "amx": lambda: matmul(x, weight)}
+        best = dict.fromkeys(runs, float("inf"))
+        for repeat in range(REPEATS + 1):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if repeat:   # the first is a warm-up
+                    best[name] = min(best[name], time.perf_counter() - start)
+        ms |= {f"{name}_{rows}": round(t * 1e3, 4) for name, t in best.items()}
+    return ms

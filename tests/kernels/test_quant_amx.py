@@ -1,0 +1,127 @@
+"""bf16 rows times a GGUF-quantized weight on AMX (quant_amx.c / quant_amx.py): the product against x times
+the weight dequantized and rounded to bf16, in float64, within the float32 sums and the output's rounding;
+exact where every partial sum is; the AVX2 build's refusal; and the per-shape choice of when to use it.
+The kernel tests skip on a CPU without AMX; the dispatch and choice tests run everywhere."""
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+from kernels import get_ops, quant_amx, quant_linear
+from kernels.quant_linear import QuantTensor
+from tests import kquants
+from tests.kernels.test_quant_linear import HAS_TOOLCHAIN, SHAPES, TYPES, _q8_0
+
+pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
+needs_amx = pytest.mark.skipif(not (HAS_TOOLCHAIN and quant_amx.available()), reason="no AMX on this CPU")
+
+
+def _weight(qtype, n, k, seed):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0                                   # a block of scale 0
+    w[-1, -32:] *= 1000.0                             # a block far from the others
+    return quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(quantize(w, qtype)), k), torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 16, 17, 45, 70])   # partial tiles of x, an odd count of tiles
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", SHAPES + [(33, 1536)])
+def test_the_product_is_x_times_the_weight_rounded_to_bf16(qtype, m, n, k, poisoned_empty):
+    weight = _weight(qtype, n, k, m * 1000 + n + k)
+    gen = torch.Generator().manual_seed(m + n)
+    x, bias = torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
+    got = quant_amx.matmul(x, weight, bias)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    w = quant_linear.dequantize(weight).to(torch.bfloat16).double()
+    exact = x.double() @ w.T + bias.double()
+    # float32 sums of k products (relative 2^-24 each step), then one rounding to bf16 (half a step: 2^-9)
+    sums = (x.double().abs() @ w.abs().T) * k * 2.0 ** -24
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + sums + 1e-30).all()
+    # and the same product the int8 kernel approximates from the other side
+    int8 = quant_linear.matmul(x, weight, bias).double()
+    assert ((got.double() - int8).abs() <= 0.05 * (x.double().abs() @ w.abs().T) + 1e-3).all()
+
+
+@needs_amx
+def test_exact_integer_products_come_out_exact():
+    """Q8_0 with scale 1 and small integer x: every product and sum is an integer below 256, which bf16
+    holds exactly; 50 rows and 40 columns leave partial tiles of x and of the weight's groups."""
+    rng = np.random.default_rng(0)
+    m, n, k = 50, 40, 96
+    w = rng.integers(-3, 4, size=(n, k))
+    x = torch.from_numpy(rng.integers(-1, 2, size=(m, k))).float()
+    expect = x @ torch.from_numpy(w).float().T
+    assert expect.abs().max() < 256
+    got = quant_amx.matmul(x.to(torch.bfloat16), _q8_0(w))
+    assert torch.equal(got.float(), expect)
+
+
+def test_a_build_without_amx_refuses_and_the_dispatch_keeps_int8(avx2_library):
+    weight = _weight(GGMLQuantizationType.Q4_1, 40, 64, 1)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no AMX"):
+        quant_amx.matmul(x, weight, lib=avx2_library)
+
+
+def test_the_cpu_ops_use_amx_from_the_measured_rows_only(monkeypatch):
+    weight = _weight(GGMLQuantizationType.Q4_1, 40, 64, 1)
+    calls = []
+    monkeypatch.setattr(quant_amx, "matmul", lambda x, w, bias=None: calls.append(x.shape[0])
+                        or quant_linear.matmul(x, w, bias))
+    linear = get_ops("cpu").linear
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    weight.amx_from = None
+    linear(x, weight)
+    weight.amx_from = 32
+    for rows in (1, 31, 32, 64):
+        assert linear(x[:rows], weight).shape == (rows, 40)
+    linear(x[:40].float(), weight)                  # float32 rows stay with the int8 kernel
+    assert calls == [32, 64]
+    stack = quant_linear.QuantStack([weight, _weight(GGMLQuantizationType.Q8_0, 24, 64, 2)])
+    stack.parts[1].amx_from = None
+    assert linear(x, stack).shape == (64, 64) and calls == [32, 64, 64]   # each part by its own choice
+
+
+def test_the_threshold_is_where_amx_wins_from_then_on():
+    def ms(wins):
+        out = {}
+        for rows, win in zip(quant_amx.ROWS, wins):
+            out[f"int8_{rows}"], out[f"amx_{rows}"] = 1.0, 0.5 if win else 1.0
+        return out
+    assert quant_amx.threshold(ms([False, False, True, True, True, True])) == 64
+    assert quant_amx.threshold(ms([True, False, True, False, True, True])) == 256   # wins only from 256 on
+    assert quant_amx.threshold(ms([True] * 6)) == quant_amx.ROWS[0]
+    assert quant_amx.threshold(ms([True] * 5 + [False])) is None
+    assert quant_amx.threshold(ms([True] * 6) | {"amx_512": 0.95}) is None   # within the margin: not a win
+
+
+def test_prepare_measures_bf16_weights_where_there_is_amx():
+    raw = quantize(np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32),
+                   GGMLQuantizationType.Q4_1)
+    tensor = QuantTensor(int(GGMLQuantizationType.Q4_1), torch.from_numpy(raw), 64)
+    assert quant_amx.prepare(tensor, torch.float32).amx_from is None
+    bf16 = quant_amx.prepare(tensor, torch.bfloat16)
+    if not quant_amx.available():
+        assert bf16.amx_from is None
+    else:
+        assert bf16.amx_from == quant_amx.from_rows(bf16.qtype, 48, 64)   # measured once, then remembered
+        assert bf16.amx_from in quant_amx.ROWS + (None,)
+
+
+def test_bad_input_is_refused():
+    weight = _weight(GGMLQuantizationType.Q8_0, 20, 64, 5)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        quant_amx.matmul(torch.randn(4, 64), weight)
+    with pytest.raises(ValueError, match="shapes"):
+        quant_amx.matmul(torch.randn(4, 32).to(torch.bfloat16), weight)
+    with pytest.raises(ValueError, match="does not read"):
+        quant_amx.matmul(torch.randn(4, 256).to(torch.bfloat16), _q4_k())
+
+
+def _q4_k():
+    raw = kquants.quantize(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32),
+                           GGMLQuantizationType.Q4_K)
+    return quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q4_K), torch.from_numpy(raw), 256), torch.bfloat16)
