@@ -29,6 +29,8 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     """The kernel alone, compiled as cpu_native compiles it for this CPU."""
     src, lib = directory / f"{name}.c", directory / f"{name}.so"
     src.write_text(source)
+    for header in cpu_native.HEADERS:   # the headers the kernel includes, beside it
+        (directory / header.name).write_bytes(header.read_bytes())
     subprocess.run(["cc", *cpu_native._FLAGS, *cpu_native.NATIVE, str(src), "-o", str(lib), "-lm"], check=True)
     return ctypes.CDLL(str(lib))
 
