@@ -181,8 +181,10 @@ static inline float fast_exp(float x) {
 }
 
 /* out[t] = silu(x[t, :I]) * x[t, I:], rows of x 2I wide: silu rounded to the dtype before the product,
- * as F.silu(a) * b computes it. */
+ * as F.silu(a) * b computes it. gcc vectorises it 8 lanes wide unless asked for 16 where the CPU has them:
+ * 0.73 -> 0.53 ms for 1024 x 1536 bf16 outputs on 2 Xeon cores; no sum, so the bits do not change. */
 #define DEFINE_SILU_AND_MUL(NAME, T, LOAD, ROUND)                                                          \
+    __attribute__((target("prefer-vector-width=512")))                                                     \
     void NAME(const T *x, T *out, long rows, long I, int threads) {                                        \
         /* 2I exponentials a row: worth a second thread from 8 rows */                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)")     \
