@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import structlog
@@ -191,6 +192,19 @@ def keep_measurements(path: Path, known: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:
         structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
+
+
+def best_ms(runs: dict, repeats: int) -> dict[str, float]:
+    """Best-of milliseconds of each of `runs` (name -> a call), over `repeats` rounds after a warm-up one; the
+    runs alternate within a round, so a neighbour's load on the cores slows them all alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for repeat in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if repeat:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return {name: round(t * 1e3, 4) for name, t in best.items()}
 
 
 def projection(x: torch.Tensor, weight, bias: torch.Tensor | None, lib, what: str, scratch: str, launch) -> torch.Tensor:

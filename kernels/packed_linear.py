@@ -10,7 +10,6 @@ picks. A tied embedding reads its rows out of the packed LM head, so the model k
 
 from __future__ import annotations
 
-import time
 
 import structlog
 import torch
@@ -146,8 +145,7 @@ def _torch_faster(ms: dict[str, float]) -> list[int]:
 
 def _measure(n: int, k: int) -> dict[str, float]:
     """Best-of milliseconds of both paths at both sizes, on at most SAMPLE_ROWS of the weight (the LM
-    head's full 256-row product alone takes 0.2 s); the two alternate, so a neighbour's load on
-    the cores slows both alike."""
+    head's full 256-row product alone takes 0.2 s)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
     packed = pack(weight)
@@ -155,14 +153,7 @@ def _measure(n: int, k: int) -> dict[str, float]:
     for rows in (DECODE_ROWS, PREFILL_ROWS):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         runs = {"kernel": lambda: matmul(x, packed), "torch": lambda: cpu_gemm.linear(x, weight)}
-        best = {name: float("inf") for name in runs}
-        for repeat in range(REPEATS + 1):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                if repeat:   # the first is a warm-up
-                    best[name] = min(best[name], time.perf_counter() - start)
-        ms |= {f"{name}_{rows}": round(t * 1e3, 4) for name, t in best.items()}
+        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
     return ms
 
 

@@ -11,7 +11,6 @@ approximations of the same float32 product, each tested against it.
 
 from __future__ import annotations
 
-import time
 
 import structlog
 import torch
@@ -123,19 +122,12 @@ def _random_weight(qtype: int, n: int, k: int) -> QuantWeight:
 
 def _measure(qtype: int, n: int, k: int) -> dict[str, float]:
     """Best-of milliseconds of both kernels at each of ROWS, on at most SAMPLE_ROWS of a random weight of
-    this type; the two alternate, so a neighbour's load on the cores slows both alike."""
+    this type."""
     weight = _random_weight(qtype, min(n, SAMPLE_ROWS), k)
     gen = torch.Generator().manual_seed(1)
     ms = {}
     for rows in ROWS:
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         runs = {"int8": lambda: quant_linear.matmul(x, weight), "amx": lambda: matmul(x, weight)}
-        best = dict.fromkeys(runs, float("inf"))
-        for repeat in range(REPEATS + 1):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                if repeat:   # the first is a warm-up
-                    best[name] = min(best[name], time.perf_counter() - start)
-        ms |= {f"{name}_{rows}": round(t * 1e3, 4) for name, t in best.items()}
+        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
     return ms
