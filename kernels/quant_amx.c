@@ -3,9 +3,9 @@
  *
  * quant_gemm.c's int8 products run on VNNI: right where a step reads each weight byte once for a few rows.
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
- * Each thread widens one 16-row group of the weight at a time into its own bf16 buffer in the tiles' pair
- * layout (at most K x 64 bytes: within L2), then multiplies every 16-row tile of x by it, four tiles of x
- * to one B tile. The weight is widened once per call, never kept: the model holds only the packed bytes.
+ * Each thread widens two 16-row groups of the weight at a time into its own bf16 buffer in the tiles' pair
+ * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles).
+ * The weight is widened once per call, never kept: the model holds only the packed bytes.
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
  * rounded apart), then rounded to the nearest even bf16, as torch rounds: the product is x times exactly
