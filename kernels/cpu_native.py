@@ -194,6 +194,17 @@ def keep_measurements(path: Path, known: dict) -> None:
         structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
 
 
+def kept_measurement(suffix: str, name: str, measure) -> dict:
+    """The timings `name` from the file beside the built library (whose name is its digest) with this
+    suffix; where they are not there yet, `measure()` gives them and they are kept for the next start."""
+    path = library().path.with_suffix(suffix)
+    known = read_measurements(path)
+    if name not in known:
+        known = read_measurements(path) | {name: measure()}   # re-read: another process may have added some
+        keep_measurements(path, known)
+    return known[name]
+
+
 def best_ms(runs: dict, repeats: int) -> dict[str, float]:
     """Best-of milliseconds of each of `runs` (name -> a call), over `repeats` rounds after a warm-up one; the
     runs alternate within a round, so a neighbour's load on the cores slows them all alike."""

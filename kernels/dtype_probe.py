@@ -67,13 +67,7 @@ def cpu_dtype(kernels: str = "auto") -> DtypeChoice:
 
 
 def _cached_measure() -> dict[str, float]:
-    path = cpu_native.library().path.with_suffix(".dtype-probe.json")
-    key = f"{torch.get_num_threads()} threads"
-    known = cpu_native.read_measurements(path)
-    if key not in known:
-        known[key] = measure()
-        cpu_native.keep_measurements(path, known)
-    return known[key]
+    return cpu_native.kept_measurement(".dtype-probe.json", f"{torch.get_num_threads()} threads", measure)
 
 
 def _last_level_cache_bytes() -> int:

@@ -124,13 +124,7 @@ def layout(n: int, k: int) -> str:
     name is its digest), so a restart does not measure again."""
     key = (torch.get_num_threads(), n, k)
     if key not in _decisions:
-        path = cpu_native.library().path.with_suffix(".bf16-linear.json")
-        name = f"{key[0]} threads {n}x{k}"
-        known = cpu_native.read_measurements(path)
-        if name not in known:
-            known = cpu_native.read_measurements(path) | {name: _measure(n, k)}   # re-read: another process may have added some
-            cpu_native.keep_measurements(path, known)
-        ms = known[name]
+        ms = cpu_native.kept_measurement(".bf16-linear.json", f"{key[0]} threads {n}x{k}", lambda: _measure(n, k))
         _log(n, k, ms)
         faster = _torch_faster(ms)
         _decisions[key] = "torch" if len(faster) == 2 else "both" if faster == [PREFILL_ROWS] else "packed"

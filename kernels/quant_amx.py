@@ -11,7 +11,6 @@ approximations of the same float32 product, each tested against it.
 
 from __future__ import annotations
 
-
 import structlog
 import torch
 
@@ -89,13 +88,8 @@ def from_rows(qtype: int, n: int, k: int) -> int | None:
     count, or None. Measured once per shape and thread count, kept on disk beside the library."""
     key = (torch.get_num_threads(), qtype, n, k)
     if key not in _decisions:
-        path = cpu_native.library().path.with_suffix(".quant-amx.json")
-        name = f"{key[0]} threads {quant_linear.NAMES[qtype]} {n}x{k}"
-        known = cpu_native.read_measurements(path)
-        if name not in known:
-            known = cpu_native.read_measurements(path) | {name: _measure(qtype, n, k)}   # another process may have added some
-            cpu_native.keep_measurements(path, known)
-        ms = known[name]
+        ms = cpu_native.kept_measurement(".quant-amx.json", f"{key[0]} threads {quant_linear.NAMES[qtype]} {n}x{k}",
+                                         lambda: _measure(qtype, n, k))
         _decisions[key] = threshold(ms)
         structlog.get_logger().info("quantized linear", shape=f"{n}x{k}", type=quant_linear.NAMES[qtype],
                                     amx_from_rows=_decisions[key], ms=ms)
