@@ -59,7 +59,7 @@ def test_exact_integer_products_come_out_exact():
     assert torch.equal(got.float(), expect)
 
 
-def test_a_build_without_amx_refuses_and_the_dispatch_keeps_int8(avx2_library):
+def test_a_build_without_amx_refuses(avx2_library):
     weight = _weight(GGMLQuantizationType.Q4_1, 40, 64, 1)
     x = torch.randn(64, 64).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="no AMX"):
