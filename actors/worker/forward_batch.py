@@ -138,3 +138,52 @@ def _flatten_decodes(seqs: list[SequenceInput], block_size: int, num_blocks: int
         max_query_len=1,
         max_seq_len=max_seq_len,
     )
+
+
+class DecodeCursor:
+    """A flattened batch of single decode tokens, moved on a step at a time in place: each sequence one
+    position further, fed the token it sampled. A decode burst runs the same sequences step after step,
+    and right after a forward (cold caches) flattening them anew costs ~100 us at batch 1, where writing
+    four integers a sequence into the same tensors costs a few: the tensors are written through
+    memoryviews, with no numpy or torch call per step."""
+
+    __slots__ = ("flat", "tables", "block_size", "vocab_size", "_rows", "_ids", "_positions", "_seq_lens", "_slots")
+
+    def __init__(self, flat: FlatBatch, tables: list[list[int]], block_size: int, vocab_size: int) -> None:
+        self.flat, self.tables, self.block_size, self.vocab_size = flat, tables, block_size, vocab_size
+        width = flat.block_tables.shape[1]
+        self._rows = [t[:width] for t in tables]   # the block ids the flattened tables hold
+        self._ids, self._positions, self._seq_lens, self._slots = (
+            memoryview(t.numpy()) for t in (flat.input_ids, flat.positions, flat.seq_lens, flat.slot_mapping))
+
+    @staticmethod
+    def fits(flat: FlatBatch) -> bool:
+        """Whether `flat` is one new token per sequence, each with its logits."""
+        n = flat.seq_lens.shape[0]
+        return flat.max_query_len == 1 and flat.input_ids.shape[0] == n == flat.logits_indices.shape[0]
+
+    def batch(self, token_ids: list[int]) -> ForwardBatch:
+        """The next step as a ForwardBatch, for `flatten`."""
+        return ForwardBatch([SequenceInput([t], p + 1, table)
+                             for t, p, table in zip(token_ids, self._positions, self.tables)])
+
+    def advance(self, token_ids: list[int]) -> bool:
+        """Moves the batch one step on, fed `token_ids` (one per sequence, in batch order); ValueError for a
+        token outside the vocabulary, as `flatten`. False, and nothing changed, when a sequence's next
+        position lies past the blocks its flattened row holds: the next step is flattened anew (which
+        adds the column, or refuses a table without room)."""
+        if len(token_ids) != len(self.tables):
+            raise ValueError(f"{len(token_ids)} tokens for a batch of {len(self.tables)} sequences")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        positions = self._positions
+        bs = self.block_size
+        if any(p + 1 >= len(row) * bs for p, row in zip(positions, self._rows)):
+            return False
+        ids, seq_lens, slots = self._ids, self._seq_lens, self._slots
+        for b, (token, table) in enumerate(zip(token_ids, self._rows)):
+            p = positions[b] + 1
+            ids[b], positions[b], seq_lens[b] = token, p, p + 1
+            slots[b] = table[p // bs] * bs + p % bs
+        self.flat.max_seq_len = max(seq_lens)
+        return True

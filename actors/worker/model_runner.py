@@ -14,7 +14,7 @@ import torch
 from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
-from actors.worker.forward_batch import FlatBatch, ForwardBatch, flatten
+from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
 from actors.worker.gptq_weights import GPTQConfig, GPTQWeights
 from actors.worker.hf_weights import HFWeights
@@ -110,6 +110,7 @@ class ModelRunner:
         self._tokenizer = None
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
+        self._cursor: DecodeCursor | None = None   # the last step, when it was decodes alone: execute_next
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKV]:
         """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer (with
@@ -154,15 +155,36 @@ class ModelRunner:
         `kv_caches` (default: the runner's own) may hold fewer layers: see allocate_kv_caches.
         """
         t0 = time.perf_counter()
+        self._cursor = None
         caches = self.kv_caches if kv_caches is None else kv_caches
         flat = flatten(batch, self.block_size, caches[0][0].shape[0], self.model_config.vocab_size)
+        logits = self._timed_forward(flat, caches, t0)
+        if kv_caches is None and DecodeCursor.fits(flat):
+            self._cursor = DecodeCursor(flat, [s.block_table for s in batch.seqs], self.block_size,
+                                        self.model_config.vocab_size)
+        return logits
+
+    def execute_next(self, token_ids: list[int]) -> torch.Tensor:
+        """The decode step after the one `execute` (or this) ran last, when that one was decodes alone:
+        the same sequences, each one position further and fed its token from `token_ids` (batch order).
+        For a decode burst; the same logits as `execute` on that batch, without flattening it anew."""
+        t0 = time.perf_counter()
+        cursor, self._cursor = self._cursor, None
+        if cursor is None:
+            raise RuntimeError("execute_next follows a step of decodes alone")
+        if not cursor.advance(token_ids):
+            return self.execute(cursor.batch(token_ids))
+        logits = self._timed_forward(cursor.flat, self.kv_caches, t0)
+        self._cursor = cursor
+        return logits
+
+    def _timed_forward(self, flat: FlatBatch, caches: list[LayerKV], t0: float) -> torch.Tensor:
         if flat.max_seq_len > self.max_model_len:
             raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
                              f"context length {self.max_model_len}")
         t1 = time.perf_counter()
         logits = self.forward(flat, caches)
-        t2 = time.perf_counter()
-        self.last_prepare_s, self.last_forward_s = t1 - t0, t2 - t1
+        self.last_prepare_s, self.last_forward_s = t1 - t0, time.perf_counter() - t1
         return logits
 
     def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:

@@ -139,7 +139,7 @@ class WorkerActor(Actor):
                 break
             rng = self._rng_snapshot(seqs)
             try:
-                tokens = self._run(seqs)
+                tokens = self._run_next(seqs)
             except Exception:
                 for generator, state in rng:
                     generator.set_state(state)
@@ -197,6 +197,14 @@ class WorkerActor(Actor):
         tokens: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
         self._sample_plain(logits, [(s, r) for s, r in zip(sampled, starts) if not s.spec_token_ids], tokens)
         self._verify(logits, [(s, r) for s, r in zip(sampled, starts) if s.spec_token_ids], tokens)
+        return tokens
+
+    def _run_next(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
+        """A burst's further step (decodes alone, in the order of the step before): the runner moves
+        that step's batch on by the tokens just sampled, rather than flattening `seqs` anew."""
+        logits = self.runner.execute_next([s.token_ids[0] for s in seqs])
+        tokens: dict[int, tuple[list[int], list[TokenLogprobs] | None]] = {}
+        self._sample_plain(logits, [(s, row) for row, s in enumerate(seqs)], tokens)
         return tokens
 
     def _prompt_positions(self, s: ScheduledSeq) -> range:
