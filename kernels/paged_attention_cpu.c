@@ -16,7 +16,12 @@
  *
  * Decode reads each cached byte once, so the kernel is bound by how many cache lines a core has in
  * flight: with the blocks fetched ahead by hand and 4 keys scored per reduction it went from ~9 to
- * 11-16 GB/s in a SmolLM2 step on 2 Xeon cores (bench/attention_cpu.py).
+ * 11-16 GB/s in a SmolLM2 step on 2 Xeon cores (bench/attention_cpu.py). On 2 Zen 5 cores (~31 GB/s
+ * for this kernel's reads alone) that kernel ran at 13-17 GB/s, and ~30-35 on data in L3: its compute
+ * and its waits on memory added up. Three changes took it to 20-25 GB/s in bf16 and float32 (1.25-1.54x;
+ * int8 1.85x, fp8 1.5x), ~40 GB/s in L3: the prefetches spread over the compute, a KV head and a cache
+ * at a time (one burst per block was most of the loss: 14 -> 25 GB/s alone, see attend); K and V read
+ * in one pass, KC keys per step of a running softmax; 8 keys reduced per tree under AVX-512.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -132,7 +137,32 @@ static inline vec vload(const void *p, long i, int kind) {
 static inline __m256 fold(vec a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
-#define ROWS 4   /* query rows scored together: 16 accumulators of 32 registers */
+#define ROWS 3   /* query rows scored together: ROWS x KEYS = 24 accumulators of 32 registers */
+#define KEYS 8   /* keys scored together, reduced by one transpose-add tree */
+typedef __m256 kvec;   /* KEYS scores */
+#define kadd _mm256_add_ps
+#define kmul _mm256_mul_ps
+#define kload _mm256_loadu_ps
+#define kstore _mm256_storeu_ps
+/* Lane j: the sum of a[j]'s lanes, in the same tree for every j: lanes paired within each 128-bit lane
+ * (unpacks, one add per two keys, then per four), then the four 128-bit lanes (two shuffles, two adds per
+ * eight keys). 24 operations for 8 keys, where a fold and hadds per 4 keys took 40. */
+static inline kvec reduce_keys(const vec *a) {
+#define PAIRS(x, y) _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y))
+#define QUADS(x, y) _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))), \
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))))
+    __m512 c0 = QUADS(PAIRS(a[0], a[1]), PAIRS(a[2], a[3])), c1 = QUADS(PAIRS(a[4], a[5]), PAIRS(a[6], a[7]));
+#undef PAIRS
+#undef QUADS
+    /* c0, c1: keys 0-3, 4-7, a partial sum in each 128-bit lane. Lanes 0 + 2 and 1 + 3, then the halves. */
+    __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x44), _mm512_shuffle_f32x4(c0, c1, 0xee));
+    d = _mm512_shuffle_f32x4(d, d, 0xd8);
+    return _mm256_add_ps(_mm512_castps512_ps256(d), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+}
+/* The larger lane of a[i] and a[i + 8]: the 8 lanes a horizontal max takes. */
+static inline __m256 fold_max(vec a) {
+    return _mm256_max_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
 #define vexp exp16
 #define vmax(a, b) _mm512_max_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
@@ -151,7 +181,22 @@ typedef __m256 vec;
 #define vset1(x) _mm256_set1_ps(x)
 #define vzero() _mm256_setzero_ps()
 static inline __m256 fold(vec a) { return a; }
-#define ROWS 3   /* 12 accumulators of 16 registers */
+#define ROWS 3   /* ROWS x KEYS = 12 accumulators of 16 registers */
+#define KEYS 4
+typedef __m128 kvec;
+#define kadd _mm_add_ps
+#define kmul _mm_mul_ps
+#define kload _mm_loadu_ps
+#define kstore _mm_storeu_ps
+static inline kvec reduce_keys(const vec *a) {
+#define PAIRS(x, y) _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y))
+    __m256 b0 = PAIRS(a[0], a[1]), b1 = PAIRS(a[2], a[3]);
+#undef PAIRS
+    __m256 c = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(b0), _mm256_castps_pd(b1))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(b0), _mm256_castps_pd(b1))));
+    return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+static inline __m256 fold_max(vec a) { return a; }
 #define vexp exp8
 #define vmax(a, b) _mm256_max_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
@@ -160,15 +205,15 @@ static inline __m256 fold(vec a) { return a; }
 #define vdiv(a, b) _mm256_div_ps(a, b)
 #define vwhere_le(t, limit, a, b) _mm256_blendv_ps(b, a, _mm256_cmp_ps(t, limit, _CMP_LE_OQ))
 #endif
-#define KEYS 4   /* keys scored together, reduced by one transpose-add */
+#define KC 16   /* keys per step of the running softmax: KC / KEYS calls of scores() per row group */
 
 /* Scores of m <= ROWS query rows against the KEYS keys at cache[key[j]]: each key is loaded once for
- * all rows, and the rows' KEYS sums are reduced together (three hadds, not one horizontal sum per
- * score). A score's summation order depends only on D, so a row's result does not depend on which
- * rows or keys share its call. qs: the rows in float32; qb: the same in bfloat16, for a bf16 cache.
- * s[r * s_stride + j] gets row r's score against key j, times scale[j]. */
+ * all rows, and a row's KEYS sums are reduced together (reduce_keys, not one horizontal sum per score).
+ * A score's summation order depends only on D, so a row's result does not depend on which rows or keys
+ * share its call. qs: the rows in float32; qb: the same in bfloat16, for a bf16 cache. s[r * KC + j]
+ * gets row r's score against key j, times mult[j]. */
 static inline void scores(const float *const *qs, const bf16 *const *qb, int m, const void *cache, const long *key,
-                          long D, float *s, long s_stride, const float *scale, int kind) {
+                          long D, float *s, const float *mult, int kind) {
     vec a[ROWS][KEYS];
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < KEYS; j++) a[r][j] = vzero();
@@ -195,31 +240,34 @@ static inline void scores(const float *const *qs, const bf16 *const *qb, int m, 
             }
     }
     for (int r = 0; r < m; r++) {
-        /* Lane j of the result: key j's eight partial sums, added in the same tree for every j. */
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[r][0]), fold(a[r][1])),
-                                  _mm256_hadd_ps(fold(a[r][2]), fold(a[r][3])));
-        float tail[KEYS] = {0};
-        for (int j = 0; j < KEYS; j++)
-            for (long d = dw; d < D; d++) tail[j] += qs[r][d] * load1(cache, key[j] + d, kind);
-        __m128 sum = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_loadu_ps(tail));
-        _mm_storeu_ps(s + r * s_stride, _mm_mul_ps(sum, _mm_loadu_ps(scale)));
+        kvec sum = reduce_keys(a[r]);
+        if (dw < D) {
+            float tail[KEYS] = {0};
+            for (int j = 0; j < KEYS; j++)
+                for (long d = dw; d < D; d++) tail[j] += qs[r][d] * load1(cache, key[j] + d, kind);
+            sum = kadd(sum, kload(tail));
+        }
+        kstore(s + r * KC, kmul(sum, kload(mult)));
     }
 }
 
-/* For the m <= 4 rows r of one KV head: o[r][D] += sum over k < n of w[r][k] * cache[value + k * stride, +D),
- * k in order: n values of one block, each loaded once for the rows, the rows' running sums in registers. */
-static inline void weighted_sums(float *restrict o, const float *w, long w_stride, int m, long n, const void *cache,
-                                 long value, long stride, long D, int kind) {
+/* For the m <= 4 rows r of one KV head: o[r][D] = o[r][D] * c[r] + sum over k < n of w[r][k] * cache[value[k], +D),
+ * k in order: each value loaded once for the rows, the rows' running sums in registers. (All of D = 64 in
+ * one pass, 16 chains side by side under AVX-512, measured no faster than 2 W columns at a time.) */
+static inline void weighted_sums(float *restrict o, const float *w, long w_stride, const float *c, int m, long n,
+                                 const void *cache, const long *value, long D, int kind) {
     const float *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride, *w3 = w + 3 * w_stride;
     float *o0 = o, *o1 = o + D, *o2 = o + 2 * D, *o3 = o + 3 * D;
+    vec c0 = vset1(c[0]), c1 = vset1(m > 1 ? c[1] : 0.f), c2 = vset1(m > 2 ? c[2] : 0.f), c3 = vset1(m > 3 ? c[3] : 0.f);
     long d = 0;
     for (; d + 2 * W <= D; d += 2 * W) {
-        vec a0 = vloadf(o0 + d), b0 = vloadf(o0 + d + W), a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        if (m > 1) a1 = vloadf(o1 + d), b1 = vloadf(o1 + d + W);
-        if (m > 2) a2 = vloadf(o2 + d), b2 = vloadf(o2 + d + W);
-        if (m > 3) a3 = vloadf(o3 + d), b3 = vloadf(o3 + d + W);
+        vec a0 = vmul(vloadf(o0 + d), c0), b0 = vmul(vloadf(o0 + d + W), c0), a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0,
+            b3 = a0;
+        if (m > 1) a1 = vmul(vloadf(o1 + d), c1), b1 = vmul(vloadf(o1 + d + W), c1);
+        if (m > 2) a2 = vmul(vloadf(o2 + d), c2), b2 = vmul(vloadf(o2 + d + W), c2);
+        if (m > 3) a3 = vmul(vloadf(o3 + d), c3), b3 = vmul(vloadf(o3 + d + W), c3);
         for (long k = 0; k < n; k++) {
-            long v = value + k * stride + d;
+            long v = value[k] + d;
             vec lo = vload(cache, v, kind), hi = vload(cache, v + W, kind), wk = vset1(w0[k]);
             a0 = vfma(wk, lo, a0), b0 = vfma(wk, hi, b0);
             if (m > 1) wk = vset1(w1[k]), a1 = vfma(wk, lo, a1), b1 = vfma(wk, hi, b1);
@@ -236,42 +284,48 @@ static inline void weighted_sums(float *restrict o, const float *w, long w_strid
         float *or = o + r * D;
         long e = d;
         for (; e + 8 <= D; e += 8) {
-            __m256 a = _mm256_loadu_ps(or + e);
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(or + e), _mm256_set1_ps(c[r]));
             for (long k = 0; k < n; k++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value + k * stride + e, kind), a);
+                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value[k] + e, kind), a);
             _mm256_storeu_ps(or + e, a);
         }
         for (; e < D; e++) {
-            float a = or[e];
-            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value + k * stride + e, kind), a);
+            float a = or[e] * c[r];
+            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value[k] + e, kind), a);
             or[e] = a;
         }
     }
 }
 
-/* Softmax of a row of n scores, in place. */
-static inline void softmax(float *p, long n) {
-    long n8 = n & ~7L;
+static const float IOTA[KC] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* One step of a row's running softmax: s holds its scores against the step's n <= KC keys (lanes past n
+ * are read and ignored). They become their weights e^(s - max), with max the largest score so far; *max
+ * and *sum (the weights' sum so far) take them in. Returns the factor e^(old max - new max) by which the
+ * row's earlier weights, and the sums of values they weighed, shrink: 1, exactly, while the max holds,
+ * and 0 at the first step. */
+static inline float running_softmax(float *s, long n, float *max, float *sum) {
+    vec x[KC / W], limit = vset1((float)(n - 1));
     __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (long t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + t));
-    float m[8], max = -INFINITY;
-    _mm256_storeu_ps(m, mv);
-    for (int x = 0; x < 8; x++) max = m[x] > max ? m[x] : max;
-    for (long t = n8; t < n; t++) max = p[t] > max ? p[t] : max;
-    __m256 sv = _mm256_setzero_ps(), maxv = _mm256_set1_ps(max);
-    for (long t = 0; t < n8; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), maxv));
-        _mm256_storeu_ps(p + t, e);
-        sv = _mm256_add_ps(sv, e);
+    for (int v = 0; v < KC / W; v++) {
+        x[v] = vwhere_le(vloadf(IOTA + v * W), limit, vloadf(s + v * W), vset1(-INFINITY));
+        mv = _mm256_max_ps(mv, fold_max(x[v]));
     }
-    float sum = hsum(sv);
-    for (long t = n8; t < n; t++) {
-        p[t] = expf(p[t] - max);
-        sum += p[t];
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float step_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), old = *max, c = 1.f;
+    if (step_max > old) {
+        c = old == -INFINITY ? 0.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(old - step_max)));
+        *max = step_max;
     }
-    __m256 inv = _mm256_set1_ps(1.f / sum);
-    for (long t = 0; t < n8; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv));
-    for (long t = n8; t < n; t++) p[t] *= 1.f / sum;
+    vec maxv = vset1(*max), total = vzero();
+    for (int v = 0; v < KC / W; v++) {
+        vec e = vwhere_le(vloadf(IOTA + v * W), limit, vexp(vsub(x[v], maxv)), vzero());
+        vstoref(s + v * W, e);
+        total = vadd(total, e);
+    }
+    *sum = *sum * c + hsum(fold(total));
+    return c;
 }
 
 /* The metadata the kernel follows blindly, checked once per call (a few hundred integers, against
@@ -292,7 +346,8 @@ static int check_metadata(const int *block_tables, const int *query_start_loc, c
 
 /* Blocks are scattered through the pool, so the hardware prefetcher, which restarts at each one,
  * leaves a core waiting on memory: the next blocks are fetched by hand, AHEAD tokens before they are
- * read (a block at a time: spreading the fetches over the compute measured slower). Prefetches the
+ * read (on Zen 5, 16 to 64 measured alike; how the fetches are spread over the compute mattered: see
+ * attend). Prefetches the
  * elements [first, first + width) of each token's cache row in the blocks starting at tokens
  * [from, until), until <= span, and returns the first block start not fetched. */
 #define AHEAD 32
@@ -319,28 +374,30 @@ typedef struct {
 /* The rows of KV heads [h0, h1) for new tokens [i0, i0 + QUERY_TILE) of sequence b; 0, or -1 when
  * its scratch cannot be had. q and out hold bf16 when act_bf16, else float32; the caches, `kind`.
  *
- * The tile's rows are (new token, query head), token-major. A slot's keys for every KV head lie
- * side by side, so the keys, then the values, are read as one stream; each key serves every row
- * that sees it. (Walking one KV head's keys at a time instead measured twice slower with the
- * hardware prefetcher alone: 256 of every 768 bytes.) */
+ * The tile's rows are (new token, query head), token-major. The context is walked KC keys at a time
+ * with a running softmax (flash attention's running max and sum): a step's keys are scored, weighed and
+ * their values summed at once, so each block's K and V are read back to back, while still in L1, and
+ * the scores never go through memory. A slot's keys for every KV head lie side by side, so a step reads
+ * the slots of its keys whole, every head in turn; each key serves every row that sees it. (Walking one
+ * KV head's keys at a time instead measured twice slower with the hardware prefetcher alone: 256 of
+ * every 768 bytes.) Steps start at multiples of KC from key 0 whatever the block size, so a row's
+ * arithmetic depends only on its query, the keys it sees and D. */
 static inline __attribute__((always_inline)) int attend(const Problem *pb, long b, long i0, long h0, long h1,
                                                         int act_bf16, int kind) {
     long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
     long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
     long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
     long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE;
-    /* Tile token i sees keys [0, past + i]; the tile reads keys [0, span). A row's scores are
-     * ps apart, padded to whole groups of KEYS. */
-    long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq, ps = (span + KEYS - 1) / KEYS * KEYS;
+    /* Tile token i sees keys [0, past + i]; the tile reads keys [0, span). */
+    long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq;
     const int *table = pb->block_tables + b * pb->table_width;
-    float *p = malloc(sizeof(float) * (rows * ps + (act_bf16 ? 2 * rows * D : 0)));
-    long *slot = malloc(sizeof(long) * span);
-    if (p == NULL || slot == NULL) {
-        free(p), free(slot);
-        return -1;
-    }
+    /* Scratch: the slots, each row's running max and sum, a row group's scores, and for bf16 q and out,
+     * the rows widened and their sums. */
+    long *slot = malloc(sizeof(long) * span + sizeof(float) * (2 * rows + group * KC + (act_bf16 ? 2 * rows * D : 0)));
+    if (slot == NULL) return -1;
+    float *run_max = (float *)(slot + span), *run_sum = run_max + rows, *s = run_sum + rows;
     /* Slot t's row (every KV head) starts at slot[t] in either cache: the table is walked a block
-     * at a time, with no division per token, once for both passes. */
+     * at a time, with no division per token. */
     for (long t0 = 0, t = 0; t0 < span; t0 += block_size) {
         long base = (long)table[t0 / block_size] * block_size;
         for (long j = 0; j < block_size && t < span; j++, t++) slot[t] = (base + j) * slot_stride;
@@ -352,7 +409,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     const float *qf = (const float *)pb->q + row0;
     float *acc = (float *)pb->out + row0;
     if (act_bf16) {
-        float *wide = p + rows * ps;
+        float *wide = s + group * KC;
         acc = wide + rows * D;
         for (long i = 0; i < n; i++)
             for (long e = (i * Hq + h0 * group) * D; e < (i * Hq + h0 * group) * D + heads; e++)
@@ -360,66 +417,73 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
         qf = wide;
     }
     for (long i = 0; i < n; i++) memset(acc + (i * Hq + h0 * group) * D, 0, sizeof(float) * heads);
-    /* Scores KEYS keys at a time; past the span, the last key stands in and its scores go unused.
-     * Rows that see none of the keys are skipped; a row's scores past its last key are never read. */
+    for (long r = 0; r < rows; r++) run_max[r] = -INFINITY, run_sum[r] = 0.f;
     long fetched = 0;
-    for (long t0 = 0; t0 < span; t0 += KEYS) {
-        if (fetched < span && fetched <= t0 + AHEAD)
-            fetched = prefetch(pb->k_cache, slot, fetched, t0 + AHEAD < span ? t0 + AHEAD : span, block_size, span,
-                               h0 * D, (h1 - h0) * D, kind);
-        for (long i = t0 > past ? t0 - past : 0; i < n; i++)
+    for (long t0 = 0; t0 < span; t0 += KC) {
+        long t1 = t0 + KC < span ? t0 + KC : span;
+        /* Keys [fetched, ahead) are fetched during this step, a KV head at a time, K before its scores and V
+         * before its sums: all of a step's lines at once (both caches, every head) measured 14 GB/s, against
+         * 25 spread so. */
+        long ahead = fetched < span && fetched <= t0 + AHEAD ? (t1 + AHEAD < span ? t1 + AHEAD : span) : fetched, next = fetched;
+        /* Past t1, the last key stands in and its scores go unused. A key's block, for its scales. */
+        long slots[KC], blocks[KC];
+        for (long j = 0, bi = t0 / block_size, bo = t0 % block_size; j < KC; j++) {
+            slots[j] = slot[t0 + j < t1 ? t0 + j : t1 - 1];
+            blocks[j] = table[bi];
+            if (t0 + j + 1 < t1 && ++bo == block_size) bi++, bo = 0;
+        }
+        long i_first = t0 > past ? t0 - past : 0;   /* the first token that sees key t0 */
+        for (long i = i_first; i < n; i++) {
+            long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
             for (long h = h0; h < h1; h++) {
-                long key[KEYS];
-                float mult[KEYS];   /* scale, times each key's own for a quantized cache */
-                for (int j = 0; j < KEYS; j++) {
-                    long t = t0 + j < span ? t0 + j : span - 1;
-                    key[j] = slot[t] + h * D;
-                    mult[j] = kind >= I8 ? pb->scale * pb->k_scales[table[t / block_size] * pb->Hk + h] : pb->scale;
+                if (i == i_first && fetched < ahead) prefetch(pb->k_cache, slot, fetched, ahead, block_size, span, h * D, D, kind);
+                long at[KC];
+                float kmult[KC], vmult[KC];   /* the softmax scale, times each key's own for a quantized cache */
+                for (int j = 0; j < KC; j++) {
+                    at[j] = slots[j] + h * D;
+                    kmult[j] = kind >= I8 ? pb->scale * pb->k_scales[blocks[j] * pb->Hk + h] : pb->scale;
+                    if (kind >= I8) vmult[j] = pb->v_scales[blocks[j] * pb->Hk + h];
                 }
+                long r0 = i * Hq + h * group;
                 for (long g0 = 0; g0 < group; g0 += ROWS) {
                     int m = group - g0 < ROWS ? (int)(group - g0) : ROWS;
-                    long r0 = i * Hq + h * group + g0;
                     const float *qs[ROWS];
                     const bf16 *qb[ROWS];
-                    for (int x = 0; x < m; x++) qs[x] = qf + (r0 + x) * D, qb[x] = (const bf16 *)pb->q + row0 + (r0 + x) * D;
-                    scores(qs, qb, m, pb->k_cache, key, D, p + r0 * ps + t0, ps, mult, kind);
+                    for (int x = 0; x < m; x++) qs[x] = qf + (r0 + g0 + x) * D, qb[x] = (const bf16 *)pb->q + row0 + (r0 + g0 + x) * D;
+                    for (long j0 = 0; j0 < seen; j0 += KEYS)
+                        scores(qs, qb, m, pb->k_cache, at + j0, D, s + g0 * KC + j0, kmult + j0, kind);
+                }
+                if (i == i_first && fetched < ahead)
+                    next = prefetch(pb->v_cache, slot, fetched, ahead, block_size, span, h * D, D, kind);
+                float c[4];
+                for (long g0 = 0; g0 < group; g0 += 4) {
+                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
+                    for (int x = 0; x < m; x++) {
+                        long r = r0 + g0 + x;
+                        float *w = s + (g0 + x) * KC;
+                        c[x] = running_softmax(w, seen, run_max + r, run_sum + r);
+                        if (kind >= I8)   /* each weight times its value's scale */
+                            for (long j = 0; j < seen; j++) w[j] *= vmult[j];
+                    }
+                    weighted_sums(acc + (r0 + g0) * D, s + g0 * KC, KC, c, m, seen, pb->v_cache, at, D, kind);
                 }
             }
+        }
+        fetched = next;
     }
-    fetched = prefetch(pb->v_cache, slot, 0, AHEAD < span ? AHEAD : span, block_size, span, h0 * D, (h1 - h0) * D,
-                       kind);
     for (long i = 0; i < n; i++)
         for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++) {
-            softmax(p + r * ps, past + i + 1);
-            if (kind >= I8) {   /* each weight times its value's scale */
-                long h = (r - i * Hq) / group;
-                for (long t = 0; t <= past + i; t++) p[r * ps + t] *= pb->v_scales[table[t / block_size] * pb->Hk + h];
-            }
+            vec inv = vset1(1.f / run_sum[r]);
+            long d = 0;
+            for (; d + W <= D; d += W) vstoref(acc + r * D + d, vmul(vloadf(acc + r * D + d), inv));
+            for (; d < D; d++) acc[r * D + d] *= 1.f / run_sum[r];
         }
-    /* Values a block at a time (slots [t0, t1) are consecutive in memory): each value serves the rows
-     * of its KV head, their sums held in registers across the block. */
-    for (long t0 = 0; t0 < span; t0 += block_size) {
-        if (fetched < span)
-            fetched = prefetch(pb->v_cache, slot, fetched, t0 + AHEAD < span ? t0 + AHEAD : span, block_size, span,
-                               h0 * D, (h1 - h0) * D, kind);
-        long t1 = t0 + block_size < span ? t0 + block_size : span;
-        for (long i = t0 > past ? t0 - past : 0; i < n; i++) {
-            long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
-            for (long h = h0; h < h1; h++)
-                for (long g0 = 0; g0 < group; g0 += 4) {
-                    long r = i * Hq + h * group + g0;
-                    weighted_sums(acc + r * D, p + r * ps + t0, ps, group - g0 < 4 ? (int)(group - g0) : 4, seen,
-                                  pb->v_cache, slot[t0] + h * D, slot_stride, D, kind);
-                }
-        }
-    }
     if (act_bf16)
         for (long i = 0; i < n; i++) {
             long e = (i * Hq + h0 * group) * D;
             store_bf16((bf16 *)pb->out + row0 + e, acc + e, heads);
         }
     free(slot);
-    free(p);
     return 0;
 }
 
