@@ -203,8 +203,8 @@ static inline int32_t bcast4(const int8_t *p) {
 
 /* MR rows of quantized x times one half of one group (all K/32 blocks) -> tile[MR][GR] at lanes h*LANES. */
 static inline __attribute__((always_inline)) void kernel(const int type, const int MR, const uint8_t *w, long nb,
-                                                         const int8_t *xq, const float *xd, const int32_t *xs,
-                                                         long K, int h, float *tile) {
+                                                         const int8_t *xq, const float *xd, const int32_t *xo,
+                                                         const float *xm, long K, int h, float *tile) {
     const long gb = group_bytes(type);
     const long head = type == Q4_1 || type == Q5_1 ? 4 * GR : 2 * GR;
     const int q5 = type == Q5_0 || type == Q5_1;
@@ -216,10 +216,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
         _mm_prefetch((const char *)(blk + 4 * gb + 64), _MM_HINT_T0);
         const uint8_t *qs = blk + head + h * LANES * 4;
         vi acc[MR_MAX];
-        for (int i = 0; i < MR; i++) {
-            int32_t s = xs[i * nb + b];
-            acc[i] = SET1I(type == Q8_0 ? -Q8_BIAS * s : type == Q4_0 ? -8 * s : type == Q5_0 ? -16 * s : 0);
-        }
+        for (int i = 0; i < MR; i++) acc[i] = type == Q4_1 || type == Q5_1 ? SET1I(0) : SET1I(xo[i * nb + b]);
         const int8_t *xb = xq + b * QK;
         if (type == Q8_0) {
             for (int v = 0; v < 8; v++) {
@@ -255,7 +252,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
         if (type == Q4_1 || type == Q5_1) {
             vf mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
             for (int i = 0; i < MR; i++) {
-                vf t = VMUL(mw, VSET1(xd[i * nb + b] * (float)xs[i * nb + b]));
+                vf t = VMUL(mw, VSET1(xm[i * nb + b]));
                 KEEP(t);
                 facc[i] = VADD(facc[i], t);
             }
@@ -369,17 +366,18 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
 }
 
 typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, const int32_t *,
-                          long, int, float *);
+                          const int32_t *, const float *, long, int, float *);
 
 #define INSTANCE(T, MR)                                                                                    \
     static void kernel_##T##_##MR(const uint8_t *w, long nb, const int8_t *xq, const float *xd,           \
-                                  const int32_t *xs, const int32_t *xh, long K, int h, float *tile) {      \
+                                  const int32_t *xs, const int32_t *xh, const int32_t *xo,                 \
+                                  const float *xm, long K, int h, float *tile) {                           \
         if (T == Q6_K)                                                                                     \
             kernel_q6k(MR, w, nb, xq, xd, xs, xh, K, h, tile);                                             \
         else if (T == Q4_K || T == Q5_K)                                                                   \
             kernel_k45(T, MR, w, nb, xq, xd, xs, K, h, tile);                                              \
         else                                                                                               \
-            kernel(T, MR, w, nb, xq, xd, xs, K, h, tile);                                                  \
+            kernel(T, MR, w, nb, xq, xd, xo, xm, K, h, tile);                                              \
     }
 #define INSTANCES(T) INSTANCE(T, 1) INSTANCE(T, 2) INSTANCE(T, 3) INSTANCE(T, 4) MORE_INSTANCES(T)
 #if MR_MAX == 8
@@ -482,10 +480,16 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     int8_t *xq = aligned_alloc(64, qbytes ? qbytes : 64);
     float *xd = malloc((M * nb + 1) * sizeof(float));
     int32_t *xs = malloc((M * nb + 1) * sizeof(int32_t)), *xh = malloc((M * nb + 1) * sizeof(int32_t));
-    if (!xq || !xd || !xs || !xh) {
-        free(xq), free(xd), free(xs), free(xh);
+    int32_t *xo = malloc((M * nb + 1) * sizeof(int32_t));
+    float *xm = malloc((M * nb + 1) * sizeof(float));
+    if (!xq || !xd || !xs || !xh || !xo || !xm) {
+        free(xq), free(xd), free(xs), free(xh), free(xo), free(xm);
         return -1;
     }
+    /* What a block of the 32-value types adds besides its products, per row: the offset's int32 start
+     * value (-8, -16 or Q8_0's -Q8_BIAS times the sum of x), the minimum's multiplier d * sum in float32.
+     * Worked out once per row and block, not once per group, and read by a broadcast from memory. */
+    const int32_t offset = type == Q8_0 ? -Q8_BIAS : type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
     long chunk = MAX_CHUNK_BYTES / K;
     if (chunk < MR_MAX) chunk = MR_MAX;
     const long gb = (is_k(type) ? K / QKK : nb) * group_bytes(type);   /* one group's whole stream */
@@ -493,9 +497,11 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (long m = 0; m < M; m++)
+        for (long m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb,
                          xh + m * nb);
+            for (long b = m * nb; b < (m + 1) * nb; b++) xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
+        }
         for (long m0 = 0; m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
 #pragma omp for schedule(static) nowait
@@ -506,7 +512,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
                 for (long parts = (rows + MR_MAX - 1) / MR_MAX; left > 0; parts--) {
                     int mr = (int)((left + parts - 1) / parts);   /* near-equal groups: 9 rows as 5 + 4 */
                     for (int h = 0; h < HALVES; h++)
-                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, xh + m * nb, K, h, tile);
+                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, xh + m * nb, xo + m * nb,
+                                    xm + m * nb, K, h, tile);
                     emit(tile, mr, cols, bias ? bias + g * GR : 0, (char *)y + (m * N + g * GR) * elem, y_bf16, N);
                     m += mr;
                     left -= mr;
@@ -514,6 +521,6 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
             }
         }
     }
-    free(xq), free(xd), free(xs), free(xh);
+    free(xq), free(xd), free(xs), free(xh), free(xo), free(xm);
     return 0;
 }
