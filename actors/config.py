@@ -71,7 +71,7 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "compute every prompt in full instead of reusing cached blocks of a shared prefix",
         "flag": "no-prefix-caching"})
-    decode_burst: int = field(default=8, metadata={
+    decode_burst: int = field(default=16, metadata={
         "help": "decode steps the worker may run in a row when every running request decodes and none "
                 "waits, each step's tokens streamed as they come (saves the planning round trip; 1: off)"})
     scheduling_policy: str = field(default="fcfs", metadata={
