@@ -37,7 +37,7 @@ class GPTQConfig:
             return None
         method = config.get("quant_method")
         if method != "gptq":
-            raise ModelLoadError(f"quantization method {method!r} is not supported; GPTQ int4 checkpoints are")
+            raise ModelLoadError(f"quantization method {method!r} is not supported; GPTQ and AWQ int4 checkpoints are")
         if config.get("bits") != 4:
             raise ModelLoadError(f"GPTQ checkpoints of {config.get('bits')} bits are not supported, only 4")
         group_size = config.get("group_size", 128)
@@ -49,7 +49,7 @@ class GPTQConfig:
         return cls(group_size, 1 if fmt == "gptq" else 0)
 
 
-def _unpack_int32(packed: torch.Tensor) -> torch.Tensor:
+def unpack_words(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., C] -> int32 [..., C, 8], nibble j of each word at index j."""
     return (packed[..., None] >> _SHIFTS) & 0xF
 
@@ -66,14 +66,16 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
         raise ModelLoadError(f"{name} was quantized in activation order (desc_act: a permuted g_idx), "
                              "which is not supported")
-    q = _unpack_int32(qweight).transpose(1, 2).reshape(k, n)          # [K // 8, 8, N] -> [K, N]
-    zero = _unpack_int32(qzeros).reshape(groups, n) + config.zero_offset
+    q = unpack_words(qweight).transpose(1, 2).reshape(k, n)          # [K // 8, 8, N] -> [K, N]
+    zero = unpack_words(qzeros).reshape(groups, n) + config.zero_offset
     return Int4Weight(pack_nibbles(q.t()), scales.t().to(torch.float16).contiguous(),
                       zero.t().to(torch.uint8).contiguous(), group)
 
 
 class GPTQWeights(HFWeights):
     """A GPTQ checkpoint folder: `linear(prefix)` converts one projection; `get` reads the rest."""
+
+    method = "GPTQ"
 
     def __init__(self, folder: str) -> None:
         super().__init__(folder)

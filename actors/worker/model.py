@@ -22,7 +22,7 @@ from kernels.quantize import Int4Weight, Int8Weight, int4_group_size_for, quanti
 
 # A matmul weight as ops.prepare_weight / prepare_quantized / prepare_int left it.
 Weight = torch.Tensor | PackedWeight | QuantWeight | QuantStack | Int8Weight | Int4Weight | Int4CpuWeight
-# auto: GGUF types the kernels read stay packed, a GPTQ checkpoint's int4 too; none: all dequantized;
+# auto: GGUF types the kernels read stay packed, a GPTQ or AWQ checkpoint's int4 too; none: all dequantized;
 # int8 / int4: a float checkpoint's projections quantized at load.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -75,27 +75,28 @@ class DecoderModel:
         self.cos_sin_cache = _cos_sin_cache(config).to(self.device)
 
     def load_weights(self, weights, label: str = "loading weights", quantization: str = "none") -> None:
-        """`weights` has get(hf_name, dtype) -> tensor and quantized(hf_name) -> QuantTensor | None (a GPTQ
-        checkpoint also is_quantized(prefix) and linear(prefix) -> Int4Weight); raises ModelLoadError for a
+        """`weights` has get(hf_name, dtype) -> tensor and quantized(hf_name) -> QuantTensor | None (a GPTQ or
+        AWQ checkpoint also is_quantized(prefix) and linear(prefix) -> Int4Weight); raises ModelLoadError for a
         missing tensor. quantization "auto" keeps every matmul weight whose stored type the ops read
-        quantized (GGUF blocks, GPTQ int4, never a float copy); "none" dequantizes all; "int8" / "int4"
+        quantized (GGUF blocks, GPTQ or AWQ int4, never a float copy); "none" dequantizes all; "int8" / "int4"
         quantize every projection at load (per output channel / in groups), the LM head (and a tied
         embedding, read out of it) to int8 under both, as llama.cpp's 4-bit mixes keep their output."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         cfg = self.config
-        gptq = hasattr(weights, "linear")
-        if gptq and quantization != "auto":
-            raise ModelLoadError(f"a GPTQ checkpoint is served in its own int4 weights: use quantization 'auto', "
-                                 f"not {quantization!r}")
+        int4 = hasattr(weights, "linear")   # a GPTQ or AWQ checkpoint
+        if int4 and quantization != "auto":
+            raise ModelLoadError(f"a {weights.method} checkpoint is served in its own int4 weights: use quantization "
+                                 f"'auto', not {quantization!r}")
         progress = load_progress(cfg.num_layers + 1, label)
         quantize = quantization == "auto" and self.ops.prepare_quantized is not None and self.device.type == "cpu"
         prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
 
         def at_load(names: tuple[str, ...], head: bool) -> Int8Weight | Int4Weight | None:
-            """The projection quantized at load (or read quantized from a GPTQ checkpoint), None to keep floats."""
+            """The projection quantized at load (or read quantized from a GPTQ or AWQ checkpoint), None to keep
+            floats."""
             prefixes = [n.removesuffix(".weight") for n in names]
-            if gptq and all(weights.is_quantized(p) for p in prefixes):
+            if int4 and all(weights.is_quantized(p) for p in prefixes):
                 return _cat_int4([weights.linear(p) for p in prefixes])
             if quantization not in ("int8", "int4"):
                 return None

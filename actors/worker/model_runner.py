@@ -16,6 +16,7 @@ from actors.worker.allocator import keep_freed_memory
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
+from actors.worker.awq_weights import AWQConfig, AWQWeights
 from actors.worker.gptq_weights import GPTQConfig, GPTQWeights
 from actors.worker.hf_weights import HFWeights
 from actors.worker.model_config import read_hf_config
@@ -55,7 +56,9 @@ def open_model(source: ModelSource):
     if source.kind == "gguf":
         weights = GGUFWeights(source.path)
         return weights.config, weights
-    if GPTQConfig.from_folder(source.path) is not None:
+    if AWQConfig.from_folder(source.path) is not None:
+        return read_hf_config(source.path), AWQWeights(source.path)
+    if GPTQConfig.from_folder(source.path) is not None:   # refuses any other quantization_config
         return read_hf_config(source.path), GPTQWeights(source.path)
     return read_hf_config(source.path), HFWeights(source.path)
 

@@ -102,7 +102,8 @@ def test_a_cursor_moves_a_decode_batch_on_as_flattening_the_next_step_would(n):
     moved = flattened = 0
     for _ in range(steps):
         tokens = [rng.randrange(VOCAB) for _ in batch.seqs]
-        batch = ForwardBatch([SequenceInput([t], s.num_computed + 1, s.block_table) for t, s in zip(tokens, batch.seqs)])
+        batch = ForwardBatch([SequenceInput([t], s.num_computed + 1, s.block_table)
+                              for t, s in zip(tokens, batch.seqs)])
         expected = flatten(batch, BLOCK, NUM_BLOCKS, VOCAB)
         if cursor.advance(tokens):
             moved += 1

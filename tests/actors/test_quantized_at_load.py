@@ -24,6 +24,7 @@ from kernels import cpu_native
 from kernels.ops import TORCH_OPS
 from kernels.quant_linear_cpu import Int4CpuWeight
 from kernels.quantize import Int4Weight, Int8Weight, int4_group_size_for, quantize_int4
+from tests.actors.test_awq_weights import awq_config, awq_dequantize, awq_tensors
 from tests.actors.test_gptq_weights import PREFIX, _gptq_dequantize, _gptq_tensors
 from tests.actors.test_loader_gguf import hf_folder_to_gguf
 
@@ -134,21 +135,21 @@ def test_bad_quantization_values_are_clear_errors(tiny_model_dir):
         _runner(path, "fp4", kernels="torch")
 
 
-def _gptq_folder(source: str, folder, group_size=32) -> tuple[str, str]:
-    """A GPTQ checkpoint (original format) of `source`'s projections, and beside it a float checkpoint of
-    the weights AutoGPTQ's formula reads out of it: (gptq folder, float folder)."""
+def _int4_folder(source: str, folder, pack, dequantize, quantization_config: dict, group_size=32) -> tuple[str, str]:
+    """A pre-quantized int4 checkpoint of `source`'s projections (`pack`(Int4Weight, prefix) -> its tensors),
+    and beside it a float checkpoint of the weights the format's own formula (`dequantize`(tensors, prefix))
+    reads out of it: (int4 folder, float folder)."""
     tensors = load_file(f"{source}/model.safetensors")
-    gptq, dequantized = dict(tensors), dict(tensors)
+    int4, dequantized = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.removesuffix(".weight").endswith(PROJECTIONS)]:
         prefix = name.removesuffix(".weight")
-        packed = _gptq_tensors(quantize_int4(tensors[name], group_size), zero_offset=1)
-        dequantized[name] = _gptq_dequantize(packed, zero_offset=1).contiguous()
-        del gptq[name]
-        gptq.update({key.replace(PREFIX, prefix): value for key, value in packed.items()})
+        packed = pack(quantize_int4(tensors[name], group_size), prefix)
+        dequantized[name] = dequantize(packed, prefix).contiguous()
+        del int4[name]
+        int4.update(packed)
     config = json.loads(open(f"{source}/config.json").read())
     paths = []
-    for kind, weights, extra in [("gptq", gptq, {"quantization_config": {
-            "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": False}}),
+    for kind, weights, extra in [("int4", int4, {"quantization_config": quantization_config}),
                                  ("float", dequantized, {})]:
         out = folder / kind
         out.mkdir()
@@ -158,10 +159,19 @@ def _gptq_folder(source: str, folder, group_size=32) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-@pytest.mark.parametrize("kernels", ["torch", pytest.param("cpu", marks=needs_cpu_kernels)])
-def test_gptq_checkpoint_serves_its_int4_weights(kernels, tiny_model_dir, tmp_path):
-    gptq, dequantized = _gptq_folder(tiny_model_dir("llama"), tmp_path)
-    served, reference = _runner(gptq, "auto", kernels), _runner(dequantized, "none", "torch")
+def _gptq_folder(source: str, folder, group_size=32) -> tuple[str, str]:
+    """A GPTQ checkpoint (original format) and the float weights AutoGPTQ's formula reads out of it."""
+    def pack(weight, prefix):
+        return {key.replace(PREFIX, prefix): value for key, value in _gptq_tensors(weight, zero_offset=1).items()}
+
+    def dequantize(packed, prefix):
+        return _gptq_dequantize({key.replace(prefix, PREFIX): value for key, value in packed.items()}, zero_offset=1)
+    return _int4_folder(source, folder, pack, dequantize, {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                                           "desc_act": False, "sym": False}, group_size)
+
+
+def _served_like_its_floats(int4: str, dequantized: str, kernels: str, method: str) -> None:
+    served, reference = _runner(int4, "auto", kernels), _runner(dequantized, "none", "torch")
     kind = Int4CpuWeight if kernels == "cpu" else Int4Weight
     assert all(isinstance(w, kind) for w in _projections(served.model))
     assert served.weight_bytes < reference.weight_bytes / 2
@@ -169,5 +179,16 @@ def test_gptq_checkpoint_serves_its_int4_weights(kernels, tiny_model_dir, tmp_pa
         _assert_same_greedy(got, want)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     for quantization in ("none", "int8"):
-        with pytest.raises(ModelLoadError, match="GPTQ checkpoint is served in its own int4 weights"):
-            _runner(gptq, quantization, kernels)
+        with pytest.raises(ModelLoadError, match=f"{method} checkpoint is served in its own int4 weights"):
+            _runner(int4, quantization, kernels)
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("cpu", marks=needs_cpu_kernels)])
+def test_gptq_checkpoint_serves_its_int4_weights(kernels, tiny_model_dir, tmp_path):
+    _served_like_its_floats(*_gptq_folder(tiny_model_dir("llama"), tmp_path), kernels, "GPTQ")
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("cpu", marks=needs_cpu_kernels)])
+def test_awq_checkpoint_serves_its_int4_weights(kernels, tiny_model_dir, tmp_path):
+    folders = _int4_folder(tiny_model_dir("llama"), tmp_path, awq_tensors, awq_dequantize, awq_config(32))
+    _served_like_its_floats(*folders, kernels, "AWQ")
