@@ -36,6 +36,7 @@ class Int4CpuWeight:
     group_size: int
     out_features: int
     in_features: int
+    order: torch.Tensor | None = None   # Int4Weight.order
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,7 +66,7 @@ def prepare_int4(weight: Int4Weight, dtype: torch.dtype) -> Int4CpuWeight:
         zero[:n] = weight.zero.float()
     scale_and_offset = torch.stack([scale, (8.0 - zero) * scale], dim=-1).transpose(0, 1).contiguous()
     return Int4CpuWeight(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scale_and_offset.to(dtype),
-                         weight.group_size, n, k)
+                         weight.group_size, n, k, weight.order)
 
 
 def int4_linear(x: torch.Tensor, weight: Int4CpuWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,6 +74,8 @@ def int4_linear(x: torch.Tensor, weight: Int4CpuWeight, bias: torch.Tensor | Non
     if x.dtype != weight.scale_and_offset.dtype:
         raise ValueError(f"this int4 weight was prepared for {weight.scale_and_offset.dtype} activations, "
                          f"not {x.dtype}")
+    if weight.order is not None:
+        x = x.index_select(-1, weight.order)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group_size,
                                                    weight.scale_and_offset)[:, :weight.out_features]
     return y if bias is None else y + bias.to(x.dtype)

@@ -21,12 +21,14 @@ def dequantize_int8(weight: Int8Weight) -> torch.Tensor:
 
 
 def dequantize_int4(weight: Int4Weight) -> torch.Tensor:
-    """-> float32 [N, K]."""
+    """-> float32 [N, K], inputs in their own order."""
     q = unpack_nibbles(weight.qweight).float()
     n, k = q.shape
     zero = 8.0 if weight.zero is None else weight.zero.float()[:, :, None]
     groups = (q.view(n, k // weight.group_size, weight.group_size) - zero) * weight.scale.float()[:, :, None]
-    return groups.view(n, k)
+    if weight.order is None:
+        return groups.view(n, k)
+    return torch.empty(n, k).index_copy_(1, weight.order, groups.view(n, k))
 
 
 def dequantize_gguf(weight: GGUFWeight) -> torch.Tensor:
@@ -59,7 +61,7 @@ def embedding(ids: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight) -
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.out_features):
         raise IndexError(f"token id out of range [0, {weight.out_features})")
     fields = {name: getattr(weight, name) for name in weight.__dataclass_fields__}
-    picked = {name: v[flat] if torch.is_tensor(v) else v for name, v in fields.items()}
+    picked = {name: v[flat] if torch.is_tensor(v) and name != "order" else v for name, v in fields.items()}
     return dequantize(type(weight)(**picked)).view(*ids.shape, -1)
 
 

@@ -114,6 +114,8 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight, bias: 
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"quantized linear shapes do not match: {tuple(x.shape)} @ "
                          f"[{weight.out_features}, {weight.in_features}].T")
+    if isinstance(weight, Int4Weight):
+        x = weight.ordered(x)
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape

@@ -50,6 +50,9 @@ class Int4Weight:
     scale: torch.Tensor            # float16 [N, K // group_size]
     zero: torch.Tensor | None      # uint8 [N, K // group_size], 0..16; None: symmetric (8)
     group_size: int
+    # int64 [K]: column j multiplies input order[j] (a GPTQ checkpoint quantized in activation order, its
+    # inputs sorted so that each group is contiguous); None: column j multiplies input j
+    order: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -58,6 +61,10 @@ class Int4Weight:
     @property
     def in_features(self) -> int:
         return self.qweight.shape[1] * 2
+
+    def ordered(self, x: torch.Tensor) -> torch.Tensor:
+        """x[..., K] with its inputs in the columns' order."""
+        return x if self.order is None else x.index_select(-1, self.order)
 
 
 @dataclass(frozen=True)

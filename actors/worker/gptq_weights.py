@@ -8,7 +8,10 @@ transformers and vLLM), for K inputs, N outputs and groups of G inputs:
 - p.scales float16 [K // G, N];
 - p.g_idx int32 [K]: the group of each input, k // G unless quantized in activation order.
 w[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n]: Int4Weight's math, so the
-conversion only transposes and repacks (bit-exact). Every other tensor reads as HFWeights gives it.
+conversion only transposes and repacks (bit-exact). Quantized in activation order (desc_act), a group's
+inputs lie anywhere: they are sorted by group (stably) into Int4Weight's columns, and its `order` makes
+every matmul read x in that order, as vLLM's GPTQ kernels permute their input. Every other tensor reads
+as HFWeights gives it.
 """
 from __future__ import annotations
 
@@ -63,13 +66,18 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     if k % group or qzeros.shape != (groups, n // 8) or scales.shape != (groups, n) or n % 8:
         raise ModelLoadError(f"GPTQ tensors of {name} do not fit together: qweight {tuple(qweight.shape)}, "
                              f"qzeros {tuple(qzeros.shape)}, scales {tuple(scales.shape)}, group size {group}")
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
-        raise ModelLoadError(f"{name} was quantized in activation order (desc_act: a permuted g_idx), "
-                             "which is not supported")
     q = unpack_words(qweight).transpose(1, 2).reshape(k, n)          # [K // 8, 8, N] -> [K, N]
+    order = None
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        g_idx = g_idx.long()
+        if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= groups or \
+                not bool((torch.bincount(g_idx, minlength=groups) == group).all()):
+            raise ModelLoadError(f"GPTQ g_idx of {name} does not put {group} inputs in each of {groups} groups")
+        order = torch.sort(g_idx, stable=True).indices          # activation order: each group's inputs together
+        q = q[order]
     zero = unpack_words(qzeros).reshape(groups, n) + config.zero_offset
     return Int4Weight(pack_nibbles(q.t()), scales.t().to(torch.float16).contiguous(),
-                      zero.t().to(torch.uint8).contiguous(), group)
+                      zero.t().to(torch.uint8).contiguous(), group, order)
 
 
 class GPTQWeights(HFWeights):

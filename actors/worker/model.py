@@ -257,9 +257,13 @@ def _cat_int4(parts: list[Int4Weight]) -> Int4Weight:
         return parts[0]
     if len({(p.group_size, p.zero is None) for p in parts}) != 1:
         raise ModelLoadError("projections to fuse are quantized with different group sizes or zero points")
+    order = parts[0].order
+    if any((p.order is None) != (order is None) or (order is not None and not torch.equal(p.order, order))
+           for p in parts):   # GPTQ orders q, k and v alike: they read one input, so its statistics agree
+        raise ModelLoadError("projections to fuse read their inputs in different orders (GPTQ activation order)")
     zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
     return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), zero,
-                      parts[0].group_size)
+                      parts[0].group_size, order)
 
 
 def _to_device(weight: Int8Weight | Int4Weight, device: torch.device) -> Int8Weight | Int4Weight:

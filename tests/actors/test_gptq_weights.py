@@ -26,16 +26,21 @@ def _pack_words(nibbles: torch.Tensor) -> torch.Tensor:
     return _int32((nibbles.long() << (4 * torch.arange(8))).sum(-1))
 
 
-def _gptq_tensors(weight, zero_offset: int) -> dict[str, torch.Tensor]:
+def _gptq_tensors(weight, zero_offset: int, order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`weight`'s GPTQ tensors; with `order`, quantized in activation order: weight's column j (group
+    j // G) is input order[j]."""
     q = unpack_nibbles(weight.qweight).t()                       # [K, N]
     k, n = q.shape
+    g_idx = torch.arange(k) // weight.group_size
+    if order is not None:
+        q, g_idx = torch.empty_like(q).index_copy_(0, order, q), torch.empty_like(g_idx).index_copy_(0, order, g_idx)
     zero = weight.zero.long() if weight.zero is not None else torch.full(weight.scale.shape, 8)
     stored_zero = (zero.t() - zero_offset) & 0xF                  # [K // G, N]; 0 - 1 wraps to 15
     return {
         f"{PREFIX}.qweight": _pack_words(q.reshape(k // 8, 8, n).transpose(1, 2)),
         f"{PREFIX}.qzeros": _pack_words(stored_zero.reshape(k // weight.group_size, n // 8, 8)),
         f"{PREFIX}.scales": weight.scale.t().contiguous(),
-        f"{PREFIX}.g_idx": (torch.arange(k) // weight.group_size).to(torch.int32),
+        f"{PREFIX}.g_idx": g_idx.to(torch.int32),
     }
 
 
@@ -100,13 +105,32 @@ def test_one_group_over_all_inputs(tmp_path):
     assert loaded.group_size == 128 and torch.equal(loaded.qweight, original.qweight)
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_activation_order_reads_its_inputs_in_that_order(tmp_path, group_size):
+    """desc_act: input order[j] was quantized j-th, in group j // G; the loaded weight sorts the inputs by
+    group and reads x in that order: its products are those of AutoGPTQ's formula."""
+    w = _weight()
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(2))
+    tensors = _gptq_tensors(quantize_int4(w[:, order], group_size), zero_offset=1, order=order)
+    loaded = GPTQWeights(_checkpoint(tmp_path, tensors, group_size=group_size, desc_act=True)).linear(PREFIX)
+    assert loaded.order is not None and sorted(loaded.order.tolist()) == list(range(256))
+    reference = _gptq_dequantize(tensors, zero_offset=1)
+    assert torch.equal(quant_matmul.dequantize_int4(loaded), reference)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(quant_matmul.linear(x, loaded), x @ reference.t(), atol=1e-5, rtol=0)
+    out = quant_linear_cpu.linear(x, quant_linear_cpu.prepare_int4(loaded, torch.float32))
+    torch.testing.assert_close(out, x @ reference.t(), atol=1e-5, rtol=0)
+    rows = torch.tensor([[3, 0], [47, 3]])   # a tied embedding reads the rows in the inputs' own order
+    assert torch.equal(quant_matmul.embedding(rows, loaded), reference[rows])
+
+
 def test_unsupported_checkpoints_are_clear_errors(tmp_path):
     original = quantize_int4(_weight(), 32)
     tensors = _gptq_tensors(original, zero_offset=1)
     folder = _checkpoint(tmp_path, tensors, group_size=32)
-    tensors[f"{PREFIX}.g_idx"] = tensors[f"{PREFIX}.g_idx"].flip(0).contiguous()   # activation order
+    tensors[f"{PREFIX}.g_idx"] = (torch.arange(256) % 7).to(torch.int32)   # groups of other sizes
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="activation order"):
+    with pytest.raises(ModelLoadError, match="does not put 32 inputs in each of 8 groups"):
         GPTQWeights(folder).linear(PREFIX)
     with pytest.raises(ModelLoadError, match="do not fit together"):
         GPTQWeights(_checkpoint(tmp_path, tensors, group_size=64)).linear(PREFIX)

@@ -8,6 +8,7 @@ may differ from the reference's only where the reference's two best logits lie w
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.hf_weights import HFWeights
 from actors.worker.model_config import ModelLoadError
 from actors.worker.model_runner import ModelRunner
-from kernels import cpu_native
+from kernels import cpu_native, quant_matmul
 from kernels.ops import TORCH_OPS
 from kernels.quant_linear_cpu import Int4CpuWeight
 from kernels.quantize import Int4Weight, Int8Weight, int4_group_size_for, quantize_int4
@@ -159,15 +160,25 @@ def _int4_folder(source: str, folder, pack, dequantize, quantization_config: dic
     return paths[0], paths[1]
 
 
-def _gptq_folder(source: str, folder, group_size=32) -> tuple[str, str]:
-    """A GPTQ checkpoint (original format) and the float weights AutoGPTQ's formula reads out of it."""
+def _gptq_folder(source: str, folder, group_size=32, desc_act=False) -> tuple[str, str]:
+    """A GPTQ checkpoint (original format) and the float weights AutoGPTQ's formula reads out of it. With
+    desc_act, each projection quantized in an activation order of its own, shared by the projections
+    that read one input (q, k and v; gate and up), as GPTQ's statistics of that input make it."""
     def pack(weight, prefix):
-        return {key.replace(PREFIX, prefix): value for key, value in _gptq_tensors(weight, zero_offset=1).items()}
+        order = None
+        if desc_act:
+            reads = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            seed = torch.Generator().manual_seed(zlib.crc32(reads.encode()))
+            order = torch.randperm(weight.in_features, generator=seed)
+            unordered = quant_matmul.dequantize_int4(weight)
+            weight = quantize_int4(unordered[:, order], group_size)   # the inputs quantized in that order
+        return {key.replace(PREFIX, prefix): value
+                for key, value in _gptq_tensors(weight, zero_offset=1, order=order).items()}
 
     def dequantize(packed, prefix):
         return _gptq_dequantize({key.replace(prefix, PREFIX): value for key, value in packed.items()}, zero_offset=1)
     return _int4_folder(source, folder, pack, dequantize, {"quant_method": "gptq", "bits": 4, "group_size": group_size,
-                                                           "desc_act": False, "sym": False}, group_size)
+                                                           "desc_act": desc_act, "sym": False}, group_size)
 
 
 def _served_like_its_floats(int4: str, dequantized: str, kernels: str, method: str) -> None:
@@ -184,8 +195,9 @@ def _served_like_its_floats(int4: str, dequantized: str, kernels: str, method: s
 
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("cpu", marks=needs_cpu_kernels)])
-def test_gptq_checkpoint_serves_its_int4_weights(kernels, tiny_model_dir, tmp_path):
-    _served_like_its_floats(*_gptq_folder(tiny_model_dir("llama"), tmp_path), kernels, "GPTQ")
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_checkpoint_serves_its_int4_weights(kernels, desc_act, tiny_model_dir, tmp_path):
+    _served_like_its_floats(*_gptq_folder(tiny_model_dir("llama"), tmp_path, desc_act=desc_act), kernels, "GPTQ")
 
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("cpu", marks=needs_cpu_kernels)])

@@ -101,3 +101,17 @@ def test_int4_group_larger_than_the_tile(kernel, poisoned_empty):
     odd = Int4Weight(weight.qweight, weight.scale[:, :2].contiguous(), None, 96)
     with pytest.raises(ValueError, match="groups of 96"):
         kernel(x.to(DEVICE), _to_device(odd))
+
+
+def test_int4_in_activation_order(kernel, poisoned_empty):
+    # A GPTQ desc_act weight: column j multiplies input order[j]; the kernel reads x in that order.
+    order = torch.randperm(160, generator=torch.Generator().manual_seed(6))
+    sorted_weight = quantize_int4(_weight(33, 160)[:, order], 32)
+    weight = Int4Weight(sorted_weight.qweight, sorted_weight.scale, sorted_weight.zero, 32, order)
+    x = torch.randn(4, 160, generator=torch.Generator().manual_seed(7))
+    expected = x @ quant_matmul.dequantize_int4(weight).t()
+    torch.testing.assert_close(quant_matmul.linear(x, weight), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x[:, order] @ quant_matmul.dequantize_int4(sorted_weight).t(), expected,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(kernel(x.to(DEVICE), _to_device(weight)).cpu(), expected,
+                               atol=TOL[torch.float32], rtol=0)
