@@ -176,6 +176,10 @@ def test_requests_succeed_while_redis_is_down(cluster):
     assert all(r["choices"][0]["finish_reason"] == "length" for r in results + down)
     assert h.metric(cluster.base, "matinee_prefix_index_lookup_errors_total") >= 1
     cluster.wait_engines(2, timeout=30)
+    # The gateway kept its engines while Redis was down; the registry itself has them again only after
+    # their next heartbeats, and the tests after this one read it.
+    h.wait_until(lambda: len(h.engine_loads(cluster.redis.url)) == 2, 30, "2 engines registered again",
+                 cluster.nodes())
 
 
 def test_streams_of_a_killed_engine_finish_on_the_other(cluster):
