@@ -23,6 +23,15 @@ def _both(batch: ForwardBatch, monkeypatch: pytest.MonkeyPatch):
     return fast, slow
 
 
+def _same(a, b) -> None:
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
 def _decodes(rng: random.Random, n: int) -> ForwardBatch:
     seqs = []
     for _ in range(n):
@@ -36,13 +45,7 @@ def _decodes(rng: random.Random, n: int) -> ForwardBatch:
 def test_small_decode_batches_flatten_to_the_numpy_paths_tensors(n, monkeypatch):
     rng = random.Random(n)
     for _ in range(20):
-        fast, slow = _both(_decodes(rng, n), monkeypatch)
-        for f in fields(fast):
-            a, b = getattr(fast, f.name), getattr(slow, f.name)
-            if isinstance(a, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), f.name
-            else:
-                assert a == b, f.name
+        _same(*_both(_decodes(rng, n), monkeypatch))
 
 
 def test_the_python_path_is_taken_for_small_decode_batches_only(monkeypatch):
@@ -74,14 +77,6 @@ def test_bad_decodes_are_refused_as_the_numpy_path_refuses_them(seq, monkeypatch
         flatten(batch, BLOCK, NUM_BLOCKS, VOCAB)
     assert str(fast.value) == str(slow.value)
 
-
-def _same(a, b) -> None:
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), f.name
-        else:
-            assert x == y, f.name
 
 
 def _roomy_decodes(rng: random.Random, n: int, steps: int) -> ForwardBatch:
