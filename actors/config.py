@@ -66,10 +66,6 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "sequences running in one step"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": f"tokens computed in one step (unset: {CPU_STEP_TOKENS} on the CPU, {GPU_STEP_TOKENS} on CUDA)"})
-    max_prefill_tokens: int | None = field(default=None, metadata={
-        "help": "prompt tokens computed in one step beside the decodes (unset: up to --max-num-batched-tokens; "
-                "on a decode engine, --role decode, 16: the short prompts it prefills itself stall its streams "
-                "less in smaller chunks)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence (unset: the model's context, capped by what the pool holds)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -110,8 +106,6 @@ class EngineConfig:
         _positive(self, "block_size", "max_num_seqs", "kv_cache_memory", "step_timeout_s", "decode_burst")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

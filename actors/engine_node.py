@@ -15,7 +15,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -30,10 +30,6 @@ log = get_logger(component="engine-node")
 
 REGISTRY_PREFIX = "engines/"
 ENGINE_ROLES = ("engine", "prefill", "decode")
-# A decode engine's prompt tokens a step unless --max-prefill-tokens says otherwise: it prefills only the
-# short prompts the gateway sends it whole (--local-prefill-tokens), and every such step is a gap in each
-# of its streams; in chunks of 16 the gap stays near a decode step's.
-DECODE_PREFILL_TOKENS = 16
 
 
 @dataclass
@@ -163,13 +159,6 @@ async def attach_kv_transfer(system: ActorSystem, engine: Any, config: KVTransfe
     return ref
 
 
-def role_defaults(role: str, config: EngineConfig) -> EngineConfig:
-    """`config` with what an engine of `role` changes where its flags leave it unset."""
-    if role == "decode" and config.max_prefill_tokens is None:
-        return replace(config, max_prefill_tokens=DECODE_PREFILL_TOKENS)
-    return config
-
-
 async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
                           stop: asyncio.Event | None = None, transfer: KVTransferConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain and exit. Returns the exit code."""
@@ -178,7 +167,6 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     from prefix_store import IndexPublisher, RedisPrefixStore
 
     stop = stop or asyncio.Event()
-    engine_config = role_defaults(node.role, engine_config)
     system = await start_node_system(node, f"engine-{node.engine_id}", stop)
     engine = await start_engine(engine_config, system, name="engine")
     store = RedisPrefixStore.from_url(node.redis_url, namespace=node.index_namespace,

@@ -55,7 +55,6 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     priority_scheduling: bool = False   # off: every request is first come, first served
     max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
-    max_prefill_tokens: int | None = None   # prompt tokens a step computes beside its decodes (None: the budget)
 
 
 @dataclass
@@ -250,19 +249,14 @@ class Scheduler:
         # arrival order: a prefill that sorts first (a more important request, a preempted older
         # one) must not take the budget from a stream that already emits tokens.
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prompt_room = budget if self.cfg.max_prefill_tokens is None else self.cfg.max_prefill_tokens
         for seq in decodes + [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.num_tokens - seq.num_computed > 1:   # a prompt's chunk (or a recompute's)
-                n = min(n, prompt_room)
-                prompt_room -= n
             seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:
                 step.grows.append((seq, n))
                 budget -= n + seq.spec_k
         step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
-        budget = min(budget, prompt_room)   # what new prompts may take
         step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from actors.engine_node import DECODE_PREFILL_TOKENS
 from tests.cluster import harness as h
 
 pytestmark = pytest.mark.slow
@@ -190,13 +189,6 @@ def test_a_gateway_with_the_default_prefills_short_prompts_on_the_decode_engine(
     assert short and len(short) < len(prompts)
     assert d.kv_handoffs_received - before.kv_handoffs_received == len(prompts) - len(short)
     assert d.prefill_steps - before.prefill_steps >= 1   # the short ones were prefilled there
-    # in chunks of at most DECODE_PREFILL_TOKENS (16): a fresh 40-token prompt alone takes three steps
-    fresh = _prompt(random.Random(PROMPTS_SEED + 1), 40)
-    status, body = h.http_json("POST", base + "/v1/completions", cluster.body(fresh, 2))
-    assert status == 200, body
-    after = cluster.stats("decode")
-    assert after.prefill_tokens - d.prefill_tokens == 40
-    assert after.prefill_steps - d.prefill_steps == -(-40 // DECODE_PREFILL_TOKENS)
     gateway.kill()
     del cluster.nodes["gateway-local"]
 
@@ -253,16 +245,3 @@ def test_a_prefill_engine_dying_mid_request_is_recomputed_elsewhere(cluster):
     text, errors = result["out"]
     assert not errors and text == cluster.long_expected[2]
     assert h.metric(cluster.base, "matinee_request_migrations_total") > before
-
-
-def test_only_a_decode_engine_caps_its_prefill_by_default():
-    from dataclasses import replace
-
-    from actors.config import EngineConfig
-    from actors.engine_node import role_defaults
-
-    config = EngineConfig()
-    assert role_defaults("decode", config).max_prefill_tokens == DECODE_PREFILL_TOKENS
-    assert role_defaults("decode", replace(config, max_prefill_tokens=64)).max_prefill_tokens == 64
-    assert role_defaults("engine", config).max_prefill_tokens is None
-    assert role_defaults("prefill", config).max_prefill_tokens is None
