@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quantize import Int4Weight, Int8Weight, quantize_activations, unpack_nibbles
+from kernels.quantize import Int4Weight, Int8Weight, in_order, quantize_activations, unpack_nibbles
 
 INT4_N_MULTIPLE = 16
 INT4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,9 +74,7 @@ def int4_linear(x: torch.Tensor, weight: Int4CpuWeight, bias: torch.Tensor | Non
     if x.dtype != weight.scale_and_offset.dtype:
         raise ValueError(f"this int4 weight was prepared for {weight.scale_and_offset.dtype} activations, "
                          f"not {x.dtype}")
-    if weight.order is not None:
-        x = x.index_select(-1, weight.order)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group_size,
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(in_order(x, weight.order).contiguous(), weight.packed, weight.group_size,
                                                    weight.scale_and_offset)[:, :weight.out_features]
     return y if bias is None else y + bias.to(x.dtype)
 

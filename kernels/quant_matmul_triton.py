@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quantize import GGUF_BLOCK_BYTES, GGMLType, GGUFWeight, Int4Weight, Int8Weight
+from kernels.quantize import GGUF_BLOCK_BYTES, GGMLType, GGUFWeight, Int4Weight, Int8Weight, in_order
 
 # Weight formats, the kernel's FORMAT.
 INT8, INT4, Q8_0, Q4_0, Q4_1 = (tl.constexpr(f) for f in range(5))
@@ -115,7 +115,7 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight | GGUFWeight, bias: 
         raise ValueError(f"quantized linear shapes do not match: {tuple(x.shape)} @ "
                          f"[{weight.out_features}, {weight.in_features}].T")
     if isinstance(weight, Int4Weight):
-        x = weight.ordered(x)
+        x = in_order(x, weight.order)
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape

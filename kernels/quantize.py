@@ -44,6 +44,11 @@ class Int8Weight:
         return self.qweight.shape[1]
 
 
+def in_order(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """x[..., K] with its inputs in an int4 weight's column order (Int4Weight.order; None: as they are)."""
+    return x if order is None else x.index_select(-1, order)
+
+
 @dataclass(frozen=True)
 class Int4Weight:
     qweight: torch.Tensor          # uint8 [N, K // 2], two nibbles a byte (element 2j low)
@@ -61,10 +66,6 @@ class Int4Weight:
     @property
     def in_features(self) -> int:
         return self.qweight.shape[1] * 2
-
-    def ordered(self, x: torch.Tensor) -> torch.Tensor:
-        """x[..., K] with its inputs in the columns' order."""
-        return x if self.order is None else x.index_select(-1, self.order)
 
 
 @dataclass(frozen=True)
