@@ -500,7 +500,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
         for (long m = 0; m < M; m++) {
             quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb,
                          xh + m * nb);
-            for (long b = m * nb; b < (m + 1) * nb; b++) xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
+            for (long b = m * nb; b < (m + 1) * nb && !is_k(type); b++)   /* the K-quants read xs, xh */
+                xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
         }
         for (long m0 = 0; m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
