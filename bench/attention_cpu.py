@@ -22,7 +22,6 @@ from kernels import cpu_native
 
 SOURCE = Path(cpu_native.__file__).with_name("paged_attention_cpu.c")
 LAYERS, HQ, HK, D, BLOCK = 30, 9, 3, 64, 16
-KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
 
 
 def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
@@ -45,16 +44,17 @@ def step_ms(lib, dtype, batch, ctx, q_len, threads, repeats=5):
     out = torch.empty_like(q)
     starts = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
-    fn = getattr(lib, KERNELS[dtype])
+    fn = lib.matinee_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    bf16 = int(dtype == torch.bfloat16)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for k, v in caches:
-            status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+            status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, tables.data_ptr(), starts.data_ptr(),
                         lens.data_ptr(), out.data_ptr(), batch, batch * q_len, HQ, HK, D, BLOCK, blocks,
-                        batch * blocks, D ** -0.5, threads)
+                        batch * blocks, D ** -0.5, threads, bf16, bf16, q_len)
             if status:
                 raise RuntimeError(f"kernel status {status}")
         best = min(best, time.perf_counter() - t0)

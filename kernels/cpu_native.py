@@ -114,13 +114,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.matinee_sgemm_nt.restype = None
     lib.matinee_sgemm_nt.argtypes = [ptr] * 3 + [long_] * 3 + [int_]
-    for name in ("matinee_paged_attention", "matinee_paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 8 + [ctypes.c_float, int_]
-    lib.matinee_paged_attention_quant.restype = int_
-    lib.matinee_paged_attention_quant.argtypes = [ptr] * 9 + [long_] * 8 + [ctypes.c_float] + [int_] * 3
-    lib.matinee_prefill_attention.restype = int_
-    lib.matinee_prefill_attention.argtypes = [ptr] * 10 + [long_] * 9 + [ctypes.c_float] + [int_] * 3
+    lib.matinee_paged_attention.restype = int_
+    lib.matinee_paged_attention.argtypes = [ptr] * 9 + [long_] * 8 + [ctypes.c_float] + [int_] * 3 + [long_]
     lib.matinee_packed_gemm.restype = int_
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_

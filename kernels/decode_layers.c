@@ -1,12 +1,13 @@
-/* A decode step's decoder layers in one call: the same kernels, in the same order, with the same
- * arguments as model.py's layer loop runs them through the ops table, so the bits are the same.
+/* A step's decoder layers in one call: the same kernels, in the same order, with the same arguments as
+ * model.py's layer loop runs them through the ops table, so the bits are the same.
  *
  * At one row a SmolLM2 forward spent as long in Python between its 302 kernel calls (checks, views,
  * allocations, ctypes) as in the kernels themselves: 3 ms of a 6 ms step. Here a layer is a struct
  * of pointers to its weights, laid out once at load (decode_layers.py); a step passes the layers,
- * its metadata and the caches, and the loop over layers runs in C. Only steps whose every query run
- * is short (decodes, verifications: the decode attention kernel) come here; prefill chunks, where a
- * step is long anyway, keep the Python loop.
+ * its metadata and the caches, and the loop over layers runs in C. Decodes and verifications come here,
+ * and so do prefill chunks beside them (one attention call takes both, each run in its kernel): a short
+ * prompt prefilled beside a decode engine's streams would otherwise pay the Python loop in a step that
+ * is already its streams' longest gap.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,19 +40,11 @@ int matinee_write_kv_quant_bf16(const void *k, const void *v, uint8_t *k_cache, 
                                 long v_stride, long num_slots, long block_size, int fp8);
 void matinee_silu_and_mul_f32(const void *x, void *out, long rows, long I, int threads);
 void matinee_silu_and_mul_bf16(const void *x, void *out, long rows, long I, int threads);
-int matinee_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int *block_tables,
-                            const int *query_start_loc, const int *seq_lens, void *out, long B, long T, long Hq,
-                            long Hk, long D, long block_size, long table_width, long num_blocks, float scale,
-                            int threads);
-int matinee_paged_attention_bf16(const void *q, const void *k_cache, const void *v_cache, const int *block_tables,
-                                 const int *query_start_loc, const int *seq_lens, void *out, long B, long T, long Hq,
-                                 long Hk, long D, long block_size, long table_width, long num_blocks, float scale,
-                                 int threads);
-int matinee_paged_attention_quant(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
-                                  const float *v_scales, const int *block_tables, const int *query_start_loc,
-                                  const int *seq_lens, void *out, long B, long T, long Hq, long Hk, long D,
-                                  long block_size, long table_width, long num_blocks, float scale, int threads,
-                                  int act_bf16, int fp8);
+int matinee_paged_attention(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
+                            const float *v_scales, const int *block_tables, const int *query_start_loc,
+                            const int *seq_lens, void *out, long B, long T, long Hq, long Hk, long D, long block_size,
+                            long table_width, long num_blocks, float scale, int threads, int act_bf16,
+                            int cache_kind, long short_max);
 
 enum { GGUF = 0, PACKED = 1 };   /* a projection's kernel: quant_gemm.c (qtype), packed_gemm.c */
 
@@ -75,6 +68,7 @@ typedef struct {
 
 typedef struct {
     long hidden, Hq, Hk, D, intermediate, block_size, num_blocks, table_width, cos_sin_rows;
+    long short_max;          /* query runs up to this long take the decode attention kernel, longer the prefill one */
     float eps, scale;
     int bf16;                /* activations and norms in bfloat16, else float32 */
     int cache;               /* 0: the activations' dtype, 1: int8, 2: fp8 e4m3 */
@@ -92,7 +86,8 @@ static int project(const Projection *p, const void *x, void *y, long M, int bf16
  * as the layer loop leaves them for the final norm. positions and slots int64 [T]; attention metadata as
  * matinee_paged_attention's. Returns 0; -1 out of memory; -2, -3 the attention kernel's metadata errors;
  * -4 a position outside the rotary table; -5 a slot outside the cache (the kernels' own checks, in
- * the layer loop's order: nothing is written before them); -6 a projection's kernel refused. */
+ * the layer loop's order: nothing is written before them); -6 a projection's kernel refused; -7 a head
+ * shape the attention kernels do not take (decode_layers.py sends none). */
 int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L, const Shape *s,
                           const void *embeddings, void *hidden, void *residual, const long *positions, const long *slots, const int *block_tables,
                           const int *query_start_loc, const int *seq_lens, long B, long T, int threads) {
@@ -148,13 +143,11 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
         if (written) { status = -5; break; }
         if (qp != q)   /* the attention kernel reads q contiguous */
             for (long t = 0; t < T; t++) memcpy(q + el * t * q_size, qp + el * t * q_stride, el * q_size);
-        status = s->cache != 0
-            ? matinee_paged_attention_quant(q, c->k, c->v, c->k_scales, c->v_scales, block_tables, query_start_loc,
-                                            seq_lens, attn, B, T, Hq, Hk, D, s->block_size, s->table_width,
-                                            s->num_blocks, s->scale, threads, bf16, s->cache == 2)
-            : (bf16 ? matinee_paged_attention_bf16 : matinee_paged_attention)(
-                  q, c->k, c->v, block_tables, query_start_loc, seq_lens, attn, B, T, Hq, Hk, D, s->block_size,
-                  s->table_width, s->num_blocks, s->scale, threads);
+        status = matinee_paged_attention(q, c->k, c->v, c->k_scales, c->v_scales, block_tables, query_start_loc,
+                                         seq_lens, attn, B, T, Hq, Hk, D, s->block_size, s->table_width,
+                                         s->num_blocks, s->scale, threads, bf16, s->cache ? s->cache + 1 : bf16,
+                                         s->short_max);
+        if (status == -4) status = -7;   /* -4 is the rotary table's here */
         if (status) break;
         if (project(&ly->o, attn, x, T, bf16, threads)) { status = -6; break; }
         rms_norm(x, residual, residual, ly->post_norm, normed, T, H, s->eps, threads);

@@ -1,12 +1,13 @@
-"""A decode step's decoder layers in one C call (decode_layers.c) on the CPU backend.
+"""A step's decoder layers in one C call (decode_layers.c) on the CPU backend.
 
 model.py's layer loop calls ~10 kernels a layer through the ops table; at one row the Python around
 them (checks, views, allocations, ctypes conversions) took as long as the kernels. `run` takes the
-same step when every query run is short (decodes and verifications, the decode attention kernel's
-share) and every projection is one the C loop can call (a GGUF weight through quant_gemm.c, a packed
-bf16 one through packed_gemm.c): the same kernels on the same arguments in the same order, so the
-same bits. The layers' weight pointers are laid out once per model, the caches' once per cache list.
-Anything else returns None, and the model runs its own loop.
+same step when the attention kernels take its heads (decodes and verifications through the decode
+kernel, prefill chunks beside them through the prefill kernel) and every projection is one the C loop
+can call (a GGUF weight through quant_gemm.c, a packed bf16 one through packed_gemm.c): the same kernels
+on the same arguments in the same order, so the same bits. The layers' weight pointers are laid out
+once per model, the caches' once per cache list. Anything else returns None, and the model runs its
+own loop.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
-from kernels.paged_attention_cpu import MAX_QUERY_LEN
+from kernels.paged_attention_cpu import MAX_QUERY_LEN, prefill_fits
 from kernels.quant_linear import QuantWeight
 
 GGUF, PACKED = 0, 1   # decode_layers.c's projection kinds
@@ -42,7 +43,7 @@ class _LayerCache(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, _long) for name in ("hidden", "Hq", "Hk", "D", "intermediate", "block_size", "num_blocks",
-                                           "table_width", "cos_sin_rows")] + \
+                                           "table_width", "cos_sin_rows", "short_max")] + \
                [("eps", _float), ("scale", _float), ("bf16", _int), ("cache", _int), ("cos_sin", _ptr)]
 
 
@@ -130,7 +131,11 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     decode_layers.c."""
     lib = cpu_native.library()
     num_tokens = hidden.shape[0]
-    if lib is None or meta.max_query_len > MAX_QUERY_LEN.get(model.dtype, 0) or num_tokens == 0:
+    cfg = model.config
+    if lib is None or num_tokens == 0 or model.dtype not in MAX_QUERY_LEN:
+        return None
+    if meta.max_query_len > MAX_QUERY_LEN[model.dtype] and not prefill_fits(cfg.num_heads, cfg.num_kv_heads,
+                                                                             cfg.head_dim):
         return None
     plan = _plan(model)
     if plan is None or (plan.rows_limit is not None and num_tokens >= plan.rows_limit):
@@ -140,10 +145,9 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     if not quantized and k_cache.dtype != model.dtype:
         return None
     check_scales(k_cache, v_cache, k_scales, v_scales)
-    cfg = model.config
     shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                    k_cache.shape[1], k_cache.shape[0], meta.block_tables.shape[1], model.cos_sin_cache.shape[0],
-                   cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
+                   MAX_QUERY_LEN[model.dtype], cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
                    0 if not quantized else 2 if k_cache.dtype == torch.float8_e4m3fn else 1,
                    model.cos_sin_cache.data_ptr())
     embeddings = hidden.contiguous()
@@ -172,4 +176,5 @@ _ERRORS = {   # the messages of the kernels' own launchers, for the same failure
     -4: (IndexError, "rotary_embedding: a position outside the rotary table"),
     -5: (IndexError, "write_kv: a slot outside the KV cache"),
     -6: (MemoryError, "decode layers: a projection's kernel had no memory for its copy of x"),
+    -7: (ValueError, "paged_attention: the CPU kernels do not take these heads"),
 }

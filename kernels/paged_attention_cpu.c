@@ -505,10 +505,12 @@ static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, int 
 #undef ATTEND
 }
 
-/* Checks the metadata, then attends every (sequence, query tile) in parallel: with fewer tiles than
- * 4 per thread, every (tile, KV head), or a lone decode would keep one core. Either way each row is
- * computed by the same steps, so the split changes no bits. */
-static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind) {
+/* Checks the metadata, then attends every (sequence, query tile) of the runs of at most short_max tokens
+ * in parallel (longer runs are left to the prefill kernel): with fewer tiles than 4 per thread, every
+ * (tile, KV head), or a lone decode would keep one core. Either way each row is computed by the same
+ * steps, so the split changes no bits. */
+static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind,
+                           long short_max) {
     int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
                              pb->table_width, num_blocks);
     if (bad) return bad;
@@ -517,7 +519,7 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
     tiles[0] = 0;
     for (long b = 0; b < B; b++) {
         long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
-        tiles[b + 1] = tiles[b] + (pb->seq_lens[b] > 0 ? (q_len + QUERY_TILE - 1) / QUERY_TILE : 0);
+        tiles[b + 1] = tiles[b] + (pb->seq_lens[b] > 0 && q_len <= short_max ? (q_len + QUERY_TILE - 1) / QUERY_TILE : 0);
     }
     long parts = threads > 1 && tiles[B] < 4 * threads ? pb->Hk : 1;   /* KV-head ranges per tile */
     int failed = 0;
@@ -721,50 +723,40 @@ static int prefill(const Problem *pb, const int *seqs, long S, long B, long T, l
     return failed ? -1 : 0;
 }
 
-/* q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hk, D]; block_tables: [B, table_width];
- * query_start_loc: [B + 1]; seq_lens: [B]. Returns 0; -1 when a scratch buffer cannot be had; -2 or
- * -3 for inconsistent metadata (see check_metadata), before anything is read through it. */
-int matinee_paged_attention(const float *q, const float *k_cache, const float *v_cache, const int *block_tables,
-                            const int *query_start_loc, const int *seq_lens, float *out, long B, long T,
-                            long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
-                            float scale, int threads) {
-    Problem pb = {q, k_cache, v_cache, NULL, NULL, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
-                  block_size, table_width, scale};
-    return paged_attention(&pb, B, T, num_blocks, threads, 0, F32);
+/* A batch of short runs (decodes, verifications: at most short_max tokens, the decode kernel) and long ones
+ * (prefill chunks, the prefill kernel) in one call: each row as the kernel of its run computes it alone.
+ * Returns 0; -1 when out of memory; -2, -3 as check_metadata; -4 for a long run's shape the prefill kernel
+ * does not take (checked before anything is computed). */
+static int mixed_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind,
+                           long short_max) {
+    long group = pb->Hk > 0 && pb->Hq % pb->Hk == 0 ? pb->Hq / pb->Hk : 0;
+    int *seqs = malloc(sizeof(int) * (B + 1)), status = 0;
+    if (seqs == NULL) return -1;
+    long S = 0;
+    for (long b = 0; b < B; b++)
+        if ((long)pb->query_start_loc[b + 1] - pb->query_start_loc[b] > short_max) seqs[S++] = (int)b;
+    if (S > 0 && (group < 1 || group > PROWS || pb->D % SD != 0 || pb->D <= 0)) status = -4;
+    if (status == 0) status = paged_attention(pb, B, T, num_blocks, threads, act_bf16, kind, short_max);
+    if (status == 0 && S > 0) status = prefill(pb, seqs, S, B, T, num_blocks, threads, act_bf16, kind);
+    free(seqs);
+    return status;
 }
 
-/* The same in bfloat16: q, caches and out hold bf16 (torch.bfloat16's bits). */
-int matinee_paged_attention_bf16(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int *block_tables,
-                                 const int *query_start_loc, const int *seq_lens, bf16 *out, long B, long T,
-                                 long Hq, long Hk, long D, long block_size, long table_width, long num_blocks,
-                                 float scale, int threads) {
-    Problem pb = {q, k_cache, v_cache, NULL, NULL, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
-                  block_size, table_width, scale};
-    return paged_attention(&pb, B, T, num_blocks, threads, 1, BF16);
-}
-
-/* An int8 (fp8 = 0) or fp8 e4m3 cache with its scales [num_blocks, Hk]; q and out in bfloat16 when
- * act_bf16, else float32. */
-int matinee_paged_attention_quant(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
-                                  const float *v_scales, const int *block_tables, const int *query_start_loc,
-                                  const int *seq_lens, void *out, long B, long T, long Hq, long Hk, long D,
-                                  long block_size, long table_width, long num_blocks, float scale, int threads,
-                                  int act_bf16, int fp8) {
-    Problem pb = {q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
-                  block_size, table_width, scale};
-    return paged_attention(&pb, B, T, num_blocks, threads, act_bf16 != 0, fp8 ? FP8 : I8);
-}
-
-/* The long query runs of sequences seqs[0, S): q and out in bfloat16 when act_bf16, else float32; the
- * caches `cache_kind` (0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3; scales as the quant kernel's, else
- * NULL). Other metadata as matinee_paged_attention's; out rows of other sequences are not touched. */
-int matinee_prefill_attention(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
-                              const float *v_scales, const int *block_tables, const int *query_start_loc,
-                              const int *seq_lens, const int *seqs, void *out, long S, long B, long T, long Hq,
-                              long Hk, long D, long block_size, long table_width, long num_blocks, float scale,
-                              int threads, int act_bf16, int cache_kind) {
+/* q, out: [T, Hq, D], in bfloat16 when act_bf16, else float32; caches: [num_blocks, block_size, Hk, D] of
+ * `cache_kind` (0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3; for the last two, k_scales and v_scales
+ * [num_blocks, Hk], else NULL); block_tables: [B, table_width]; query_start_loc: [B + 1]; seq_lens: [B]. Runs
+ * of at most short_max tokens (decodes, verifications) go through the decode kernel, longer ones (prefill
+ * chunks) through the prefill kernel. Returns 0; -1 when a scratch buffer cannot be had; -2 or -3 for
+ * inconsistent metadata (see check_metadata), -4 for a dtype pair or a long run's shape the kernels do not
+ * take, before anything is read through it. */
+int matinee_paged_attention(const void *q, const void *k_cache, const void *v_cache, const float *k_scales,
+                            const float *v_scales, const int *block_tables, const int *query_start_loc,
+                            const int *seq_lens, void *out, long B, long T, long Hq, long Hk, long D, long block_size,
+                            long table_width, long num_blocks, float scale, int threads, int act_bf16,
+                            int cache_kind, long short_max) {
     if (cache_kind < F32 || cache_kind > FP8 || (cache_kind == BF16) != (act_bf16 != 0 && cache_kind < I8)) return -4;
+    if (cache_kind >= I8 && (k_scales == NULL || v_scales == NULL)) return -4;
     Problem pb = {q, k_cache, v_cache, k_scales, v_scales, block_tables, query_start_loc, seq_lens, out, Hq, Hk, D,
                   block_size, table_width, scale};
-    return prefill(&pb, seqs, S, B, T, num_blocks, threads, act_bf16 != 0, cache_kind);
+    return mixed_attention(&pb, B, T, num_blocks, threads, act_bf16 != 0, cache_kind, short_max);
 }

@@ -22,7 +22,6 @@ from kernels.paged_attention import paged_attention as reference_paged_attention
 # 8 sequences, 200-1500 tokens of past, on a Zen 5: the decode kernel took 0.79-0.96x the prefill kernel's
 # time at 5 new tokens (bf16 and float32), 0.91-1.07x at 6, 1.0-1.4x at 7 and 8, 2-3x at 16.
 MAX_QUERY_LEN = {torch.float32: 5, torch.bfloat16: 5}
-_KERNELS = {torch.float32: "matinee_paged_attention", torch.bfloat16: "matinee_paged_attention_bf16"}
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # paged_attention_cpu.c's kinds (2, 3: int8, fp8)
 PREFILL_D_MULTIPLE, PREFILL_MAX_GROUP = 8, 24
 
@@ -35,12 +34,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib = cpu_native.library()
     check_scales(k_cache, v_cache, k_scales, v_scales)
     quantized = is_quantized(k_cache)
-    if (lib is None or q.dtype not in _KERNELS or (k_cache.dtype != q.dtype and not quantized)
+    if (lib is None or q.dtype not in _CACHE_KINDS or (k_cache.dtype != q.dtype and not quantized)
             or q.device.type != "cpu"):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
                           scale, k_scales, v_scales)
-    if max_query_len > MAX_QUERY_LEN[q.dtype]:
-        return _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
+    if max_query_len > MAX_QUERY_LEN[q.dtype] and not prefill_fits(q.shape[1], k_cache.shape[2], q.shape[2]):
+        return _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
     return _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
 
 
@@ -55,12 +54,10 @@ def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max
                                      max_query_len, max_seq_len, scale, k_scales, v_scales)
 
 
-def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales) -> torch.Tensor:
-    """A batch with prefill chunks: the short query runs (decodes, verifications) go through the
-    decode kernel together, the chunks through the prefill kernel (SDPA on each chunk's own context
-    where it does not take the shapes). The reference pads every chunk to the longest and gathers
-    every context to the longest sequence; in a step of 4 fresh 256-token prompts and 24 decodes it
-    took 15 ms a layer, the decodes 3 ms of it (0.5 in the kernel)."""
+def _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales) -> torch.Tensor:
+    """A batch with prefill chunks of a shape the prefill kernel does not take: the short query runs
+    through the decode kernel, SDPA on each chunk's own context (the reference would pad every chunk to
+    the longest and gather every context to the longest sequence)."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if len(starts) != len(lens) + 1 or block_tables.shape[0] != len(lens) or starts[-1] != q.shape[0]:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
@@ -73,12 +70,10 @@ def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
         picked = torch.tensor(short)
         out[rows] = _kernel(cpu_native.library(), q[rows], k_cache, v_cache, block_tables[picked], seq_lens[picked],
                             torch.cumsum(q_lens, 0).to(torch.int32), scale, k_scales, v_scales)
-    long = [b for b in range(len(lens)) if starts[b + 1] - starts[b] > limit]
-    if long and _prefill_fits(q, k_cache):
-        _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales, long, out)
-        return out
-    for b in long:
+    for b in range(len(lens)):
         first, end = starts[b], starts[b + 1]
+        if end - first <= limit:
+            continue
         if is_quantized(k_cache):   # the reference dequantizes the blocks as it gathers them
             out[first:end] = _reference(q[first:end], k_cache, v_cache, block_tables[b:b + 1], seq_lens[b:b + 1],
                                         torch.tensor([0, end - first], dtype=torch.int32), end - first, lens[b],
@@ -88,43 +83,12 @@ def _mixed(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
     return out
 
 
-def _prefill_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Shapes the prefill kernel takes: D a multiple of 8, a group of at most 24 query heads per KV head."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+def prefill_fits(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes the prefill kernel takes: D a multiple of 8, a group of at most 24 query heads per KV head
+    (each KV head's keys are read in place once per 48, AVX2: 24, query rows, where SDPA on a gathered
+    float32 copy ran at ~60 GFLOP/s: SmolLM2's heads, 256-token prompts)."""
     return head_dim % PREFILL_D_MULTIPLE == 0 and num_q_heads % num_kv_heads == 0 and \
         num_q_heads // num_kv_heads <= PREFILL_MAX_GROUP
-
-
-def _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales,
-             seqs: list[int], out: torch.Tensor) -> None:
-    """The runs of sequences `seqs` through paged_attention_cpu.c's prefill kernel, into their rows of out:
-    each KV head's keys are read in place once per 48 (AVX2: 24) rows, where SDPA on a gathered float32 copy
-    ran at ~60 GFLOP/s (SmolLM2's heads, 256-token prompts)."""
-    quantized = is_quantized(k_cache)
-    cache_kind = (_CACHE_KINDS[k_cache.dtype] if not quantized
-                  else 3 if k_cache.dtype == torch.float8_e4m3fn else 2)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.shape != k_cache.shape:
-        raise ValueError("paged_attention needs contiguous K/V caches of one shape")
-    q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    picked = torch.tensor(seqs, dtype=torch.int32)
-    status = cpu_native.library().matinee_prefill_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr() if quantized else None,
-        v_scales.data_ptr() if quantized else None, tables.data_ptr(),
-        query_start_loc.to(torch.int32).contiguous().data_ptr(), seq_lens.to(torch.int32).contiguous().data_ptr(),
-        picked.data_ptr(), out.data_ptr(), len(seqs), seq_lens.shape[0], q.shape[0], q.shape[1], k_cache.shape[2],
-        q.shape[2], k_cache.shape[1], tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
-        int(q.dtype == torch.bfloat16), cache_kind)
-    if status == -2:
-        raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
-    if status == -3:
-        raise ValueError("paged_attention: a block id out of range")
-    if status == -4:
-        raise ValueError(f"paged_attention: the prefill kernel does not take q {tuple(q.shape)} over "
-                         f"a {k_cache.dtype} cache {tuple(k_cache.shape)}")
-    if status != 0:
-        raise MemoryError("paged_attention: no memory for a prefill item's scratch")
 
 
 def _chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
@@ -154,7 +118,11 @@ def _chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table:
 
 def _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales,
             v_scales) -> torch.Tensor:
-    """Short query runs through paged_attention_cpu.c, reading the context in place."""
+    """Every query run through paged_attention_cpu.c, reading the context in place: runs of at most
+    MAX_QUERY_LEN tokens (decodes, verifications) through its decode kernel, longer ones (prefill chunks)
+    through its prefill kernel, which reads each key once for up to 48 (AVX2: 24) query rows. In a step of
+    4 fresh 256-token prompts and 24 decodes the reference took 15 ms a layer, the decodes 3 ms of it (0.5
+    in the kernel); SDPA on each chunk's gathered float32 context took 2.5-4x the prefill kernel's time."""
     quantized = is_quantized(k_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -177,21 +145,31 @@ def _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     # The kernel checks the rest of the metadata it follows (ranges, lengths, block ids) itself:
     # here that took ~30 small torch ops per layer, 4 ms of a 90 ms decode step.
-    if quantized:
-        status = lib.matinee_paged_attention_quant(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
-            tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, num_tokens, num_q_heads,
-            num_kv_heads, head_dim, block_size, tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
-            int(q.dtype == torch.bfloat16), int(k_cache.dtype == torch.float8_e4m3fn))
-    else:
-        status = getattr(lib, _KERNELS[q.dtype])(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
-            lens.data_ptr(), out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
-            tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads())
+    status = lib.matinee_paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr() if quantized else None,
+        v_scales.data_ptr() if quantized else None, tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
+        k_cache.shape[0], scale, torch.get_num_threads(), int(q.dtype == torch.bfloat16), cache_kind(k_cache),
+        MAX_QUERY_LEN[q.dtype])
+    raise_for(status, q, k_cache)
+    return out
+
+
+def cache_kind(k_cache: torch.Tensor) -> int:
+    """paged_attention_cpu.c's code for a cache's dtype."""
+    if is_quantized(k_cache):
+        return 3 if k_cache.dtype == torch.float8_e4m3fn else 2
+    return _CACHE_KINDS[k_cache.dtype]
+
+
+def raise_for(status: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The error of a paged_attention_cpu.c status (0: none)."""
     if status == -2:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
     if status == -3:
         raise ValueError("paged_attention: a block id out of range")
+    if status == -4:
+        raise ValueError(f"paged_attention: the CPU kernels do not take q {tuple(q.shape)} {q.dtype} over "
+                         f"a {k_cache.dtype} cache {tuple(k_cache.shape)}")
     if status != 0:
-        raise MemoryError("paged_attention: no memory for the scores of a sequence")
-    return out
+        raise MemoryError("paged_attention: no memory for a sequence's scratch")

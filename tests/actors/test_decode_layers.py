@@ -44,16 +44,17 @@ def fused_calls(monkeypatch):
 
 
 def _steps(fused: ModelRunner, looped: ModelRunner, fused_calls: list) -> None:
-    """Two prompts prefilled (the loop: prefill chunks never come here), then 12 steps of two greedy
-    decodes beside a 3-token verification run of the second prompt's continuation; the logits equal
-    at every step, and every decode step went through the C loop."""
+    """Two prompts prefilled, then 12 steps of two greedy decodes beside a 3-token verification run of
+    the second prompt's continuation, one of them beside a third prompt's 13 tokens (the prefill
+    attention kernel in the same call); the logits equal at every step, and every step went through
+    the C loop."""
     prompts = [list(range(3, 30)), [7, 8, 9, 300, 5]]
     tables = [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12], [16, 17, 18, 19, 20, 21]]
     batch = ForwardBatch([SequenceInput(prompts[0], 0, tables[0], 1), SequenceInput(prompts[1], 0, tables[1], 1),
                           SequenceInput(prompts[1], 0, tables[2], 1)])
     got, want = fused.execute(batch), looped.execute(batch)
     assert torch.equal(got, want)
-    assert fused_calls == [False]   # a prefill: not for the C loop
+    assert fused_calls == [True]
     seqs = [list(p) for p in prompts + [prompts[1]]]
     for step in range(12):
         tokens = [int(got[i].argmax()) for i in (0, 1)] + [int(got[2].argmax())]
@@ -61,6 +62,8 @@ def _steps(fused: ModelRunner, looped: ModelRunner, fused_calls: list) -> None:
         inputs = [SequenceInput([tokens[0]], len(seqs[0]), tables[0], 1),
                   SequenceInput([tokens[1]], len(seqs[1]), tables[1], 1),
                   SequenceInput([tokens[2]] + draft, len(seqs[2]), tables[2], 3)]
+        if step == 6:   # a prompt's chunk beside the decodes
+            inputs.append(SequenceInput(list(range(40, 53)), 0, [24, 25], 1))
         seqs[0].append(tokens[0]), seqs[1].append(tokens[1]), seqs[2].extend([tokens[2]] + draft)
         got, want = fused.execute(ForwardBatch(inputs)), looped.execute(ForwardBatch(inputs))
         assert torch.equal(got, want), f"step {step}"

@@ -4,7 +4,7 @@ and the torch reference."""
 import pytest
 import torch
 
-from kernels import cpu_native, get_ops
+from kernels import cpu_native, get_ops, paged_attention_cpu
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, paged_attention
 from tests.kernels.batches import make_batch, naive_attention
 
@@ -185,9 +185,11 @@ def test_prefill_kernel_block_sizes(poisoned_empty, monkeypatch, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_kernel_rows_do_not_depend_on_the_batch_or_threads(monkeypatch, dtype):
-    """A run's bits are its own: alone or beside others, with one thread or two."""
-    _prefill_kernel_only(monkeypatch)
+@pytest.mark.parametrize("limit", [0, 4], ids=["prefill", "mixed"])
+def test_prefill_kernel_rows_do_not_depend_on_the_batch_or_threads(monkeypatch, dtype, limit):
+    """A run's bits are its own: alone or beside others (with limit 4, the short runs beside the chunks
+    in one call take the decode kernel), with one thread or two."""
+    _prefill_kernel_only(monkeypatch, limit)
     whole = make_batch(PREFILL_RUNS, 9, 3, head_dim=64, block_size=16, seed=5, dtype=dtype)
     out = paged_attention(*whole.args())
     starts = whole.query_start_loc.tolist()
@@ -211,8 +213,16 @@ def test_prefill_chunks_of_other_head_sizes_take_sdpa(poisoned_empty, monkeypatc
     """D not a multiple of 8: the chunks run SDPA on their own context (the kernel would refuse them)."""
     for dtype in list(MAX_QUERY_LEN):
         monkeypatch.setitem(MAX_QUERY_LEN, dtype, 4)
-    monkeypatch.setattr("kernels.paged_attention_cpu._prefill", None)
+    real, runs = paged_attention_cpu._kernel, []
+
+    def short_runs_only(lib, q, *args):
+        runs.append(q.shape[0])
+        starts = args[4].tolist()
+        assert max(b - a for a, b in zip(starts, starts[1:])) <= 4, "a long run reached the C kernels"
+        return real(lib, q, *args)
+    monkeypatch.setattr(paged_attention_cpu, "_kernel", short_runs_only)
     _assert_matches_oracle_only(make_batch(PREFILL_RUNS, 9, 3, head_dim=20, block_size=16))
+    assert runs, "the short runs went through the decode kernel"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
