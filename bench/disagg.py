@@ -88,6 +88,8 @@ async def _workload(session, base: str, args) -> dict:
     return {"background_requests": len(background), "long_requests": len(arrivals),
             "failed": len(background) + len(arrivals) - len(ok_bg) - len(ok_long),
             "itl_p50_ms": 1000 * _pct(gaps, 0.5), "itl_p99_ms": 1000 * _pct(gaps, 0.99),
+            "itl_p90_ms": 1000 * _pct(gaps, 0.9), "itl_p95_ms": 1000 * _pct(gaps, 0.95),
+            "itl_p999_ms": 1000 * _pct(gaps, 0.999),
             "long_ttft_p50_s": _pct(ttfts, 0.5), "long_ttft_p90_s": _pct(ttfts, 0.9),
             "goodput_rps": len(good) / elapsed, "good": len(good), "elapsed_s": elapsed,
             "goodput_p99_rps": len(good_p99) / elapsed,
