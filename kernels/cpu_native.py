@@ -122,6 +122,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_packed_width.argtypes = []
     lib.matinee_quant_gemm.restype = int_
     lib.matinee_quant_gemm.argtypes = [ptr, int_, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
+    lib.matinee_quant_rows.restype = int_
+    lib.matinee_quant_rows.argtypes = [int_, ptr, long_, long_, ptr, long_, ptr, int_]
     lib.matinee_quant_width.restype = int_
     lib.matinee_quant_width.argtypes = []
     lib.matinee_quant_amx.restype = int_

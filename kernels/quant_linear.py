@@ -247,7 +247,21 @@ def stacked(x: torch.Tensor, weight: QuantStack, bias: torch.Tensor | None, prod
 
 def embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Rows `ids` of the weight, dequantized, in the weight's activation dtype (as F.embedding would give
-    them from the dequantized table)."""
+    them from the dequantized table): the 32-value types through quant_gemm.c where it is loaded (the same
+    bits), else `dequantize`."""
+    lib = cpu_native.library()
+    if lib is not None and weight.qtype in _HEAD and weight.packed.device.type == "cpu" \
+            and weight.dtype in (torch.float32, torch.bfloat16):
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], weight.in_features, dtype=weight.dtype)
+        status = lib.matinee_quant_rows(int(weight.qtype), weight.packed.data_ptr(), weight.out_features,
+                                        weight.in_features, flat.data_ptr(), flat.shape[0], out.data_ptr(),
+                                        int(weight.dtype == torch.bfloat16))
+        if status == -4:
+            raise IndexError(f"token id out of range [0, {weight.out_features})")
+        if status != 0:
+            raise ValueError(f"quant_gemm.c does not read rows of type {weight.qtype}")
+        return out.reshape(*ids.shape, weight.in_features)
     if ids.numel():
         low, high = torch.aminmax(ids)
         if low < 0 or high >= weight.out_features:

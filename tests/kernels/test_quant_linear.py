@@ -62,6 +62,25 @@ def assert_unpacks_and_dequantizes_as_gguf(weight: QuantTensor, raw: np.ndarray,
                           expect[rows.numpy()].view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_in_c_are_dequantize_s_bits(qtype, dtype, monkeypatch):
+    """quant_gemm.c's row lookup gives `dequantize`'s rows (the torch path, as gguf dequantizes them) bit
+    for bit, rounded once to bf16 for a bf16 model; ids out of range are refused before anything is read."""
+    raw, tensor = _quantized(qtype, 45, 96, 7)
+    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), 96), dtype)
+    rows = torch.tensor([[44, 0, 17], [16, 15, 44]])
+    got = quant_linear.embedding(rows, weight)
+    assert got.dtype == dtype and got.shape == (2, 3, 96)
+    assert torch.equal(got, quant_linear.dequantize(weight, rows.reshape(-1)).to(dtype).view(2, 3, 96))
+    monkeypatch.setattr(cpu_native, "library", lambda: None)   # the torch path agrees with itself
+    assert torch.equal(got, quant_linear.embedding(rows, weight))
+    monkeypatch.undo()
+    for bad in ([45], [-1], [3, 45]):
+        with pytest.raises(IndexError, match="out of range"):
+            quant_linear.embedding(torch.tensor(bad), weight)
+
+
 def _activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|x_q @ w.T - x @ w.T| per output: each x is off by at most half its block's step (amax / 254)."""
     step = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1) / 254        # [M, nb]
