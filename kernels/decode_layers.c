@@ -71,7 +71,7 @@ typedef struct {
     long short_max;          /* query runs up to this long take the decode attention kernel, longer the prefill one */
     float eps, scale;
     int bf16;                /* activations and norms in bfloat16, else float32 */
-    int cache;               /* 0: the activations' dtype, 1: int8, 2: fp8 e4m3 */
+    int cache;               /* paged_attention_cpu.c's kind: 0 float32, 1 bfloat16 (the activations'), 2 int8, 3 fp8 e4m3 */
     const float *cos_sin;    /* [cos_sin_rows, D] float32 */
 } Shape;
 
@@ -134,19 +134,18 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
             break;
         }
         long num_slots = s->num_blocks * s->block_size;
-        int written = s->cache == 0
+        int written = s->cache < 2
             ? (bf16 ? matinee_write_kv_bf16 : matinee_write_kv_f32)(kp, vp, c->k, c->v, slots, T, kv_size, k_stride,
                                                                     qkv_width, num_slots)
             : (bf16 ? matinee_write_kv_quant_bf16 : matinee_write_kv_quant_f32)(
                   kp, vp, c->k, c->v, c->k_scales, c->v_scales, slots, T, Hk, D, k_stride, qkv_width, num_slots,
-                  s->block_size, s->cache == 2);
+                  s->block_size, s->cache == 3);
         if (written) { status = -5; break; }
         if (qp != q)   /* the attention kernel reads q contiguous */
             for (long t = 0; t < T; t++) memcpy(q + el * t * q_size, qp + el * t * q_stride, el * q_size);
         status = matinee_paged_attention(q, c->k, c->v, c->k_scales, c->v_scales, block_tables, query_start_loc,
                                          seq_lens, attn, B, T, Hq, Hk, D, s->block_size, s->table_width,
-                                         s->num_blocks, s->scale, threads, bf16, s->cache ? s->cache + 1 : bf16,
-                                         s->short_max);
+                                         s->num_blocks, s->scale, threads, bf16, s->cache, s->short_max);
         if (status == -4) status = -7;   /* -4 is the rotary table's here */
         if (status) break;
         if (project(&ly->o, attn, x, T, bf16, threads)) { status = -6; break; }

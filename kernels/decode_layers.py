@@ -20,7 +20,7 @@ import torch
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
-from kernels.paged_attention_cpu import MAX_QUERY_LEN, prefill_fits
+from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, prefill_fits
 from kernels.quant_linear import QuantWeight
 
 GGUF, PACKED = 0, 1   # decode_layers.c's projection kinds
@@ -148,8 +148,7 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                    k_cache.shape[1], k_cache.shape[0], meta.block_tables.shape[1], model.cos_sin_cache.shape[0],
                    MAX_QUERY_LEN[model.dtype], cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
-                   0 if not quantized else 2 if k_cache.dtype == torch.float8_e4m3fn else 1,
-                   model.cos_sin_cache.data_ptr())
+                   cache_kind(k_cache), model.cos_sin_cache.data_ptr())
     embeddings = hidden.contiguous()
     hidden, residual = torch.empty_like(embeddings), torch.empty_like(embeddings)
     positions = positions.to(torch.int64).contiguous()

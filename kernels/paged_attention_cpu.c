@@ -724,20 +724,19 @@ static int prefill(const Problem *pb, const int *seqs, long S, long B, long T, l
 }
 
 /* A batch of short runs (decodes, verifications: at most short_max tokens, the decode kernel) and long ones
- * (prefill chunks, the prefill kernel) in one call: each row as the kernel of its run computes it alone.
- * Returns 0; -1 when out of memory; -2, -3 as check_metadata; -4 for a long run's shape the prefill kernel
- * does not take (checked before anything is computed). */
+ * (prefill chunks, the prefill kernel) in one call: each row as the kernel of its run computes it alone,
+ * into rows of out the other kernel does not touch. The long runs go first, so the prefill kernel's own
+ * checks (metadata, its shapes) come before anything is computed. Returns 0; -1 when out of memory; -2,
+ * -3 as check_metadata; -4 for a long run's shape the prefill kernel does not take. */
 static int mixed_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind,
                            long short_max) {
-    long group = pb->Hk > 0 && pb->Hq % pb->Hk == 0 ? pb->Hq / pb->Hk : 0;
     int *seqs = malloc(sizeof(int) * (B + 1)), status = 0;
     if (seqs == NULL) return -1;
     long S = 0;
     for (long b = 0; b < B; b++)
         if ((long)pb->query_start_loc[b + 1] - pb->query_start_loc[b] > short_max) seqs[S++] = (int)b;
-    if (S > 0 && (group < 1 || group > PROWS || pb->D % SD != 0 || pb->D <= 0)) status = -4;
+    if (S > 0) status = prefill(pb, seqs, S, B, T, num_blocks, threads, act_bf16, kind);
     if (status == 0) status = paged_attention(pb, B, T, num_blocks, threads, act_bf16, kind, short_max);
-    if (status == 0 && S > 0) status = prefill(pb, seqs, S, B, T, num_blocks, threads, act_bf16, kind);
     free(seqs);
     return status;
 }

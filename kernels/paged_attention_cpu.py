@@ -151,7 +151,7 @@ def _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
         k_cache.shape[0], scale, torch.get_num_threads(), int(q.dtype == torch.bfloat16), cache_kind(k_cache),
         MAX_QUERY_LEN[q.dtype])
-    raise_for(status, q, k_cache)
+    _raise_for(status, q, k_cache)
     return out
 
 
@@ -162,7 +162,7 @@ def cache_kind(k_cache: torch.Tensor) -> int:
     return _CACHE_KINDS[k_cache.dtype]
 
 
-def raise_for(status: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+def _raise_for(status: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """The error of a paged_attention_cpu.c status (0: none)."""
     if status == -2:
         raise ValueError("paged_attention: block tables, query_start_loc and seq_lens disagree")
