@@ -58,6 +58,9 @@ class SamplingState:
         # (entry j for prompt token j + 1), until sent with the first sampled token.
         self.num_prompt_logprobs: int | None = getattr(params, "prompt_logprobs", None)
         self.prompt_logprobs: list[PromptLogprob] | None = [] if self.num_prompt_logprobs is not None else None
+        # The argmax of the model's logits and nothing else: the sampler's shortest path.
+        self.plain_greedy = (self.greedy and not self.uses_penalties and self.num_logprobs is None
+                             and self.bias_ids is None and self.min_tokens_ids is None and grammar is None)
 
     def take_prompt_logprobs(self) -> list[PromptLogprob] | None:
         """The prompt's logprobs once all are computed (then never again), else None."""
@@ -115,6 +118,8 @@ class Sampler:
         Each random row consumes one uniform draw per call, from its own generator when seeded.
         """
         _check(logits, states)
+        if all(s.plain_greedy for s in states):   # a greedy decode's every step: nothing to apply
+            return SamplerOutput(argmax_list(logits), [None] * len(states))
         logprob_rows = [i for i, s in enumerate(states) if s.num_logprobs is not None]
         logprobs = raw_logprobs(logits, states, logprob_rows) if logprob_rows else None
         penalized = self._penalized(logits, states, None)
@@ -351,6 +356,13 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return x.argmax(dim=-1)
     return torch.from_numpy(x.numpy().argmax(axis=-1))
+
+
+def argmax_list(x: torch.Tensor) -> list[int]:
+    """row_argmax(x).tolist(), without the round trip through a torch tensor on the CPU."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return x.argmax(dim=-1).tolist()
+    return x.numpy().argmax(axis=-1).tolist()
 
 
 def _check(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

@@ -241,11 +241,12 @@ class WorkerActor(Actor):
         return failed
 
     def _rng_snapshot(self, seqs: list[ScheduledSeq]) -> list[tuple[torch.Generator, torch.Tensor]]:
-        generators = [self._generator]
-        for s in seqs:
-            state = self.states.get(s.seq_id)
-            if state is not None and state.generator is not None:
-                generators.append(state.generator)
+        """The generators the step may draw from, with their states; none when every sequence is
+        greedy (greedy rows never draw)."""
+        states = [self.states.get(s.seq_id) for s in seqs]
+        if all(state is not None and state.greedy for state in states):
+            return []
+        generators = [self._generator] + [st.generator for st in states if st is not None and st.generator is not None]
         return [(g, g.get_state()) for g in generators]
 
     def _sample_plain(self, logits: torch.Tensor, seqs: list[tuple[ScheduledSeq, int]], into: dict) -> None:

@@ -311,7 +311,7 @@ def test_logit_bias_and_min_tokens_shape_the_draw():
 
 
 def test_row_argmax_is_torchs_argmax_first_maximum_and_nan_included():
-    from actors.worker.sampler import row_argmax
+    from actors.worker.sampler import argmax_list, row_argmax
 
     x = torch.randn(5, 49152)
     x[1, 7] = x[1, 9] = 1e9             # a tie: the first one
@@ -320,3 +320,21 @@ def test_row_argmax_is_torchs_argmax_first_maximum_and_nan_included():
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert torch.equal(row_argmax(x[:, ::2]), x[:, ::2].argmax(dim=-1))   # a strided view
     assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    for v in (x, x[:, ::2], x.bfloat16()):
+        assert argmax_list(v) == v.argmax(dim=-1).tolist()
+
+
+def test_only_a_greedy_row_with_nothing_to_apply_takes_the_plain_argmax():
+    """The sampler's shortest path skips penalties, bias, min_tokens, logprobs and grammars: any
+    of them on a greedy row keeps that row (and its batch) on the full path."""
+    assert state(temperature=0.0).plain_greedy
+    for kw in (dict(), dict(temperature=0.7), dict(temperature=0.0, repetition_penalty=1.1),
+               dict(temperature=0.0, frequency_penalty=0.5), dict(temperature=0.0, presence_penalty=0.5),
+               dict(temperature=0.0, logprobs=0), dict(temperature=0.0, logit_bias={3: 5.0}),
+               dict(temperature=0.0, min_tokens=2, eos_token_ids=[1])):
+        assert not state(**kw).plain_greedy, kw
+    assert not SamplingState(Params(temperature=0.0), [1], grammar=object()).plain_greedy
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.0]])
+    plain, biased = state(temperature=0.0), state(temperature=0.0, logit_bias={3: 5.0})
+    assert sample(logits, [plain, plain]) == ([2, 0], [None, None])
+    assert sample(logits, [plain, biased]).token_ids == [2, 3]     # the batch leaves the shortest path
