@@ -1,6 +1,6 @@
 """A decode step's layers in one C call (kernels/decode_layers.c) give the layer loop's logits bit for
 bit: GGUF weights (the default model's Q4_1/Q8_0 mix, Q8_0 alone) and packed bf16 ones, float32 and
-bf16 activations, biases (Qwen2), per-head norms (Qwen3, packed bf16), an int8 KV cache, decodes beside short
+bf16 activations, biases (Qwen2), per-head norms (Qwen3, packed bf16), int8 and fp8 KV caches, decodes beside short
 verification runs; and they fail as the loop fails, with the loop's errors."""
 from __future__ import annotations
 
@@ -79,10 +79,11 @@ def test_gguf_weights_give_the_loops_logits(arch, mix, dtype, tiny_model_dir, tm
     _steps(_runner(path, dtype), _looping(_runner(path, dtype)), fused_calls)
 
 
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_int8_kv_cache(dtype, tiny_model_dir, tmp_path, fused_calls):
+def test_a_quantized_kv_cache(dtype, cache, tiny_model_dir, tmp_path, fused_calls):
     path = hf_folder_to_gguf(tiny_model_dir("qwen2"), str(tmp_path / "model.gguf"), MIXES["q4_1+q8_0"])
-    _steps(_runner(path, dtype, "int8"), _looping(_runner(path, dtype, "int8")), fused_calls)
+    _steps(_runner(path, dtype, cache), _looping(_runner(path, dtype, cache)), fused_calls)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
