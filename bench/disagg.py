@@ -69,7 +69,8 @@ async def _workload(session, base: str, args) -> dict:
         while time.perf_counter() < stop_at:
             prompt = [arrivals_rng.randrange(100, hi) for _ in range(args.long_prompt)]
             tasks.append(asyncio.create_task(_stream(session, base, prompt, args.long_tokens)))
-            await asyncio.sleep(arrivals_rng.expovariate(args.rate))
+            # The next arrival, or the end of the load: a wait never outlasts the run.
+            await asyncio.sleep(min(arrivals_rng.expovariate(args.rate), max(stop_at - time.perf_counter(), 0.0)))
         arrivals.extend(await asyncio.gather(*tasks))
 
     started = time.perf_counter()
