@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 _EPS = 1e-5  # temperatures below this are greedy, as in vLLM
@@ -278,7 +279,35 @@ def _truncated_weights_(w: torch.Tensor, states: Sequence[SamplingState]) -> Non
 
 def _top_p_cut(w: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Per row, the weight of the last token in the smallest most-likely set holding top_p of
-    the mass (ties with it are kept); 0 for rows without top-p."""
+    the mass (ties with it are kept); 0 for rows without top-p.
+
+    That set lies among the tokens of weight >= (1 - top_p) * total / vocab (those below it hold
+    less than 1 - top_p of the mass), a few hundred of a 49k vocabulary on a language model's
+    logits: only they are sorted. Their running sums, in float64 and rounded to float32 as torch's
+    cumsum does them, are the whole sorted row's first ones, so the cut is the same."""
+    total = w.sum(dim=-1)
+    top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=w.device)
+    goals = (total * top_p).tolist()
+    bounds = (total * (1.0 - top_p) / w.shape[1]).tolist()
+    rows = w.numpy()
+    cut = [0.0] * len(states)
+    for j, s in enumerate(states):
+        if not s.uses_top_p:
+            continue
+        goal = np.float32(goals[j])
+        best = np.sort(rows[j][rows[j] >= np.float32(bounds[j])])[::-1]
+        cumulative = np.cumsum(best, dtype=np.float64).astype(np.float32)
+        if best.size == 0 or cumulative[-1] < goal:   # rounding: the whole row, sorted
+            best = np.sort(rows[j])[::-1]
+            cumulative = np.cumsum(best, dtype=np.float64).astype(np.float32)
+        # The first token whose running mass reaches the goal is the last one kept.
+        cut[j] = best[min(int(np.count_nonzero(cumulative < goal)), best.size - 1)]
+    return torch.tensor(cut, dtype=w.dtype, device=w.device).unsqueeze(1)
+
+
+def _top_p_cut_on_device(w: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """_top_p_cut on an accelerator's tensors, where copying them to the host would cost more than
+    sorting the best _TOP_P_CANDIDATES of each row there."""
     device = w.device
     top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=device)
     goal = w.sum(dim=-1) * top_p
