@@ -285,6 +285,8 @@ def _top_p_cut(w: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor
     less than 1 - top_p of the mass), a few hundred of a 49k vocabulary on a language model's
     logits: only they are sorted. Their running sums, in float64 and rounded to float32 as torch's
     cumsum does them, are the whole sorted row's first ones, so the cut is the same."""
+    if w.device.type != "cpu":
+        return _top_p_cut_on_device(w, states)
     total = w.sum(dim=-1)
     top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=w.device)
     goals = (total * top_p).tolist()

@@ -359,3 +359,13 @@ def test_the_top_p_cut_is_the_whole_sorted_rows(top_p):
             cumulative = row.cumsum(dim=0)
             want = row[int((cumulative < goals[j]).sum().clamp(max=row.numel() - 1))]
             assert got[j] == want, (scale, j)
+
+
+def test_an_accelerators_rows_are_cut_where_they_are(monkeypatch):
+    """Rows on a device other than the CPU never go through numpy (that would copy them to the host)."""
+    from actors.worker import sampler
+
+    seen = []
+    monkeypatch.setattr(sampler, "_top_p_cut_on_device", lambda w, states: seen.append(w.device.type) or w[:, :1])
+    sampler._top_p_cut(torch.empty(1, 10, device="meta"), [state(top_p=0.5)])
+    assert seen == ["meta"]
