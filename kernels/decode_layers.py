@@ -20,7 +20,7 @@ import torch
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
-from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, prefill_fits
+from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantWeight
 
 GGUF, PACKED = 0, 1   # decode_layers.c's projection kinds
@@ -132,10 +132,8 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     lib = cpu_native.library()
     num_tokens = hidden.shape[0]
     cfg = model.config
-    if lib is None or num_tokens == 0 or model.dtype not in MAX_QUERY_LEN:
-        return None
-    if meta.max_query_len > MAX_QUERY_LEN[model.dtype] and not prefill_fits(cfg.num_heads, cfg.num_kv_heads,
-                                                                             cfg.head_dim):
+    if lib is None or num_tokens == 0 or not kernel_takes(model.dtype, meta.max_query_len, cfg.num_heads,
+                                                          cfg.num_kv_heads, cfg.head_dim):
         return None
     plan = _plan(model)
     if plan is None or (plan.rows_limit is not None and num_tokens >= plan.rows_limit):

@@ -38,7 +38,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             or q.device.type != "cpu"):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
                           scale, k_scales, v_scales)
-    if max_query_len > MAX_QUERY_LEN[q.dtype] and not prefill_fits(q.shape[1], k_cache.shape[2], q.shape[2]):
+    if not kernel_takes(q.dtype, max_query_len, q.shape[1], k_cache.shape[2], q.shape[2]):
         return _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
     return _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
 
@@ -81,6 +81,14 @@ def _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
         else:
             out[first:end] = _chunk(q[first:end], k_cache, v_cache, block_tables[b], lens[b], scale)
     return out
+
+
+def kernel_takes(dtype: torch.dtype, max_query_len: int, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
+    """Whether matinee_paged_attention computes a whole step in these activations: runs longer than
+    MAX_QUERY_LEN go to its prefill kernel, which takes only some head shapes (prefill_fits)."""
+    return dtype in MAX_QUERY_LEN and (max_query_len <= MAX_QUERY_LEN[dtype]
+                                       or prefill_fits(num_q_heads, num_kv_heads, head_dim))
 
 
 def prefill_fits(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
