@@ -84,9 +84,11 @@ SERIES = (
            lambda s: s.kv_handoffs_refused),
     Series("matinee_kv_transfer_blocks", "counter", "KV blocks this engine sent in handoffs.",
            lambda s: s.kv_transfer_blocks),
+    Series("matinee_kv_transfer_blocks_ahead", "counter", "Of those, blocks sent while their prompt was "
+           "still being computed.", lambda s: s.kv_transfer_blocks_ahead),
     Series("matinee_kv_transfer_bytes", "counter", "KV bytes this engine sent in handoffs.",
            lambda s: s.kv_transfer_bytes),
-    Series("matinee_kv_transfer_seconds", "counter", "Handoff time from offer to commit, summed.",
+    Series("matinee_kv_transfer_seconds", "counter", "Handoff time from the first token to the commit, summed.",
            lambda s: s.kv_transfer_s),
     Series("matinee_ttft_queue_seconds", "counter", "Arrival to first scheduled, summed over first tokens "
            "sampled here.", lambda s: s.ttft_queue_s),

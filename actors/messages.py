@@ -167,8 +167,9 @@ class EngineStats(msgspec.Struct, tag=True):
     kv_handoffs_failed: int = 0       # sender side: cut, or refused by a full decode engine
     kv_handoffs_refused: int = 0      # receiver side: no room for the blocks
     kv_transfer_blocks: int = 0
+    kv_transfer_blocks_ahead: int = 0 # of those, sent while their prompt was still being computed
     kv_transfer_bytes: int = 0
-    kv_transfer_s: float = 0.0        # cumulative, offer to commit, on the sending side
+    kv_transfer_s: float = 0.0        # cumulative, the first token (the HandOver) to commit, on the sending side
     ttft_count: int = 0               # first tokens sampled here (the split below sums over them)
     ttft_queue_s: float = 0.0         # arrival to its first scheduled step
     ttft_prefill_s: float = 0.0       # first scheduled step to its first token
@@ -413,7 +414,9 @@ class SubmitRefused(msgspec.Struct, tag=True):
 
 class KVOffer(msgspec.Struct, tag=True):
     """Prefill -> decode (ask): room for this request? The first `len(prompt_token_ids)` positions
-    have KV; `output_token_ids` were sampled on the prefill engine (the last one has no KV yet)."""
+    have KV; `output_token_ids` were sampled on the prefill engine (the last one has no KV yet).
+    No `output_token_ids`: the prompt is still being computed, its blocks come as its chunks are
+    done, and the commit brings the first token."""
 
     transfer_id: str
     sender: ActorRef                  # the prefill engine's transfer actor (watched for its death)
@@ -448,6 +451,7 @@ class KVCommit(msgspec.Struct, tag=True):
     """Every block is written: the decode engine starts decoding the request (ask; True on success)."""
 
     transfer_id: str
+    output_token_ids: list[int] | None = None   # the first token, when the offer came before it
 
 
 class KVCancel(msgspec.Struct, tag=True):
@@ -496,6 +500,25 @@ class HandOver(msgspec.Struct, tag=True):
     to: ActorRef
 
 
+class HandOverAhead(msgspec.Struct, tag=True):
+    """Scheduler -> its transfer actor: the sequence's prompt is still being computed, but its first
+    `num_blocks` blocks hold their KV: send them ahead (the first such message offers the handoff;
+    `offer` has no output tokens). The HandOver after its last chunk sends the rest and commits."""
+
+    seq_id: int
+    block_table: list[int]
+    num_blocks: int
+    offer: KVOffer
+    to: ActorRef
+
+
+class HandOverCancel(msgspec.Struct, tag=True):
+    """Scheduler -> its transfer actor: the sequence sent ahead will not be handed over from those
+    blocks (preempted, ended or failed): the decode engine lets its reservation go."""
+
+    seq_id: int
+
+
 class HandOverDone(msgspec.Struct, tag=True):
     """Transfer actor -> scheduler: the sequence's blocks may go back to the pool."""
 
@@ -504,7 +527,8 @@ class HandOverDone(msgspec.Struct, tag=True):
     refused: bool
     num_blocks: int
     num_bytes: int
-    seconds: float
+    seconds: float                    # from the HandOver (the first token out) to the commit
+    num_blocks_ahead: int = 0         # of num_blocks, sent before the HandOver
 
 
 class AdoptReserve(msgspec.Struct, tag=True):
@@ -517,6 +541,7 @@ class AdoptCommit(msgspec.Struct, tag=True):
     """Transfer actor -> scheduler (ask): the reserved sequence's KV is written; it decodes now."""
 
     seq_id: int
+    output_token_ids: list[int] | None = None   # its first token, when the offer came before it
 
 
 class AdoptDrop(msgspec.Struct, tag=True):

@@ -4,7 +4,10 @@ One actor per engine does both ends over the cluster transport. The sender offer
 (the receiver reserves blocks, or refuses), streams the blocks in chunks of raw cache bytes
 (`KVBlockIO`, no per-token messages, sealed like every frame), at most `window_bytes` of them
 unacknowledged (a chunk is acknowledged once written, so a slow receiver slows the sender and
-nothing piles up), then commits: the receiver's scheduler starts decoding. Whatever goes wrong
+nothing piles up), then commits: the receiver's scheduler starts decoding. A prompt of several
+prefill chunks is offered after its first: each chunk's full blocks go while the next is computed,
+and only the last chunk's are left to send once the first token is out (the commit carries it).
+Cut before that, the blocks sent ahead are let go and the handoff goes whole as above. Whatever goes wrong
 before the commit, the sender tells the request's front end, which continues it elsewhere, and
 the receiver, which lets the reserved blocks go (as it does when the sender's node is lost). On a
 GPU, NIXL or NCCL would move the bytes behind the same messages.
@@ -17,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverDone, KVCancel, KVChunk,
-                             KVCommit, KVHandoffFailed, KVOffer, KVOfferReply, KVReserved)
+from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverAhead, HandOverCancel,
+                             HandOverDone, KVCancel, KVChunk, KVCommit, KVHandoffFailed, KVOffer, KVOfferReply,
+                             KVReserved)
 from runtime import Actor, ActorRef, Terminated
 
 if TYPE_CHECKING:
@@ -53,11 +57,26 @@ class HandoffCut(Exception):
 
 
 @dataclass
+class _Outgoing:
+    """A handoff this engine sends: offered when its first blocks were ready (or its whole prompt)."""
+    offer: KVOffer
+    to: ActorRef
+    block_table: list[int] = field(default_factory=list)
+    ready: int = 0                    # leading blocks that hold KV (while the prompt is computed)
+    final: KVOffer | None = None      # from the HandOver: the prompt is done, its first token out
+    final_at: float = 0.0             # when that came: the transfer time counts from there
+    failed: bool = False              # cut before its HandOver: that starts a whole one
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+@dataclass
 class _Incoming:
     seq_id: int
     sender: ActorRef
     block_table: list[int]
     skip_blocks: int
+    ahead: bool                       # offered before its first token: the commit brings it
     written: int = 0                  # blocks written so far
     heard: float = field(default_factory=time.monotonic)   # the sender's last offer or chunk
 
@@ -76,6 +95,7 @@ class KVTransfer(Actor):
         self.block_size = block_size
         self.config = config or KVTransferConfig()
         self._incoming: dict[str, _Incoming] = {}
+        self._outgoing: dict[int, _Outgoing] = {}   # by the sending engine's seq_id
         self._watched: set[ActorRef] = set()
         self._sends: set[asyncio.Task] = set()
         self.peak_in_flight_bytes = 0     # the most a handoff ever had unacknowledged (<= the window)
@@ -87,16 +107,18 @@ class KVTransfer(Actor):
 
     async def receive(self, msg: Any) -> Any:
         match msg:
+            case HandOverAhead():
+                self._ahead(msg)
             case HandOver():
-                task = asyncio.create_task(self._send(msg))
-                self._sends.add(task)
-                task.add_done_callback(self._sends.discard)
+                self._finish(msg)
+            case HandOverCancel(seq_id=seq_id):
+                self._cancel(seq_id)
             case KVOffer():
                 return await self._on_offer(msg)
             case KVChunk():
                 return self._on_chunk(msg)
-            case KVCommit(transfer_id=tid):
-                return await self._on_commit(tid)
+            case KVCommit():
+                return await self._on_commit(msg)
             case KVCancel(transfer_id=tid):
                 self._let_go(tid)
             case _CheckIdle(transfer_id=tid):
@@ -110,49 +132,109 @@ class KVTransfer(Actor):
         return None
 
     # ---- sending -------------------------------------------------------------------------------
-    async def _send(self, h: HandOver) -> None:
-        """Offer, chunks, commit; the scheduler hears the outcome, the front end a failure."""
-        started = time.perf_counter()
-        offer = h.offer
-        num_blocks = -(-(len(offer.prompt_token_ids) + len(offer.output_token_ids) - 1) // self.block_size)
-        sent_blocks = sent_bytes = 0
+    def _ahead(self, msg: HandOverAhead) -> None:
+        """More of a prompt's blocks hold KV: the first time, the handoff is offered; then they go."""
+        out = self._outgoing.get(msg.seq_id)
+        if out is None:
+            out = self._outgoing[msg.seq_id] = _Outgoing(msg.offer, msg.to)
+            self._start(msg.seq_id, out)
+        out.block_table, out.ready = msg.block_table, max(out.ready, msg.num_blocks)
+        out.changed.set()
+
+    def _finish(self, h: HandOver) -> None:
+        """The prompt is computed and its first token out: the handoff sends the rest and commits.
+        One sent ahead goes on from where it is; one that failed, or none, starts from the offer."""
+        out = self._outgoing.get(h.seq_id)
+        if out is not None and (out.failed or len(h.offer.output_token_ids) != 1):
+            self._cancel(h.seq_id)
+            out = None
+        if out is None:
+            out = self._outgoing[h.seq_id] = _Outgoing(h.offer, h.to)
+            self._start(h.seq_id, out)
+        out.block_table, out.final, out.final_at = h.block_table, h.offer, time.perf_counter()
+        out.changed.set()
+
+    def _start(self, seq_id: int, out: _Outgoing) -> None:
+        out.task = asyncio.create_task(self._send(seq_id, out))
+        self._sends.add(out.task)
+        out.task.add_done_callback(self._sends.discard)
+
+    def _cancel(self, seq_id: int) -> None:
+        """A handoff sent ahead ends before its HandOver: its decode engine lets the blocks go."""
+        out = self._outgoing.pop(seq_id, None)
+        if out is not None and out.task is not None:
+            out.task.cancel()
+
+    async def _send(self, seq_id: int, out: _Outgoing) -> None:
+        """Offer, chunks as their blocks are ready, commit; the scheduler hears the outcome, the front
+        end a failure. Cut before its HandOver, a handoff sent ahead ends quietly: that HandOver
+        starts another."""
+        offer = out.offer
+        tid = offer.transfer_id
+        sent_blocks = sent_bytes = blocks_ahead = 0
         ok, refused, accepted = False, False, False
         try:
-            reply: KVOfferReply = await h.to.ask(offer, timeout=self.config.timeout_s)
+            reply: KVOfferReply = await out.to.ask(offer, timeout=self.config.timeout_s)
             if not reply.accepted:
                 raise HandoffCut(f"the decode engine refused the handoff: {reply.reason}", refused=reply.no_room)
             accepted = True
-            sent_blocks, sent_bytes = await self._stream(h, reply.skip_blocks, num_blocks)
-            await h.to.ask(KVCommit(offer.transfer_id), timeout=self.config.timeout_s)
+            first = reply.skip_blocks
+            while True:
+                final = out.final
+                end = self._num_blocks(final) if final is not None else out.ready
+                if end > first:
+                    sent_bytes += await self._stream(tid, out.to, out.block_table[first:end], first)
+                    sent_blocks += end - first
+                    blocks_ahead += (end - first) if final is None else 0
+                    first = end
+                if final is not None:
+                    break
+                await out.changed.wait()
+                out.changed.clear()
+            ahead = not offer.output_token_ids   # then the commit brings the first token
+            await out.to.ask(KVCommit(tid, final.output_token_ids if ahead else None), timeout=self.config.timeout_s)
             ok = True
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:   # the offer's answer may be on its way: the cancel follows it
+            out.to.tell(KVCancel(tid))
             raise
         except Exception as exc:
             refused = isinstance(exc, HandoffCut) and exc.refused
             if accepted or isinstance(exc, TimeoutError):   # it may hold blocks for us: they go back
-                h.to.tell(KVCancel(offer.transfer_id))
+                out.to.tell(KVCancel(tid))
+            if out.final is None:   # still prefilling: its HandOver starts again
+                out.failed = True
+                self.context.log.info("KV handoff sent ahead failed; it goes whole once prefilled",
+                                      request_id=offer.request_id, error=str(exc) or repr(exc))
+                return
             self.context.log.warning("KV handoff failed", request_id=offer.request_id, error=str(exc) or repr(exc))
             offer.reply_to.tell(KVHandoffFailed(offer.request_id, str(exc) or repr(exc), refused))
         finally:
-            self.scheduler.tell(HandOverDone(h.seq_id, ok, refused, sent_blocks, sent_bytes,
-                                             time.perf_counter() - started))
+            if out.final is not None and self._outgoing.get(seq_id) is out:
+                del self._outgoing[seq_id]
+                self.scheduler.tell(HandOverDone(seq_id, ok, refused, sent_blocks, sent_bytes,
+                                                 time.perf_counter() - out.final_at, blocks_ahead))
 
-    async def _stream(self, h: HandOver, skip: int, num_blocks: int) -> tuple[int, int]:
-        """Blocks [skip, num_blocks) in chunks, never more than the window unacknowledged."""
+    def _num_blocks(self, offer: KVOffer) -> int:
+        """Blocks that hold the request's KV: every position but the last sampled token's."""
+        return -(-(len(offer.prompt_token_ids) + len(offer.output_token_ids) - 1) // self.block_size)
+
+    async def _stream(self, tid: str, to: ActorRef, block_ids: list[int], first_block: int) -> int:
+        """These blocks, the handoff's from `first_block` on, in chunks, never more than the window
+        unacknowledged; returns the bytes sent."""
         per_chunk = max(1, self.config.chunk_bytes // self.blocks.bytes_per_block)
         in_flight: dict[asyncio.Task, int] = {}
         sent = 0
         try:
-            for first in range(skip, num_blocks, per_chunk):
-                ids = h.block_table[first:min(first + per_chunk, num_blocks)]
+            for at in range(0, len(block_ids), per_chunk):
+                ids = block_ids[at:at + per_chunk]
                 size = len(ids) * self.blocks.bytes_per_block
                 while in_flight and sum(in_flight.values()) + size > self.config.window_bytes:
                     done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         del in_flight[task]
                         task.result()   # a chunk that failed cuts the handoff
-                chunk = KVChunk(h.offer.transfer_id, first, len(ids), self.blocks.read(ids))
-                in_flight[asyncio.create_task(h.to.ask(chunk, timeout=self.config.timeout_s))] = size
+                chunk = KVChunk(tid, first_block + at, len(ids), self.blocks.read(ids))
+                in_flight[asyncio.create_task(to.ask(chunk, timeout=self.config.timeout_s))] = size
                 self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, sum(in_flight.values()))
                 sent += size
             for task in list(in_flight):
@@ -161,7 +243,7 @@ class KVTransfer(Actor):
         finally:
             for task in in_flight:
                 task.cancel()
-        return num_blocks - skip, sent
+        return sent
 
     # ---- receiving -----------------------------------------------------------------------------
     async def _on_offer(self, offer: KVOffer) -> KVOfferReply:
@@ -171,7 +253,7 @@ class KVTransfer(Actor):
         if reserved.block_table is None:
             return KVOfferReply(False, reason="no room in the KV cache", no_room=True)
         self._incoming[offer.transfer_id] = _Incoming(reserved.seq_id, offer.sender, reserved.block_table,
-                                                      reserved.num_hit_blocks)
+                                                      reserved.num_hit_blocks, not offer.output_token_ids)
         self.context.schedule_once(self._idle_s, _CheckIdle(offer.transfer_id))
         if offer.sender not in self._watched:   # a sender that dies takes its handoffs with it
             self._watched.add(offer.sender)
@@ -216,13 +298,20 @@ class KVTransfer(Actor):
         self.context.log.warning("KV handoff dropped: its sender went quiet", transfer_id=transfer_id,
                                  quiet_s=round(quiet, 3))
 
-    async def _on_commit(self, transfer_id: str) -> bool:
+    async def _on_commit(self, commit: KVCommit) -> bool:
+        transfer_id = commit.transfer_id
         inc = self._incoming.pop(transfer_id, None)
         if inc is None:
             raise ValueError(f"no handoff {transfer_id} in progress")
+        problem = None
         if inc.written != len(inc.block_table) - inc.skip_blocks:
+            problem = f"with {inc.written} of {len(inc.block_table) - inc.skip_blocks} blocks written"
+        elif inc.ahead and len(commit.output_token_ids or ()) != 1:
+            problem = "offered before its first token, without exactly one"   # the blocks hold the prompt's KV alone
+        elif not inc.ahead and commit.output_token_ids is not None:
+            problem = "with tokens its offer already had"
+        if problem is not None:
             self.scheduler.tell(AdoptDrop(inc.seq_id))
-            raise ValueError(f"handoff {transfer_id} committed with {inc.written} of "
-                             f"{len(inc.block_table) - inc.skip_blocks} blocks written")
-        await self.scheduler.ask(AdoptCommit(inc.seq_id))
+            raise ValueError(f"handoff {transfer_id} committed {problem}")
+        await self.scheduler.ask(AdoptCommit(inc.seq_id, commit.output_token_ids))
         return True

@@ -131,6 +131,9 @@ class Scheduler:
         self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
         self._draft_released: list[int] = []   # sequences whose draft state goes at once
         self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
+        self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
+        self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
+        self._cancelled_ahead: list[int] = []  # sent ahead, then preempted or ended: not handed over
         self._adopting: dict[int, Sequence] = {}   # handed to us, blocks reserved, KV arriving
 
     # --- requests in and out ---------------------------------------------------------------------
@@ -198,6 +201,17 @@ class Scheduler:
         out, self._handoffs = self._handoffs, []
         return out
 
+    def take_ready_ahead(self) -> list[tuple[Sequence, int]]:
+        """Sequences whose prompt is still being computed for a decode engine, with how many of
+        their leading blocks hold KV after the last step: those go ahead while the rest is computed."""
+        ready, self._ready_ahead = self._ready_ahead, []
+        return [(seq, self._ahead[seq.seq_id]) for seq in ready if seq.seq_id in self._ahead]
+
+    def take_cancelled_ahead(self) -> list[int]:
+        """Sequences sent ahead that will not be handed over from those blocks (preempted, ended)."""
+        out, self._cancelled_ahead = self._cancelled_ahead, []
+        return out
+
     def handoff_done(self, seq_id: int) -> None:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
         self._frees.append(seq_id)
@@ -216,16 +230,22 @@ class Scheduler:
         seq = self._new_seq(req, 0)
         seq.token_ids += offer.output_token_ids
         self._adopting[seq.seq_id] = seq
-        return KVReserve(seq.seq_id, seq.token_ids, seq.num_tokens - 1, offer.cache_salt)
+        # Every prompt position has KV; so does every sampled token but the last (none is, when
+        # the offer comes ahead of the first token).
+        num_kv = seq.num_tokens - 1 if offer.output_token_ids else seq.num_tokens
+        return KVReserve(seq.seq_id, seq.token_ids, num_kv, offer.cache_salt)
 
     def adopting(self) -> bool:
         """Whether blocks are reserved for handoffs whose KV is still arriving (they come back, or
         decode, once each handoff ends)."""
         return bool(self._adopting)
 
-    def adopt(self, seq_id: int) -> Sequence:
-        """The reserved sequence's KV is in the cache (all but its last token's): it decodes."""
+    def adopt(self, seq_id: int, output_token_ids: list[int] | None = None) -> Sequence:
+        """The reserved sequence's KV is in the cache (all but its last token's): it decodes, from
+        `output_token_ids` when its offer came ahead of them."""
         seq = self._adopting.pop(seq_id)
+        if output_token_ids:
+            seq.token_ids += output_token_ids
         seq.num_computed = seq.num_tokens - 1
         seq.status = SeqStatus.RUNNING
         self.requests[seq.request.request_id] = seq.request
@@ -363,6 +383,7 @@ class Scheduler:
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
+        self._note_ahead(step)
         self.counters.steps += result.num_steps - 1
         return failures
 
@@ -411,11 +432,11 @@ class Scheduler:
 
     def _burst_len(self, decodes: list[Sequence]) -> int:
         """Further decode steps the worker may run after this one: only when every running sequence
-        decodes and nothing else waits to join (a request, a fork, a handoff, drafts), and never
-        past a sequence's output or context room."""
-        if (self.cfg.max_burst < 2 or self.spec is not None or self.waiting or self._forks or self._adopting
-                or not decodes or len(decodes) != len(self.running)
-                or any(s.request.handoff_to is not None for s in decodes)):
+        decodes and nothing else waits to join (a request, a fork, drafts), and never past a
+        sequence's output or context room. A handoff's blocks may still be arriving: its commit
+        pulls the brake."""
+        if (self.cfg.max_burst < 2 or self.spec is not None or self.waiting or self._forks or not decodes
+                or len(decodes) != len(self.running) or any(s.request.handoff_to is not None for s in decodes)):
             return 0
         room = min(min(s.request.max_output - s.num_output_tokens, self.cfg.max_model_len - s.num_tokens + 1)
                    for s in decodes)
@@ -429,6 +450,25 @@ class Scheduler:
             if seq is not None and seq.status is SeqStatus.RUNNING:
                 seq.num_computed += num_steps - 1
                 self._trims.append(KVTrim(seq_id, seq.num_computed))
+
+    def _note_ahead(self, step: InFlightStep) -> None:
+        """A prompt computed for a decode engine that has more full blocks after this step's chunk
+        (and no token yet) sends them ahead."""
+        bs = self.cfg.block_size
+        for seq_id in step.starts:
+            seq = self.seqs.get(seq_id)
+            if (seq is None or seq.status is not SeqStatus.RUNNING or seq.request.handoff_to is None
+                    or seq.num_computed >= seq.num_tokens):
+                continue
+            full = seq.num_computed // bs
+            if full > self._ahead.get(seq_id, 0):
+                self._ahead[seq_id] = full
+                self._ready_ahead.append(seq)
+
+    def _drop_ahead(self, seq: Sequence) -> None:
+        """The sequence's blocks sent ahead will not be handed over as they are."""
+        if self._ahead.pop(seq.seq_id, None) is not None:
+            self._cancelled_ahead.append(seq.seq_id)
 
     def _first_token(self, req: RequestState, now: float) -> None:
         c = self.counters
@@ -511,6 +551,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        self._drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
@@ -559,11 +600,14 @@ class Scheduler:
         if self.spec is not None:
             self.spec.forget(seq.seq_id)
         if hand_over:
+            self._ahead.pop(seq.seq_id, None)   # a handoff sent ahead goes on with the rest
             self._handoffs.append(seq)
-        elif any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
-            self._deferred_frees.append(seq.seq_id)
         else:
-            self._frees.append(seq.seq_id)
+            self._drop_ahead(seq)
+            if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
+                self._deferred_frees.append(seq.seq_id)
+            else:
+                self._frees.append(seq.seq_id)
         if seq.known_to_worker:
             self._released.append(seq.seq_id)
         if self.spec is not None and self._draft_feed.release(seq.seq_id):

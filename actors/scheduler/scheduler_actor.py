@@ -25,8 +25,8 @@ import msgspec
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
-                             HandOver, HandOverDone, KVConfirm, KVHandedOver, KVOffer, KVReserved, StepPlan,
-                             StepProgress, StepResult, SubmitRequest, TokenDeltas)
+                             HandOver, HandOverAhead, HandOverCancel, HandOverDone, KVConfirm, KVHandedOver, KVOffer,
+                             KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest, TokenDeltas)
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
 from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
@@ -106,9 +106,9 @@ class SchedulerActor(Actor):
                 self._send_outputs()
             case AdoptReserve(offer=offer):
                 return await self._reserve(offer)
-            case AdoptCommit(seq_id=seq_id):
+            case AdoptCommit(seq_id=seq_id, output_token_ids=output_token_ids):
                 self._pull_brake()
-                await self._adopt(seq_id)
+                await self._adopt(seq_id, output_token_ids)
             case AdoptDrop(seq_id=seq_id):
                 self.scheduler.drop_adoption(seq_id)
                 self._send_outputs()   # the reserved blocks go back before the next step asks for some
@@ -235,17 +235,29 @@ class SchedulerActor(Actor):
                                    error=failed.detail)
 
     def _hand_over(self, plan: StepPlan) -> None:
-        """Prefilled sequences go to their decode engines: the transfer actor sends their blocks."""
-        handoffs = self.scheduler.take_handoffs()
-        if not handoffs:
+        """Prefilled sequences go to their decode engines: the transfer actor sends their blocks.
+        A prompt of several chunks sends the full blocks of each chunk ahead, while the next is computed."""
+        self._cancel_ahead()
+        ahead, handoffs = self.scheduler.take_ready_ahead(), self.scheduler.take_handoffs()
+        if not (ahead or handoffs):
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
+        for seq, num_blocks in ahead:
+            self.transfer.tell(HandOverAhead(seq.seq_id, tables[seq.seq_id], num_blocks, self._offer(seq),
+                                             seq.request.handoff_to))
         for seq in handoffs:
-            req = seq.request
-            offer = KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
-                            seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
-                            req.num_cached_tokens, self.block_layout)
-            self.transfer.tell(HandOver(seq.seq_id, tables[seq.seq_id], offer, req.handoff_to))
+            self.transfer.tell(HandOver(seq.seq_id, tables[seq.seq_id], self._offer(seq), seq.request.handoff_to))
+
+    def _cancel_ahead(self) -> None:
+        """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
+        for seq_id in self.scheduler.take_cancelled_ahead():
+            self.transfer.tell(HandOverCancel(seq_id))
+
+    def _offer(self, seq) -> KVOffer:
+        req = seq.request
+        return KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
+                       seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
+                       req.num_cached_tokens, self.block_layout)
 
     async def _reserve(self, offer: KVOffer) -> KVReserved:
         """Blocks for a request another engine prefilled; a table of None when there is no room."""
@@ -258,9 +270,9 @@ class SchedulerActor(Actor):
             self.handoffs.refused += 1
         return msgspec.structs.replace(reserved, seq_id=reserve.seq_id)
 
-    async def _adopt(self, seq_id: int) -> None:
+    async def _adopt(self, seq_id: int, output_token_ids: list[int] | None) -> None:
         """The handed-over KV is written: the sequence decodes from its first token on."""
-        seq = self.scheduler.adopt(seq_id)   # no step is planned before the confirmation is in
+        seq = self.scheduler.adopt(seq_id, output_token_ids)   # no step is planned before the confirmation is in
         await self.kv.ask(KVConfirm(seq_id, seq.num_computed))
         self.handoffs.received += 1
         seq.request.reply_to.tell(KVHandedOver(seq.request.request_id))
@@ -270,6 +282,7 @@ class SchedulerActor(Actor):
     def _send_outputs(self) -> None:
         """Blocks of finished sequences go back (once no step computes them); deltas go out, one
         message per front end."""
+        self._cancel_ahead()
         frees = self.scheduler.take_frees()
         if frees is not None:
             self.kv.tell(frees)
@@ -299,7 +312,8 @@ class SchedulerActor(Actor):
             prefill_steps=c.prefill_steps, prefill_tokens=c.prefill_tokens,
             kv_handoffs_sent=self.handoffs.ok, kv_handoffs_received=self.handoffs.received,
             kv_handoffs_failed=self.handoffs.failed, kv_handoffs_refused=self.handoffs.refused,
-            kv_transfer_blocks=self.handoffs.blocks, kv_transfer_bytes=self.handoffs.bytes,
+            kv_transfer_blocks=self.handoffs.blocks, kv_transfer_blocks_ahead=self.handoffs.blocks_ahead,
+            kv_transfer_bytes=self.handoffs.bytes,
             kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
             ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
@@ -314,13 +328,14 @@ class _HandoffCounters:
     """Handoffs this engine sent (with what they moved) and took over."""
 
     def __init__(self) -> None:
-        self.ok = self.failed = self.received = self.refused = self.blocks = self.bytes = 0
+        self.ok = self.failed = self.received = self.refused = self.blocks = self.blocks_ahead = self.bytes = 0
         self.seconds = 0.0
 
     def sent(self, done: HandOverDone) -> None:
         if done.ok:
             self.ok += 1
             self.blocks += done.num_blocks
+            self.blocks_ahead += done.num_blocks_ahead
             self.bytes += done.num_bytes
             self.seconds += done.seconds
         else:

@@ -16,9 +16,9 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
-from actors.messages import (GetKVStats, GetStats, HandOver, HandOverDone, KVCancel, KVChunk, KVCommit,
-                             KVHandedOver, KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams, SubmitRequest,
-                             TokenDeltas)
+from actors.messages import (GetKVStats, GetStats, HandOver, HandOverAhead, HandOverCancel, HandOverDone, KVCancel,
+                             KVChunk, KVCommit, KVHandedOver, KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams,
+                             SubmitRequest, TokenDeltas)
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
@@ -129,9 +129,32 @@ async def test_a_full_decode_engine_refuses_and_the_prefill_engine_lets_go(pair)
     assert front.tokens["big"] and "big" not in front.finished   # its first token went out
     p = await prefill.scheduler.ask(GetStats())
     d = await decode.scheduler.ask(GetStats())
-    assert p.kv_handoffs_failed == 1 and d.kv_handoffs_refused == 1
+    # Refused twice: offered ahead after its first chunk (480 tokens, 128 a step), then whole once prefilled.
+    assert p.kv_handoffs_failed == 1 and d.kv_handoffs_refused == 2
     kv = await prefill.kv.ask(GetKVStats())
     assert kv.num_free_blocks == kv.num_blocks
+
+
+async def test_a_prompt_of_several_chunks_goes_ahead_and_decodes_the_colocated_tokens(pair):
+    """Prompts of 3 and 2 chunks (128 tokens a step): their full blocks go while the next chunk is
+    computed (how many go before the first token is out depends on timing; the protocol is pinned
+    down below, with a recording receiver)."""
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    rng = random.Random(6)
+    prompts = [[rng.randrange(4, 300) for _ in range(n)] for n in (300, 200)]
+    colocated = await _run(prefill, front_ref, front, prompts, "c")
+    handed = await _run(prefill, front_ref, front, prompts, "d", handoff_to=dec_tx)
+    assert handed == colocated
+    assert front.handed_over == ["d0", "d1"] and not front.failed
+    d = await decode.scheduler.ask(GetStats())
+    assert d.prefill_steps == 0 and d.kv_handoffs_received == 2
+    p = await prefill.scheduler.ask(GetStats())
+    assert p.kv_handoffs_sent == 2 and p.kv_transfer_blocks == -(-300 // 16) + -(-200 // 16)
+    assert p.kv_transfer_blocks_ahead <= 256 // 16 + 128 // 16   # the blocks of every chunk but the last
+    await front.wait(lambda: True)
+    for engine in (prefill, decode):
+        kv = await engine.kv.ask(GetKVStats())
+        assert kv.num_free_blocks == kv.num_blocks
 
 
 class HalfSender(Actor):
@@ -233,6 +256,118 @@ async def test_a_slow_receiver_holds_the_sender_to_its_window():
     await system.shutdown()
 
 
+class RecordingReceiver(Actor):
+    """A decode engine reduced to what it hears: offers (refusing the first `refuse` of them),
+    chunks, commits and cancels, in order."""
+
+    def __init__(self, refuse: int = 0):
+        self.refuse = refuse
+        self.heard: list[tuple] = []
+        self.changed = asyncio.Event()
+
+    async def receive(self, msg):
+        self.changed.set()
+        match msg:
+            case KVOffer():
+                self.heard.append(("offer", list(msg.output_token_ids)))
+                if self.refuse:
+                    self.refuse -= 1
+                    return KVOfferReply(False, reason="full", no_room=True)
+                return KVOfferReply(True)
+            case KVChunk():
+                self.heard.append(("chunk", msg.first_block, msg.num_blocks))
+                return msg.num_blocks
+            case KVCommit():
+                self.heard.append(("commit", msg.output_token_ids))
+                return True
+            case KVCancel():
+                self.heard.append(("cancel",))
+
+    def blocks(self) -> list[int]:
+        return [b for e in self.heard if e[0] == "chunk" for b in range(e[1], e[1] + e[2])]
+
+
+async def _ahead_pair(system: ActorSystem, receiver_actor: Actor):
+    """A KVTransfer over 2 layers of 12 blocks (4 tokens each), a scheduler that records its
+    HandOverDones, and a 40-token prompt's offer made ahead of its first token."""
+    await system.start()
+    blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
+    dones: list[HandOverDone] = []
+
+    class Scheduler(Actor):
+        async def receive(self, msg):
+            if isinstance(msg, HandOverDone):
+                dones.append(msg)
+
+    sched = await system.spawn(Scheduler(), name="sched")
+    receiver = await system.spawn(receiver_actor, name="receiver")
+    tx = await system.spawn(KVTransfer(blocks, sched, 4, KVTransferConfig(chunk_bytes=2 * blocks.bytes_per_block)),
+                            name="tx")
+    offer = KVOffer("ahead", tx, "r", list(range(40)), [], GREEDY, sched, 0, None, 0, blocks.layout)
+    return tx, receiver, offer, dones
+
+
+async def _heard(receiver: RecordingReceiver, pred) -> None:
+    await wait_until(receiver.changed, pred, 5.0)
+
+
+async def test_blocks_sent_ahead_go_as_they_are_ready_and_the_commit_brings_the_first_token():
+    system = ActorSystem("ahead-test")
+    rec = RecordingReceiver()
+    tx, receiver, offer, dones = await _ahead_pair(system, rec)
+    table = list(range(2, 12))
+    tx.tell(HandOverAhead(7, table[:4], 4, offer, receiver))
+    await _heard(rec, lambda: rec.blocks() == [0, 1, 2, 3])
+    tx.tell(HandOverAhead(7, table[:8], 7, offer, receiver))
+    await _heard(rec, lambda: rec.blocks() == list(range(7)))
+    assert [e[0] for e in rec.heard] == ["offer", "chunk", "chunk", "chunk", "chunk"] and not dones
+    final = msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42])
+    tx.tell(HandOver(7, table, final, receiver))
+    for _ in range(100):
+        if dones:
+            break
+        await asyncio.sleep(0.02)
+    assert rec.heard[0] == ("offer", []) and rec.heard[-1] == ("commit", [42])
+    assert rec.blocks() == list(range(10)) and sum(e[0] == "offer" for e in rec.heard) == 1
+    assert dones[0].ok and dones[0].num_blocks == 10 and dones[0].num_blocks_ahead == 7
+    await system.shutdown()
+
+
+async def test_a_cancelled_handoff_sent_ahead_lets_the_receiver_go_and_reports_nothing():
+    system = ActorSystem("ahead-cancel-test")
+    rec = RecordingReceiver()
+    tx, receiver, offer, dones = await _ahead_pair(system, rec)
+    tx.tell(HandOverAhead(3, [5, 6, 7], 3, offer, receiver))
+    await _heard(rec, lambda: rec.blocks() == [0, 1, 2])
+    tx.tell(HandOverCancel(3))
+    await _heard(rec, lambda: rec.heard[-1] == ("cancel",))
+    await asyncio.sleep(0.1)
+    assert not dones   # the scheduler freed the blocks itself: no HandOverDone for them
+    await system.shutdown()
+
+
+async def test_a_refused_offer_ahead_is_made_again_whole_after_the_first_token():
+    system = ActorSystem("ahead-refused-test")
+    rec = RecordingReceiver(refuse=1)
+    tx, receiver, offer, dones = await _ahead_pair(system, rec)
+    table = list(range(10))
+    tx.tell(HandOverAhead(1, table[:4], 4, offer, receiver))
+    await _heard(rec, lambda: rec.heard)
+    await asyncio.sleep(0.05)
+    tx.tell(HandOverAhead(1, table[:8], 8, offer, receiver))   # nothing more goes on that handoff
+    await asyncio.sleep(0.05)
+    assert rec.heard == [("offer", [])]
+    tx.tell(HandOver(1, table, msgspec.structs.replace(offer, transfer_id="again", output_token_ids=[9]), receiver))
+    for _ in range(100):
+        if dones:
+            break
+        await asyncio.sleep(0.02)
+    assert rec.heard[1] == ("offer", [9]) and rec.heard[-1] == ("commit", None)
+    assert rec.blocks() == list(range(10))
+    assert dones[0].ok and dones[0].num_blocks == 10 and dones[0].num_blocks_ahead == 0
+    await system.shutdown()
+
+
 class MuteReceiver(Actor):
     """Accepts an offer, then answers a chunk only after the sender's timeout: a decode engine that hangs."""
 
@@ -279,6 +414,28 @@ async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair)
     assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
     stats = await decode.scheduler.ask(GetStats())
     assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
+
+
+@pytest.mark.parametrize("offered, committed, problem", [
+    ([], None, "without exactly one"), ([], [5, 6], "without exactly one"), ([7], [5], "tokens its offer already had")])
+async def test_a_commit_that_does_not_match_its_offers_tokens_is_refused(pair, offered, committed, problem):
+    """Offered ahead, the blocks hold the prompt alone: the commit brings exactly the first token;
+    offered whole, it brings none."""
+    system, prefill, decode, dec_tx, front, front_ref = pair
+    io = decode.kv_blocks
+    prompt = [random.Random(9).randrange(4, 300) for _ in range(32)]   # 2 full blocks
+    free = (await decode.kv.ask(GetKVStats())).num_free_blocks
+    assert (await dec_tx.ask(KVOffer("odd", dec_tx, "odd", prompt, offered, GREEDY, front_ref, 0, None, 0,
+                                     io.layout))).accepted
+    assert await dec_tx.ask(KVChunk("odd", 0, 2, bytes(2 * io.bytes_per_block))) == 2
+    with pytest.raises(Exception, match=problem):
+        await dec_tx.ask(KVCommit("odd", committed))
+    for _ in range(100):
+        if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
+            break
+        await asyncio.sleep(0.02)
+    assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free
+    assert not front.handed_over and (await decode.scheduler.ask(GetStats())).kv_handoffs_received == 0
 
 
 async def test_a_handoff_whose_sender_goes_quiet_gives_its_blocks_back(pair):
