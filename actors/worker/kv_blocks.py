@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 class KVBlockIO:
-    def __init__(self, kv_caches: Sequence[Sequence[torch.Tensor | None]]):
+    """`host=None`: a cache in host memory is copied through numpy views of its bytes (a block of
+    60 tensors costs a few numpy slices, not hundreds of torch ops), one on an accelerator with
+    torch; `host=False` forces torch (the tests compare the two)."""
+
+    def __init__(self, kv_caches: Sequence[Sequence[torch.Tensor | None]], host: bool | None = None):
         layers = [[t for t in layer if t is not None] for layer in kv_caches]   # (K, V) or LayerKV
         scales = [t for layer in layers for t in layer[2:]]
         self.tensors = scales + [t for layer in layers for t in layer[:2]]      # ..scales, K0, V0, K1, V1, ...
@@ -27,28 +32,51 @@ class KVBlockIO:
         parts = ",".join(f"{str(t.dtype).removeprefix('torch.')}[{'x'.join(map(str, t.shape[1:]))}]"
                          for t in layers[0])
         self.layout = f"{len(layers)}x({parts})"
+        if host is None:
+            host = self.device.type == "cpu" and all(t.is_contiguous() for t in self.tensors)
+        # Each tensor as [num_blocks, row bytes] of uint8, sharing its memory.
+        self._rows = [t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in self.tensors] if host else None
 
     def read(self, block_ids: list[int]) -> memoryview:
         """The blocks' KV, gathered into one buffer (the only copy on this side)."""
-        out = torch.empty(len(block_ids) * self.bytes_per_block, dtype=torch.uint8, device=self.device)
-        for t, part in zip(self.tensors, self._parts(out, len(block_ids))):
-            for at, first, n in _runs(block_ids):   # a pool hands out runs of neighbours: one slice each
-                part.view(t.dtype).view(len(block_ids), *t.shape[1:])[at:at + n].copy_(t[first:first + n])
-        return memoryview(out.cpu().numpy()).cast("B")
+        n, runs = len(block_ids), _runs(block_ids)   # a pool hands out runs of neighbours: one slice each
+        if self._rows is not None:
+            out = np.empty(n * self.bytes_per_block, dtype=np.uint8)
+            for rows, part in zip(self._rows, self._parts(out, n)):
+                for at, first, k in runs:
+                    part[at:at + k] = rows[first:first + k]
+            return out.data
+        buf = torch.empty(n * self.bytes_per_block, dtype=torch.uint8, device=self.device)
+        for t, part in zip(self.tensors, self._parts(buf, n)):
+            for at, first, k in runs:
+                part.view(t.dtype).view(n, *t.shape[1:])[at:at + k].copy_(t[first:first + k])
+        return memoryview(buf.cpu().numpy()).cast("B")
 
     def write(self, block_ids: list[int], data: bytes) -> None:
         """Store what `read` gave for as many blocks into these block ids."""
-        expected = len(block_ids) * self.bytes_per_block
-        if len(data) != expected:
-            raise ValueError(f"{len(data)} bytes for {len(block_ids)} blocks; expected {expected}")
+        n, runs = len(block_ids), _runs(block_ids)
+        if len(data) != n * self.bytes_per_block:
+            raise ValueError(f"{len(data)} bytes for {n} blocks; expected {n * self.bytes_per_block}")
+        if self._rows is not None:
+            for rows, part in zip(self._rows, self._parts(np.frombuffer(data, dtype=np.uint8), n)):
+                for at, first, k in runs:
+                    rows[first:first + k] = part[at:at + k]
+            return
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        for t, part in zip(self.tensors, self._parts(src, len(block_ids))):
-            rows = part.view(t.dtype).view(len(block_ids), *t.shape[1:])
-            for at, first, n in _runs(block_ids):
-                t[first:first + n].copy_(rows[at:at + n])
+        for t, part in zip(self.tensors, self._parts(src, n)):
+            rows = part.view(t.dtype).view(n, *t.shape[1:])
+            for at, first, k in runs:
+                t[first:first + k].copy_(rows[at:at + k])
 
-    def _parts(self, buffer: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-        """`buffer` cut into each tensor's share of `num_blocks` rows, in `self.tensors`' order."""
+    def _parts(self, buffer, num_blocks: int) -> list:
+        """`buffer` (a flat uint8 array or tensor) cut into each tensor's share of `num_blocks` rows,
+        in `self.tensors`' order: [num_blocks, row bytes] arrays, or flat tensors."""
+        if isinstance(buffer, np.ndarray):
+            parts, at = [], 0
+            for size in self._row_bytes:
+                parts.append(buffer[at:at + num_blocks * size].reshape(num_blocks, size))
+                at += num_blocks * size
+            return parts
         return list(torch.split(buffer, [num_blocks * size for size in self._row_bytes]))
 
 

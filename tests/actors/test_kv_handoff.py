@@ -459,13 +459,18 @@ async def test_a_handoff_whose_sender_goes_quiet_gives_its_blocks_back(pair):
     await system.stop(quick)
 
 
-def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
-    src = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(3)]
-    dst = [(torch.zeros(9, 4, 2, 8), torch.zeros(9, 4, 2, 8)) for _ in range(3)]
-    a, b = KVBlockIO(src), KVBlockIO(dst)
-    assert a.layout == b.layout == "3x(float32[4x2x8],float32[4x2x8])"
+@pytest.mark.parametrize("host", [None, False], ids=["numpy", "torch"])   # a CPU cache's path, an accelerator's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused(host, dtype):
+    src = [(torch.randn(6, 4, 2, 8).to(dtype), torch.randn(6, 4, 2, 8).to(dtype)) for _ in range(3)]
+    dst = [(torch.zeros(9, 4, 2, 8, dtype=dtype), torch.zeros(9, 4, 2, 8, dtype=dtype)) for _ in range(3)]
+    a, b = KVBlockIO(src, host), KVBlockIO(dst, host)
+    assert (a._rows is not None) == (host is None)
+    name = str(dtype).removeprefix("torch.")
+    assert a.layout == b.layout == f"3x({name}[4x2x8],{name}[4x2x8])"
     data = a.read([4, 1])
     assert len(data) == 2 * a.bytes_per_block
+    assert bytes(KVBlockIO(src, False if host is None else None).read([4, 1])) == bytes(data)   # one layout
     b.write([0, 7], bytes(data))
     for (sk, sv), (dk, dv) in zip(src, dst):
         assert torch.equal(dk[0], sk[4]) and torch.equal(dk[7], sk[1]) and torch.equal(dv[7], sv[1])
@@ -477,14 +482,15 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused():
         b.write([0], bytes(data))
 
 
-def test_a_quantized_cache_moves_with_its_scales_and_refuses_another_layout():
+@pytest.mark.parametrize("host", [None, False], ids=["numpy", "torch"])
+def test_a_quantized_cache_moves_with_its_scales_and_refuses_another_layout(host):
     def cache(num_blocks, fill):
         make = (lambda *shape: torch.randint(-127, 128, shape, dtype=torch.int8)) if fill else \
             (lambda *shape: torch.zeros(shape, dtype=torch.int8))
         scales = (lambda: torch.rand(num_blocks, 2)) if fill else (lambda: torch.zeros(num_blocks, 2))
         return [LayerKV(make(num_blocks, 4, 2, 8), make(num_blocks, 4, 2, 8), scales(), scales()) for _ in range(2)]
     src, dst = cache(6, True), cache(9, False)
-    a, b = KVBlockIO(src), KVBlockIO(dst)
+    a, b = KVBlockIO(src, host), KVBlockIO(dst, host)
     assert a.layout == b.layout == "2x(int8[4x2x8],int8[4x2x8],float32[2],float32[2])"
     assert a.bytes_per_block == 2 * (2 * 4 * 2 * 8 + 2 * 2 * 4)
     b.write([8, 0], bytes(a.read([2, 3])))
