@@ -104,3 +104,12 @@ def test_vllm_offline_script_needs_only_the_standard_library():
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert names <= set(sys.stdlib_module_names) | {"vllm"}, names
+
+
+def test_kv_blocks_bench_times_both_copy_paths_at_toy_sizes(capsys):
+    from bench import kv_blocks
+
+    rows = kv_blocks.main(["--blocks", "1,3", "--layers", "2", "--repeats", "2"])
+    assert [r["blocks"] for r in rows] == [1, 3] and rows[1]["bytes"] == 3 * rows[0]["bytes"]
+    assert all(r[f"{p}_{op}_ms"] > 0 for r in rows for p in ("numpy", "torch") for op in ("read", "write"))
+    assert [json.loads(line)["blocks"] for line in capsys.readouterr().out.splitlines()] == [1, 3]
