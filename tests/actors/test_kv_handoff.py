@@ -223,25 +223,41 @@ class SlowReceiver(Actor):
                 return True
 
 
-async def _hand_over_ten_blocks(system: ActorSystem, receiver_actor: Actor, config, transfer_id: str):
-    """A KVTransfer over 2 layers of 12 blocks hands blocks 0-9 to `receiver_actor`; returns the
-    transfer actor, its blocks and the HandOverDone its scheduler got. `config(blocks)` is its config."""
+async def _sender(system: ActorSystem, receiver_actor: Actor, config=None):
+    """A KVTransfer over 2 layers of 12 blocks (4 tokens each) beside `receiver_actor`, with a scheduler
+    that records its HandOverDones; `config(blocks)` is its config. Returns the transfer actor, its
+    ref, the receiver's ref, the blocks, the scheduler's ref and the list of HandOverDones."""
     await system.start()
     blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
-    done: asyncio.Future = asyncio.get_running_loop().create_future()
+    dones: list[HandOverDone] = []
 
     class Scheduler(Actor):
         async def receive(self, msg):
             if isinstance(msg, HandOverDone):
-                done.set_result(msg)
+                dones.append(msg)
 
     sched = await system.spawn(Scheduler(), name="sched")
     receiver = await system.spawn(receiver_actor, name="receiver")
-    tx_actor = KVTransfer(blocks, sched, 4, config(blocks))
+    tx_actor = KVTransfer(blocks, sched, 4, config(blocks) if config is not None else None)
     tx = await system.spawn(tx_actor, name="tx")
+    return tx_actor, tx, receiver, blocks, sched, dones
+
+
+async def _first_done(dones: list[HandOverDone], timeout: float = 5.0) -> HandOverDone:
+    for _ in range(int(timeout / 0.02)):
+        if dones:
+            return dones[0]
+        await asyncio.sleep(0.02)
+    raise TimeoutError("no HandOverDone")
+
+
+async def _hand_over_ten_blocks(system: ActorSystem, receiver_actor: Actor, config, transfer_id: str):
+    """Blocks 0-9 of a 40-token request handed to `receiver_actor` whole; returns the transfer actor,
+    its blocks and the HandOverDone its scheduler got."""
+    tx_actor, tx, receiver, blocks, sched, dones = await _sender(system, receiver_actor, config)
     offer = KVOffer(transfer_id, tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
     tx.tell(HandOver(0, list(range(10)), offer, receiver))
-    return tx_actor, blocks, await asyncio.wait_for(done, 5)
+    return tx_actor, blocks, await _first_done(dones)
 
 
 async def test_a_slow_receiver_holds_the_sender_to_its_window():
@@ -288,21 +304,10 @@ class RecordingReceiver(Actor):
 
 
 async def _ahead_pair(system: ActorSystem, receiver_actor: Actor):
-    """A KVTransfer over 2 layers of 12 blocks (4 tokens each), a scheduler that records its
-    HandOverDones, and a 40-token prompt's offer made ahead of its first token."""
-    await system.start()
-    blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
-    dones: list[HandOverDone] = []
-
-    class Scheduler(Actor):
-        async def receive(self, msg):
-            if isinstance(msg, HandOverDone):
-                dones.append(msg)
-
-    sched = await system.spawn(Scheduler(), name="sched")
-    receiver = await system.spawn(receiver_actor, name="receiver")
-    tx = await system.spawn(KVTransfer(blocks, sched, 4, KVTransferConfig(chunk_bytes=2 * blocks.bytes_per_block)),
-                            name="tx")
+    """A sender beside `receiver_actor` (two blocks a chunk) and a 40-token prompt's offer made ahead
+    of its first token."""
+    _, tx, receiver, blocks, sched, dones = await _sender(
+        system, receiver_actor, lambda b: KVTransferConfig(chunk_bytes=2 * b.bytes_per_block))
     offer = KVOffer("ahead", tx, "r", list(range(40)), [], GREEDY, sched, 0, None, 0, blocks.layout)
     return tx, receiver, offer, dones
 
@@ -323,10 +328,7 @@ async def test_blocks_sent_ahead_go_as_they_are_ready_and_the_commit_brings_the_
     assert [e[0] for e in rec.heard] == ["offer", "chunk", "chunk", "chunk", "chunk"] and not dones
     final = msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42])
     tx.tell(HandOver(7, table, final, receiver))
-    for _ in range(100):
-        if dones:
-            break
-        await asyncio.sleep(0.02)
+    await _first_done(dones)
     assert rec.heard[0] == ("offer", []) and rec.heard[-1] == ("commit", [42])
     assert rec.blocks() == list(range(10)) and sum(e[0] == "offer" for e in rec.heard) == 1
     assert dones[0].ok and dones[0].num_blocks == 10 and dones[0].num_blocks_ahead == 7
@@ -358,10 +360,7 @@ async def test_a_refused_offer_ahead_is_made_again_whole_after_the_first_token()
     await asyncio.sleep(0.05)
     assert rec.heard == [("offer", [])]
     tx.tell(HandOver(1, table, msgspec.structs.replace(offer, transfer_id="again", output_token_ids=[9]), receiver))
-    for _ in range(100):
-        if dones:
-            break
-        await asyncio.sleep(0.02)
+    await _first_done(dones)
     assert rec.heard[1] == ("offer", [9]) and rec.heard[-1] == ("commit", None)
     assert rec.blocks() == list(range(10))
     assert dones[0].ok and dones[0].num_blocks == 10 and dones[0].num_blocks_ahead == 0
