@@ -2,7 +2,8 @@
 engine and a gateway on loopback, with a redis-server of their own. Greedy text through the pair
 equals the colocated engine's, the decode engine never prefills it, and a request still gets the
 same text when its decode engine dies after the handover, when the handoff is cut, or when its
-prefill engine dies before it (the colocated engine then serves what is left). A gateway with the
+prefill engine dies before it (the colocated engine then serves what is left). The prefill engine
+takes 32 tokens a step, so the longer prompts send their blocks ahead of the first token. A gateway with the
 default --local-prefill-tokens sends the short prompts whole to the decode engine, same text."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.cluster import harness as h
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
+PREFILL_STEP = 32   # the prefill engine's --max-num-batched-tokens
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,10 @@ class DisaggCluster:
 
     def start_engine(self, role: str) -> None:
         port = self.ports[role]
-        self.nodes[role] = h.Node(role_args(role, self.model, self.redis.url, port, self.metrics_ports[role]),
-                                  str(self.logs / f"{role}-{port}.log")).start()
+        args = role_args(role, self.model, self.redis.url, port, self.metrics_ports[role])
+        if role == "prefill":   # prompts past 32 tokens take several chunks: their blocks go ahead over the wire
+            args[args.index("--max-num-batched-tokens") + 1] = str(PREFILL_STEP)
+        self.nodes[role] = h.Node(args, str(self.logs / f"{role}-{port}.log")).start()
 
     def start_gateway(self) -> None:
         # Every prompt through the prefill engine: the pair is what these tests check.
@@ -159,6 +163,7 @@ def test_greedy_text_through_a_prefill_and_a_decode_engine_equals_the_colocated_
     assert d.kv_handoffs_received - before.kv_handoffs_received == n
     assert d.prefill_steps == before.prefill_steps and d.prefill_tokens == before.prefill_tokens
     assert p.kv_handoffs_sent >= n and p.kv_transfer_bytes > 0 and p.prefix_cache_hit_tokens >= 2 * 3 * BLOCK
+    assert p.kv_transfer_blocks_ahead <= p.kv_transfer_blocks
     assert e.prompt_tokens == sum(map(len, prompts)) + sum(map(len, cluster.long_prompts))   # only the reference
     assert h.metric(cluster.base, "matinee_kv_handoffs_total") >= n
     engine_http = f"http://127.0.0.1:{cluster.metrics_ports['prefill']}"
