@@ -2,7 +2,8 @@
 twelve blocks reached through a relay, two gateways, a redis-server of their own): the relay cuts
 the connection halfway through the KV frame, or the prefill engine dies halfway through it, or
 the decode engine has no room and refuses; each request still ends with the colocated engine's
-greedy text, and the decode engine gets every reserved block back."""
+greedy text, and the decode engine gets every reserved block back. Last, a prefill engine of a few
+tokens a step has the cut land while its blocks go ahead of the first token."""
 from __future__ import annotations
 
 import random
@@ -94,7 +95,7 @@ class Cluster:
 def cluster(model, tmp_path_factory):
     c = Cluster(model, tmp_path_factory.mktemp("disagg-faults-logs"))
     rng = random.Random(23)
-    c.prompts = [[rng.randrange(4, 360) for _ in range(PROMPT)] for _ in range(4)]
+    c.prompts = [[rng.randrange(4, 360) for _ in range(PROMPT)] for _ in range(5)]   # the last one for the ahead cut
     try:
         c.redis.start()
         c.start_engine("engine")
@@ -159,4 +160,25 @@ def test_a_prefill_engine_dying_halfway_through_the_kv_leaves_the_decode_engine_
     assert not errors and text == cluster.expected[3]
     assert h.metric(cluster.bases[0], "matinee_request_migrations_total") > before
     # The half-written reservation went back before (or while) the decode engine served the rest.
+    h.wait_until(lambda: cluster.decode_free() == cluster.free, 10, "the decode engine's blocks back")
+
+
+def test_a_connection_cut_while_the_blocks_go_ahead_is_handed_over_whole_with_the_same_text(cluster):
+    """A prefill engine of 8 tokens a step sends a 100-token prompt's blocks ahead from its second step;
+    the cut lands on the first of those frames. The handoff sent ahead fails quietly, and once the
+    prompt is prefilled it is handed over whole on a new connection: nothing fails, no prefill runs
+    twice, and the decode engine gets the cut reservation's blocks back."""
+    cluster.nodes.pop("prefill").kill()   # the last test's is dead already
+    cluster.start_engine("prefill", "--max-num-batched-tokens", "8")
+    cluster.wait_engines(2, 0)
+    h.wait_until(lambda: cluster.decode_free() == cluster.free, 10, "the decode engine's blocks back")
+    received = engine_stats(cluster.redis.url, "decode").kv_handoffs_received
+    cuts = cluster.cutter.cuts
+    cluster.cutter.then = None
+    cluster.cutter.armed = True
+    assert cluster.complete(cluster.prompts[4]) == cluster.expected[4]
+    assert cluster.cutter.cuts == cuts + 1
+    p, d = engine_stats(cluster.redis.url, "prefill"), engine_stats(cluster.redis.url, "decode")
+    assert p.kv_handoffs_failed == 0 and p.kv_handoffs_sent == 1 and d.kv_handoffs_received == received + 1
+    assert p.prompt_tokens == PROMPT   # prefilled once
     h.wait_until(lambda: cluster.decode_free() == cluster.free, 10, "the decode engine's blocks back")
