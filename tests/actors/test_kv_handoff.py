@@ -482,20 +482,23 @@ def test_blocks_come_back_byte_for_byte_and_a_wrong_size_is_refused(host, dtype)
 
 
 @pytest.mark.parametrize("host", [None, False], ids=["numpy", "torch"])
-def test_a_quantized_cache_moves_with_its_scales_and_refuses_another_layout(host):
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_quantized_cache_moves_with_its_scales_and_refuses_another_layout(host, code):
     def cache(num_blocks, fill):
-        make = (lambda *shape: torch.randint(-127, 128, shape, dtype=torch.int8)) if fill else \
-            (lambda *shape: torch.zeros(shape, dtype=torch.int8))
+        make = (lambda *shape: torch.randint(-127, 128, shape, dtype=torch.int8).to(code)) if fill else \
+            (lambda *shape: torch.zeros(shape, dtype=code))
         scales = (lambda: torch.rand(num_blocks, 2)) if fill else (lambda: torch.zeros(num_blocks, 2))
         return [LayerKV(make(num_blocks, 4, 2, 8), make(num_blocks, 4, 2, 8), scales(), scales()) for _ in range(2)]
     src, dst = cache(6, True), cache(9, False)
     a, b = KVBlockIO(src, host), KVBlockIO(dst, host)
-    assert a.layout == b.layout == "2x(int8[4x2x8],int8[4x2x8],float32[2],float32[2])"
+    name = str(code).removeprefix("torch.")
+    assert a.layout == b.layout == f"2x({name}[4x2x8],{name}[4x2x8],float32[2],float32[2])"
     assert a.bytes_per_block == 2 * (2 * 4 * 2 * 8 + 2 * 2 * 4)
     b.write([8, 0], bytes(a.read([2, 3])))
+    raw = lambda t: t.view(torch.uint8)   # fp8 has no torch.equal on the CPU: compare the bytes
     for s, d in zip(src, dst):
         for st, dt in zip(s, d):
-            assert torch.equal(dt[8], st[2]) and torch.equal(dt[0], st[3]) and not dt[1].any()
+            assert torch.equal(raw(dt[8]), raw(st[2])) and torch.equal(raw(dt[0]), raw(st[3])) and not raw(dt[1]).any()
     plain = KVBlockIO([(torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16),) * 2 for _ in range(2)])
     assert plain.layout != a.layout   # a handoff between the two is refused on the offer
 
