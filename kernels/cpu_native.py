@@ -116,6 +116,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_sgemm_nt.argtypes = [ptr] * 3 + [long_] * 3 + [int_]
     lib.matinee_paged_attention.restype = int_
     lib.matinee_paged_attention.argtypes = [ptr] * 9 + [long_] * 8 + [ctypes.c_float] + [int_] * 3 + [long_]
+    lib.matinee_attention_prefetch_to.restype = int_
+    lib.matinee_attention_prefetch_to.argtypes = [int_]
     lib.matinee_packed_gemm.restype = int_
     lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_]
     lib.matinee_packed_width.restype = int_
@@ -168,6 +170,9 @@ def library() -> ctypes.CDLL | None:
             _library = load(build())
         except (OSError, RuntimeError) as e:
             structlog.get_logger().warning("CPU C kernels unavailable; using torch's ops", error=str(e))
+            return None
+        from kernels import paged_attention_cpu   # measures where its prefetches go, once per machine
+        paged_attention_cpu.choose_prefetch(_library)
         return _library
 
 
@@ -191,15 +196,30 @@ def keep_measurements(path: Path, known: dict) -> None:
         structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
 
 
-def kept_measurement(suffix: str, name: str, measure) -> dict:
-    """The timings `name` from the file beside the built library (whose name is its digest) with this
-    suffix; where they are not there yet, `measure()` gives them and they are kept for the next start."""
-    path = library().path.with_suffix(suffix)
+def kept_measurement(suffix: str, name: str, measure, lib: ctypes.CDLL | None = None) -> dict:
+    """The timings `name` from the file beside the built library (whose name is its digest; `lib`, by
+    default the loaded one) with this suffix; where they are not there yet, `measure()` gives them and they
+    are kept for the next start."""
+    path = (lib or library()).path.with_suffix(suffix)
     known = read_measurements(path)
     if name not in known:
         known = read_measurements(path) | {name: measure()}   # re-read: another process may have added some
         keep_measurements(path, known)
     return known[name]
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache sysfs lists (32 MiB where it lists none): what a measurement of memory-bound
+    work must exceed to time memory and not the cache."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
 
 
 def best_ms(runs: dict, repeats: int) -> dict[str, float]:

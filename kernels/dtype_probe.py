@@ -70,22 +70,10 @@ def _cached_measure() -> dict[str, float]:
     return cpu_native.kept_measurement(".dtype-probe.json", f"{torch.get_num_threads()} threads", measure)
 
 
-def _last_level_cache_bytes() -> int:
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
-
-
 def measure(repeats: int = 3) -> dict[str, float]:
     """Best-of ms for a pass over weights twice the last-level cache (float32 bytes; at most 1 GiB)
     at one row, and over four matrices at 256 rows, in float32 and in bf16 (packed)."""
-    count = max(4, min(64, -(-2 * _last_level_cache_bytes() // (N * K * 4))))
+    count = max(4, min(64, -(-2 * cpu_native.last_level_cache_bytes() // (N * K * 4))))
     f32 = [torch.empty(N, K).uniform_(-0.05, 0.05) for _ in range(count)]
     bf16 = [packed_linear.pack(w) for w in f32]
     runs = {"float32": (torch.float32, f32, cpu_gemm.linear), "bfloat16": (torch.bfloat16, bf16, packed_linear.matmul)}

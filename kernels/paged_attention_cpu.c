@@ -347,17 +347,34 @@ static int check_metadata(const int *block_tables, const int *query_start_loc, c
 /* Blocks are scattered through the pool, so the hardware prefetcher, which restarts at each one,
  * leaves a core waiting on memory: the next blocks are fetched by hand, AHEAD tokens before they are
  * read (on Zen 5, 16 to 64 measured alike; how the fetches are spread over the compute mattered: see
- * attend). Prefetches the
- * elements [first, first + width) of each token's cache row in the blocks starting at tokens
- * [from, until), until <= span, and returns the first block start not fetched. */
+ * attend). Into L1 (prefetcht0) or L2 (prefetcht1), as matinee_attention_prefetch_to last set: on a Zen 4
+ * the L2 lines let twice the reads be in flight (7.5 -> 15.9 GB/s for SmolLM2's bf16 decode at batch 32,
+ * bench/attention_cpu.py), where Zen 5 had measured 20-25 GB/s into L1. paged_attention_cpu.py measures
+ * both once per machine and picks. Prefetches the elements [first, first + width) of each token's cache
+ * row in the blocks starting at tokens [from, until), until <= span, and returns the first block start not
+ * fetched. */
 #define AHEAD 32
+static int prefetch_level = 1;
+
+/* 1: into L1, 2: into L2; anything else leaves the level as it is. Returns the level now in force. */
+int matinee_attention_prefetch_to(int level) {
+    if (level == 1 || level == 2) prefetch_level = level;
+    return prefetch_level;
+}
+
 static inline long prefetch(const void *cache, const long *slot, long from, long until, long block_size,
                             long span, long first, long width, int kind) {
     long size = ELEMENT_SIZE[kind];
+    const int l2 = prefetch_level == 2;
     for (; from < until; from += block_size)
         for (long t = from; t < from + block_size && t < span; t++) {
             const char *row = (const char *)cache + (slot[t] + first) * size;
-            for (long x = 0; x < width * size; x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
+            for (long x = 0; x < width * size; x += 64) {
+                if (l2)
+                    _mm_prefetch(row + x, _MM_HINT_T1);
+                else
+                    _mm_prefetch(row + x, _MM_HINT_T0);
+            }
         }
     return from;
 }

@@ -11,6 +11,9 @@ the short runs of the same batch stay in the decode kernel; other dtypes go to t
 
 from __future__ import annotations
 
+import ctypes
+
+import structlog
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +27,12 @@ from kernels.paged_attention import paged_attention as reference_paged_attention
 MAX_QUERY_LEN = {torch.float32: 5, torch.bfloat16: 5}
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # paged_attention_cpu.c's kinds (2, 3: int8, fp8)
 PREFILL_D_MULTIPLE, PREFILL_MAX_GROUP = 8, 24
+# The decode kernel's prefetches go into L1 or L2 (paged_attention_cpu.c's `prefetch`): measured once per
+# machine on a batch of decodes whose caches are twice the last-level cache, L2 kept where it wins by MARGIN.
+PREFETCH_LEVELS = {"l1": 1, "l2": 2}
+MARGIN = 1.1
+PROBE_HEADS, PROBE_KV_HEADS, PROBE_D, PROBE_BLOCK = 9, 3, 64, 16   # SmolLM2's heads
+PROBE_BATCH, PROBE_CONTEXT = 32, 256
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -81,6 +90,51 @@ def _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
         else:
             out[first:end] = _chunk(q[first:end], k_cache, v_cache, block_tables[b], lens[b], scale)
     return out
+
+
+def choose_prefetch(lib: ctypes.CDLL) -> str:
+    """Sets where `lib`'s decode kernel prefetches, from the measurement kept beside it (taken now if
+    there is none yet); returns the level's name."""
+    ms = cpu_native.kept_measurement(".attention-prefetch.json", f"{torch.get_num_threads()} threads",
+                                     lambda: measure_prefetch(lib), lib)
+    level = prefetch_level(ms)
+    lib.matinee_attention_prefetch_to(PREFETCH_LEVELS[level])
+    structlog.get_logger().info("paged attention prefetch", into=level, ms=ms)
+    return level
+
+
+def prefetch_level(ms: dict[str, float]) -> str:
+    """From `measure_prefetch`'s timings: L2 where it is faster by MARGIN, else L1 (the kernel's default)."""
+    return "l2" if ms["l2"] * MARGIN < ms["l1"] else "l1"
+
+
+def measure_prefetch(lib: ctypes.CDLL, repeats: int = 3) -> dict[str, float]:
+    """Best-of ms of a decode step's attention over layers of float32 caches twice the last-level cache
+    (scattered blocks, as a pool holds them), with the prefetches into L1 and into L2. Leaves the level
+    as it found it."""
+    blocks = PROBE_BATCH * PROBE_CONTEXT // PROBE_BLOCK
+    layer_bytes = 2 * blocks * PROBE_BLOCK * PROBE_KV_HEADS * PROBE_D * 4
+    layers = max(2, min(64, -(-2 * cpu_native.last_level_cache_bytes() // layer_bytes)))
+    shape = (blocks, PROBE_BLOCK, PROBE_KV_HEADS, PROBE_D)
+    caches = [(torch.empty(shape).uniform_(-1, 1), torch.empty(shape).uniform_(-1, 1)) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(PROBE_BATCH, -1)
+    q = torch.randn(PROBE_BATCH, PROBE_HEADS, PROBE_D, generator=gen)
+    lens = torch.full((PROBE_BATCH,), PROBE_CONTEXT, dtype=torch.int32)
+    starts = torch.arange(PROBE_BATCH + 1, dtype=torch.int32)
+
+    def step(level: int):
+        def run():
+            lib.matinee_attention_prefetch_to(level)
+            for k, v in caches:
+                _kernel(lib, q, k, v, tables, lens, starts, PROBE_D ** -0.5, None, None)
+        return run
+
+    before = lib.matinee_attention_prefetch_to(0)
+    try:
+        return cpu_native.best_ms({name: step(level) for name, level in PREFETCH_LEVELS.items()}, repeats)
+    finally:
+        lib.matinee_attention_prefetch_to(before)
 
 
 def kernel_takes(dtype: torch.dtype, max_query_len: int, num_q_heads: int, num_kv_heads: int,

@@ -64,7 +64,7 @@ def test_an_explicit_dtype_is_never_probed(probe):
 
 @pytest.mark.skipif(not cpu_native.available(), reason="no AVX2 CPU or no C compiler")
 def test_the_measurement_times_both_dtypes_at_both_sizes(monkeypatch):
-    monkeypatch.setattr(dtype_probe, "_last_level_cache_bytes", lambda: 1 << 20)   # the 4-matrix minimum
+    monkeypatch.setattr(cpu_native, "last_level_cache_bytes", lambda: 1 << 20)   # the 4-matrix minimum
     ms = dtype_probe.measure(repeats=1)
     assert set(ms) == {f"{dtype}_{rows}" for dtype in ("float32", "bfloat16") for rows in (D, P)}
     assert all(v > 0 for v in ms.values())

@@ -119,6 +119,52 @@ def test_threads_give_the_same_bits(dtype, shapes):
     assert torch.equal(one, two)
 
 
+@pytest.fixture
+def prefetch_level_kept():
+    """The loaded library's prefetch level, put back after the test."""
+    lib = cpu_native.library()
+    before = lib.matinee_attention_prefetch_to(0)
+    yield lib
+    lib.matinee_attention_prefetch_to(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_prefetches_go_changes_no_bits(prefetch_level_kept, dtype):
+    """Into L1 or L2 (measured per machine), a prefetch moves when a line arrives, never a result."""
+    lib = prefetch_level_kept
+    batch = make_batch(CASES["decode"] + CASES["verify"] + [(1, 700)], 9, 3, head_dim=64, block_size=16, seed=5,
+                       dtype=dtype)
+    outs = []
+    for level in (1, 2):
+        assert lib.matinee_attention_prefetch_to(level) == level
+        outs.append(paged_attention(*batch.args()))
+    assert torch.equal(outs[0], outs[1])
+    _assert_matches_oracle(batch)
+
+
+def test_prefetches_go_into_l2_only_where_that_measures_faster():
+    assert paged_attention_cpu.prefetch_level({"l1": 6.3, "l2": 3.0}) == "l2"
+    assert paged_attention_cpu.prefetch_level({"l1": 3.0, "l2": 6.3}) == "l1"
+    assert paged_attention_cpu.prefetch_level({"l1": 3.2, "l2": 3.0}) == "l1"   # within the margin: L1 stays
+
+
+def test_the_library_prefetches_where_its_measurement_says(monkeypatch, prefetch_level_kept):
+    lib = prefetch_level_kept
+    for ms, level in (({"l1": 6.0, "l2": 3.0}, 2), ({"l1": 3.0, "l2": 6.0}, 1)):
+        monkeypatch.setattr(cpu_native, "kept_measurement", lambda suffix, name, measure, lib=None, ms=ms: ms)
+        assert paged_attention_cpu.choose_prefetch(lib) == ("l2" if level == 2 else "l1")
+        assert lib.matinee_attention_prefetch_to(0) == level
+
+
+def test_the_measurement_times_both_levels_and_leaves_the_level(monkeypatch, prefetch_level_kept):
+    lib = prefetch_level_kept
+    monkeypatch.setattr(cpu_native, "last_level_cache_bytes", lambda: 1 << 20)   # the 2-layer minimum
+    lib.matinee_attention_prefetch_to(2)
+    ms = paged_attention_cpu.measure_prefetch(lib, repeats=1)
+    assert set(ms) == {"l1", "l2"} and all(v > 0 for v in ms.values())
+    assert lib.matinee_attention_prefetch_to(0) == 2
+
+
 # Prefill chunks beside decodes and verifications, as a step mixes them: fresh prompts (the chunk is the
 # whole sequence), chunks after a cached past, lengths off the block size.
 PREFILL_MIX = [(40, 40), (1, 30), (3, 19), (17, 100), (1, 5), (33, 33), (2, 2), (70, 71)]
