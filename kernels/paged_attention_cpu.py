@@ -95,8 +95,12 @@ def _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 
 def choose_prefetch(lib: ctypes.CDLL) -> str:
     """Sets where `lib`'s decode kernel prefetches, from the measurement kept beside it (taken now if
     there is none yet); returns the level's name."""
-    ms = cpu_native.kept_measurement(".attention-prefetch.json", f"{torch.get_num_threads()} threads",
-                                     lambda: measure_prefetch(lib), lib)
+    try:
+        ms = cpu_native.kept_measurement(".attention-prefetch.json", f"{torch.get_num_threads()} threads",
+                                         lambda: measure_prefetch(lib), lib)
+    except (MemoryError, RuntimeError, ValueError) as e:   # the kernels still serve, prefetching into L1
+        structlog.get_logger().warning("paged attention prefetch not measured", into="l1", error=str(e))
+        return "l1"
     level = prefetch_level(ms)
     lib.matinee_attention_prefetch_to(PREFETCH_LEVELS[level])
     structlog.get_logger().info("paged attention prefetch", into=level, ms=ms)

@@ -156,6 +156,18 @@ def test_the_library_prefetches_where_its_measurement_says(monkeypatch, prefetch
         assert lib.matinee_attention_prefetch_to(0) == level
 
 
+def test_a_measurement_that_fails_leaves_l1(monkeypatch, prefetch_level_kept):
+    lib = prefetch_level_kept
+    lib.matinee_attention_prefetch_to(1)
+
+    def no_memory(lib, repeats=3):
+        raise MemoryError("no memory for the probe's caches")
+    monkeypatch.setattr(cpu_native, "kept_measurement", lambda suffix, name, measure, lib=None: measure())
+    monkeypatch.setattr(paged_attention_cpu, "measure_prefetch", no_memory)
+    assert paged_attention_cpu.choose_prefetch(lib) == "l1"
+    assert lib.matinee_attention_prefetch_to(0) == 1
+
+
 def test_the_measurement_times_both_levels_and_leaves_the_level(monkeypatch, prefetch_level_kept):
     lib = prefetch_level_kept
     monkeypatch.setattr(cpu_native, "last_level_cache_bytes", lambda: 1 << 20)   # the 2-layer minimum
