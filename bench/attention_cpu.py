@@ -4,8 +4,10 @@ tree's with its prefetches into L1 and into L2 (the level paged_attention_cpu.py
 SmolLM2-135M's geometry (9 query heads, 3 KV heads, head_dim 64, block size 16) over 30 distinct
 layer caches, so each call reads its K/V from memory as a decode step does, not from cache. Prints
 ms per 30-layer step (best of 5) and the K+V read rate at the faster level; asserts nothing about speed.
+`--prefill`: fresh prompts of 256 and 512 tokens through the prefill kernel instead, with its GFLOP/s (the
+causal half of QK^T and PV).
 
-    python -m bench.attention_cpu [--threads 2] [--q-len 1]
+    python -m bench.attention_cpu [--threads 2] [--q-len 1] [--prefill]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def step_ms(lib, dtype, batch, ctx, q_len, threads, repeats=5):
+def step_ms(lib, dtype, batch, ctx, q_len, threads, repeats=5, short_max=None):
     blocks = (ctx + BLOCK - 1) // BLOCK
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(batch * blocks, BLOCK, HK, D, generator=gen).to(dtype)
@@ -55,7 +57,7 @@ def step_ms(lib, dtype, batch, ctx, q_len, threads, repeats=5):
         for k, v in caches:
             status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, tables.data_ptr(), starts.data_ptr(),
                         lens.data_ptr(), out.data_ptr(), batch, batch * q_len, HQ, HK, D, BLOCK, blocks,
-                        batch * blocks, D ** -0.5, threads, bf16, bf16, q_len)
+                        batch * blocks, D ** -0.5, threads, bf16, bf16, q_len if short_max is None else short_max)
             if status:
                 raise RuntimeError(f"kernel status {status}")
         best = min(best, time.perf_counter() - t0)
@@ -66,11 +68,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--q-len", type=int, default=1)
+    parser.add_argument("--prefill", action="store_true", help="fresh prompts through the prefill kernel")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = build(subprocess.run(["git", "show", "HEAD:kernels/paged_attention_cpu.c"], capture_output=True,
                                    text=True, check=True, cwd=SOURCE.parent).stdout, Path(tmp), "old")
         new = build(SOURCE.read_text(), Path(tmp), "new")
+        if args.prefill:
+            prefill(old, new, args.threads)
+            return
         print(f"q_len {args.q_len}, {args.threads} threads, {LAYERS} layers; ms per step (best of 5)")
         new.matinee_attention_prefetch_to.restype = ctypes.c_int
         print(f"{'dtype':8} {'batch':>5} {'ctx':>5} {'old ms':>8} {'new L1':>8} {'new L2':>8} {'speedup':>7} "
@@ -88,6 +94,21 @@ def main():
                     gbytes = 2 * LAYERS * batch * ctx * HK * D * o_new.element_size() / 1e9
                     print(f"{str(dtype)[6:]:8} {batch:5} {ctx:5} {t_old:8.2f} {t_new[1]:8.2f} {t_new[2]:8.2f} "
                           f"{t_old / best:6.2f}x {gbytes / best * 1e3:8.1f}   (max |old - new| {diff:.1e})")
+
+
+def prefill(old, new, threads):
+    """Fresh prompts (the chunk is the whole sequence) through the prefill kernel: runs longer than 5 tokens."""
+    print(f"fresh prompts, {threads} threads, {LAYERS} layers; ms per step (best of 5)")
+    print(f"{'dtype':8} {'batch':>5} {'tokens':>6} {'old ms':>8} {'new ms':>8} {'speedup':>7} {'new GFLOP/s':>11}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in (1, 2, 4):
+            for q_len in (256, 512):
+                t_old, o_old = step_ms(old, dtype, batch, q_len, q_len, threads, short_max=5)
+                t_new, o_new = step_ms(new, dtype, batch, q_len, q_len, threads, short_max=5)
+                diff = (o_old.float() - o_new.float()).abs().max().item()
+                gflop = 4 * LAYERS * batch * HQ * D * q_len * (q_len + 1) / 2 / 1e9
+                print(f"{str(dtype)[6:]:8} {batch:5} {q_len:6} {t_old:8.2f} {t_new:8.2f} {t_old / t_new:6.2f}x "
+                      f"{gflop / t_new * 1e3:11.1f}   (max |old - new| {diff:.1e})")
 
 
 if __name__ == "__main__":

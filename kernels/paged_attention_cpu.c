@@ -577,6 +577,11 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
 #define SD 4
 #endif
 #define PROWS (PR * W)
+#ifdef __AVX512BF16__
+#define DOT_BF16 1
+#else
+#define DOT_BF16 0
+#endif
 
 /* Tokens [i0, i0 + nt) of sequence b, KV head h: 0, or -1 when its scratch cannot be had. */
 static inline __attribute__((always_inline)) int prefill_item(const Problem *pb, long b, long i0, long nt, long h,
@@ -590,9 +595,20 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
     if (scratch == NULL) return -1;
     float *qt = scratch, *ot = qt + D * PROWS, *s = ot + D * PROWS, *kf = s + PK * PROWS, *vf = kf + PK * D;
     float *limit = vf + PK * D, *run_max = limit + PROWS, *run_sum = run_max + PROWS;
+    /* A bf16 cache's scores by dpbf16 where the CPU has it: qt then holds the queries' bf16 pairs
+     * (d, d + 1) as uint32 [D / 2][rows], and each key's pairs are broadcast from the cache as they lie,
+     * two products an instruction and no widening (kf unused); the sum is scaled once. */
+    const int dot_bf16 = DOT_BF16 && kind == BF16;
+    uint32_t *qp = (uint32_t *)qt;
+    long kat[PK];   /* with dot_bf16: where each key of a block starts in the cache (padding: the block's first) */
     for (long r = 0; r < PROWS; r++) {   /* lanes past the rows: zero queries, their results dropped */
         long row = (first + i0 + r / group) * Hq + h * group + r % group;
-        for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
+        if (dot_bf16)
+            for (long d = 0; d < D; d += 2)
+                qp[d / 2 * PROWS + r] = r < rows ? ((const bf16 *)pb->q)[row * D + d] |
+                                                   (uint32_t)((const bf16 *)pb->q)[row * D + d + 1] << 16 : 0;
+        else
+            for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
         limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
         run_max[r] = -INFINITY, run_sum[r] = 0.f;
     }
@@ -603,6 +619,7 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
          * masked below like any key a row does not see. */
         for (long j = 0; j < padded; j++) {
             if (j >= n) {
+                kat[j] = kat[0];
                 memset(kf + j * D, 0, sizeof(float) * D), memset(vf + j * D, 0, sizeof(float) * D);
                 continue;
             }
@@ -612,13 +629,14 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
                 long scale_at = (long)table[t / block_size] * pb->Hk + h;
                 ks *= pb->k_scales[scale_at], vs = pb->v_scales[scale_at];
             }
+            kat[j] = at;
             long d = 0;
             for (; d + W <= D; d += W) {
-                vstoref(kf + j * D + d, vmul(vload(pb->k_cache, at + d, kind), vset1(ks)));
+                if (!dot_bf16) vstoref(kf + j * D + d, vmul(vload(pb->k_cache, at + d, kind), vset1(ks)));
                 vstoref(vf + j * D + d, vmul(vload(pb->v_cache, at + d, kind), vset1(vs)));
             }
             for (; d < D; d++) {
-                kf[j * D + d] = load1(pb->k_cache, at + d, kind) * ks;
+                if (!dot_bf16) kf[j * D + d] = load1(pb->k_cache, at + d, kind) * ks;
                 vf[j * D + d] = load1(pb->v_cache, at + d, kind) * vs;
             }
         }
@@ -629,6 +647,22 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
             vec acc[SK][PR];
             for (int j = 0; j < SK; j++)
                 for (int p = 0; p < PR; p++) acc[j][p] = vzero();
+#ifdef __AVX512BF16__
+            if (dot_bf16) {
+                for (long d = 0; d < D; d += 2) {
+                    __m512bh qv[PR];
+                    for (int p = 0; p < PR; p++) qv[p] = (__m512bh)_mm512_loadu_si512(qp + d / 2 * PROWS + p * W);
+                    for (int j = 0; j < SK; j++) {
+                        uint32_t pair;
+                        memcpy(&pair, (const bf16 *)pb->k_cache + kat[j0 + j] + d, sizeof(pair));
+                        __m512bh kv = (__m512bh)_mm512_set1_epi32((int)pair);
+                        for (int p = 0; p < PR; p++) acc[j][p] = _mm512_dpbf16_ps(acc[j][p], qv[p], kv);
+                    }
+                }
+                for (int j = 0; j < SK; j++)
+                    for (int p = 0; p < PR; p++) acc[j][p] = vmul(acc[j][p], vset1(pb->scale));
+            } else
+#endif
             for (long d = 0; d < D; d++) {
                 vec qv[PR];
                 for (int p = 0; p < PR; p++) qv[p] = vloadf(qt + d * PROWS + p * W);
