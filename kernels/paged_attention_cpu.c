@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "e4m3.h"
 
@@ -583,6 +584,32 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
 #define DOT_BF16 0
 #endif
 
+/* The running softmax over one block of keys [t0, t0 + padded), its scores s[key][row] (rows in the lanes of
+ * PR vectors, PROWS apart): the sums so far rescaled to the new max, the block's weights e^(s - max) written
+ * over the scores (0 where masked) and added. Every row sees key 0, so its max is finite from the first
+ * block on. rescale gets e^(old max - new max) for each row, by which the sums of values shrink. */
+static inline void block_softmax(float *s, long padded, long t0, const vec *lim, int masked, const vec *block_max,
+                                 float *run_max, float *run_sum, vec *rescale) {
+    vec new_max[PR], sum[PR];
+    for (int p = 0; p < PR; p++) {
+        vec old = vloadf(run_max + p * W);
+        new_max[p] = vmax(old, block_max[p]);
+        rescale[p] = vexp(vsub(old, new_max[p]));
+        sum[p] = vzero();
+    }
+    for (long j = 0; j < padded; j++)
+        for (int p = 0; p < PR; p++) {
+            vec e = vexp(vsub(vloadf(s + j * PROWS + p * W), new_max[p]));
+            if (masked) e = vwhere_le(vset1((float)(t0 + j)), lim[p], e, vzero());
+            sum[p] = vadd(sum[p], e);
+            vstoref(s + j * PROWS + p * W, e);
+        }
+    for (int p = 0; p < PR; p++) {
+        vstoref(run_sum + p * W, vadd(vmul(vloadf(run_sum + p * W), rescale[p]), sum[p]));
+        vstoref(run_max + p * W, new_max[p]);
+    }
+}
+
 /* Tokens [i0, i0 + nt) of sequence b, KV head h: 0, or -1 when its scratch cannot be had. */
 static inline __attribute__((always_inline)) int prefill_item(const Problem *pb, long b, long i0, long nt, long h,
                                                               int act_bf16, int kind) {
@@ -679,26 +706,8 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
                     vstoref(s + (j0 + j) * PROWS + p * W, a);
                 }
         }
-        /* The running softmax: the sums so far rescaled to the new max, the block's weights added. Every
-         * row sees key 0, so its max is finite from the first block on. */
-        vec new_max[PR], rescale[PR], sum[PR];
-        for (int p = 0; p < PR; p++) {
-            vec old = vloadf(run_max + p * W);
-            new_max[p] = vmax(old, block_max[p]);
-            rescale[p] = vexp(vsub(old, new_max[p]));
-            sum[p] = vzero();
-        }
-        for (long j = 0; j < padded; j++)
-            for (int p = 0; p < PR; p++) {
-                vec e = vexp(vsub(vloadf(s + j * PROWS + p * W), new_max[p]));
-                if (masked) e = vwhere_le(vset1((float)(t0 + j)), lim[p], e, vzero());
-                sum[p] = vadd(sum[p], e);
-                vstoref(s + j * PROWS + p * W, e);
-            }
-        for (int p = 0; p < PR; p++) {
-            vstoref(run_sum + p * W, vadd(vmul(vloadf(run_sum + p * W), rescale[p]), sum[p]));
-            vstoref(run_max + p * W, new_max[p]);
-        }
+        vec rescale[PR];
+        block_softmax(s, padded, t0, lim, masked, block_max, run_max, run_sum, rescale);
         for (long d0 = 0; d0 < D; d0 += SD) {   /* ot[d] = ot[d] * rescale + sum over keys of weight x value[d] */
             vec acc[SD][PR];
             for (int c = 0; c < SD; c++)
@@ -729,7 +738,162 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
     return 0;
 }
 
+#ifdef AMX_BF16
+/* Rows r[0..15] -> columns: r[i] gets lane i of every input, in input order. Three rounds of two-input
+ * shuffles (pairs of lanes, then of 4-lane groups, then of 128-bit lanes twice). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+}
+
+#define AK 32   /* keys per block here: one bf16 A tile row of weights, the K of one product */
+
+/* prefill_item for a bf16 cache on AMX's tiles (D a multiple of 32, PR row vectors of 16 in three C tiles).
+ * A block of AK keys is gathered from the cache: K as it lies (the A tile of the scores: S^T = K Q^T, keys
+ * in rows and the item's rows in the lanes, so the running softmax above runs unchanged on it) and V with
+ * consecutive keys' values interleaved, the pair layout of a B tile. The weights are transposed to rows and
+ * split into a bf16 part and the bf16 rounding of what it leaves (P = hi + lo to ~2^-16), so the values'
+ * sums keep float32 precision where one bf16 operand would round every weight; both multiply V in float32
+ * tiles. The output rows o[row][D] take each block's sums as out = out * rescale + block. */
+static int prefill_item_amx(const Problem *pb, long b, long i0, long nt, long h) {
+    const long D = pb->D, Hq = pb->Hq, group = Hq / pb->Hk, block_size = pb->block_size;
+    const long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
+    const long past = pb->seq_lens[b] - q_len + i0, span = past + nt, rows = nt * group;
+    const long slot_stride = pb->Hk * D;
+    const int *table = pb->block_tables + b * pb->table_width;
+    const bf16 *kc = pb->k_cache, *vc = pb->v_cache;
+    /* qp [D / 2][PROWS] query pairs (the scores' B tiles), o [PROWS][D], s [AK][PROWS], pv [16][D], kb [AK][D],
+     * vb [AK / 2][D][2], ph and pl [PR][16][AK] bf16, limit, run_max, run_sum, rescale [PROWS] */
+    float *scratch = aligned_alloc(64, sizeof(float) * (D / 2 * PROWS + PROWS * D + AK * PROWS + 16 * D + AK * D +
+                                                        PR * 16 * AK + 4 * PROWS));
+    if (scratch == NULL) return -1;
+    uint32_t *qp = (uint32_t *)scratch;
+    float *o = scratch + D / 2 * PROWS, *s = o + PROWS * D, *pv = s + AK * PROWS;
+    bf16 *kb = (bf16 *)(pv + 16 * D), *vb = kb + AK * D, *ph = vb + AK * D, *pl = ph + PR * 16 * AK;
+    float *limit = (float *)(pl + PR * 16 * AK), *run_max = limit + PROWS, *run_sum = run_max + PROWS;
+    float *resc = run_sum + PROWS;
+    for (long r = 0; r < PROWS; r++) {   /* lanes past the rows: zero queries, their results dropped */
+        long row = (first + i0 + r / group) * Hq + h * group + r % group;
+        for (long d = 0; d < D; d += 2)
+            qp[d / 2 * PROWS + r] = r < rows ? ((const bf16 *)pb->q)[row * D + d] | (uint32_t)((const bf16 *)pb->q)[row * D + d + 1] << 16 : 0;
+        limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
+        run_max[r] = -INFINITY, run_sum[r] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * PROWS * D);
+    const __m512i even_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i odd_idx = _mm512_add_epi16(even_idx, _mm512_set1_epi16(16));
+    configure_tiles();
+    for (long t0 = 0; t0 < span; t0 += AK) {
+        const long n = span - t0 < AK ? span - t0 : AK;
+        /* The block's keys and values; keys past the span are zeros, masked below like any key a row does not see. */
+        for (long j = 0; j < AK; j += 2) {
+            const bf16 *v2[2];
+            for (int x = 0; x < 2; x++) {
+                long t = t0 + j + x;
+                if (t < t0 + n) {
+                    long at = ((long)table[t / block_size] * block_size + t % block_size) * slot_stride + h * D;
+                    memcpy(kb + (j + x) * D, kc + at, sizeof(bf16) * D);
+                    v2[x] = vc + at;
+                } else {
+                    memset(kb + (j + x) * D, 0, sizeof(bf16) * D);
+                    v2[x] = NULL;
+                }
+            }
+            for (long d = 0; d < D; d += 32) {   /* keys j and j + 1 interleaved: B row j / 2 */
+                __m512i a = v2[0] ? _mm512_loadu_si512(v2[0] + d) : _mm512_setzero_si512();
+                __m512i c = v2[1] ? _mm512_loadu_si512(v2[1] + d) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vb + j * D + 2 * d, _mm512_permutex2var_epi16(a, even_idx, c));
+                _mm512_storeu_si512(vb + j * D + 2 * d + 32, _mm512_permutex2var_epi16(a, odd_idx, c));
+            }
+        }
+        for (long kt = 0; kt < AK; kt += 16) {   /* S^T: 16 keys x 16 rows a tile, the three row tiles at once */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (long d = 0; d < D; d += 32) {
+                _tile_loadd(3, kb + kt * D + d, D * sizeof(bf16));
+                _tile_loadd(4, qp + d / 2 * PROWS, PROWS * sizeof(uint32_t));
+                _tile_dpbf16ps(0, 3, 4);
+                _tile_loadd(4, qp + d / 2 * PROWS + 16, PROWS * sizeof(uint32_t));
+                _tile_dpbf16ps(1, 3, 4);
+                _tile_loadd(4, qp + d / 2 * PROWS + 32, PROWS * sizeof(uint32_t));
+                _tile_dpbf16ps(2, 3, 4);
+            }
+            _tile_stored(0, s + kt * PROWS, PROWS * sizeof(float));
+            _tile_stored(1, s + kt * PROWS + 16, PROWS * sizeof(float));
+            _tile_stored(2, s + kt * PROWS + 32, PROWS * sizeof(float));
+        }
+        const int masked = t0 + AK - 1 > past;
+        vec lim[PR], block_max[PR], rescale[PR];
+        for (int p = 0; p < PR; p++) lim[p] = vloadf(limit + p * W), block_max[p] = vset1(-INFINITY);
+        for (long j = 0; j < AK; j++)
+            for (int p = 0; p < PR; p++) {
+                vec a = vmul(vloadf(s + j * PROWS + p * W), vset1(pb->scale));
+                if (masked) a = vwhere_le(vset1((float)(t0 + j)), lim[p], a, vset1(-INFINITY));
+                block_max[p] = vmax(block_max[p], a);
+                vstoref(s + j * PROWS + p * W, a);
+            }
+        block_softmax(s, AK, t0, lim, masked, block_max, run_max, run_sum, rescale);
+        for (int p = 0; p < PR; p++) {   /* the weights as A tiles: rows of 32 keys, hi and lo */
+            vstoref(resc + p * W, rescale[p]);
+            __m512 c0[16], c1[16];
+            for (int j = 0; j < 16; j++) c0[j] = vloadf(s + j * PROWS + p * W), c1[j] = vloadf(s + (16 + j) * PROWS + p * W);
+            transpose16(c0);
+            transpose16(c1);
+            for (int r = 0; r < 16; r++) {
+                __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(c1[r], c0[r]);
+                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+                __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+                _mm512_storeu_si512(ph + (p * 16 + r) * AK, hi);
+                _mm512_storeu_si512(pl + (p * 16 + r) * AK, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c1[r], h1), _mm512_sub_ps(c0[r], h0)));
+            }
+        }
+        for (int p = 0; p < PR; p++) {   /* the block's weighted values, 16 rows x 16 columns a tile */
+            _tile_loadd(4, ph + p * 16 * AK, AK * sizeof(bf16));
+            _tile_loadd(5, pl + p * 16 * AK, AK * sizeof(bf16));
+            for (long d = 0; d < D; d += 16) {
+                _tile_zero(0);
+                _tile_loadd(6, vb + 2 * d, 2 * D * sizeof(bf16));
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_stored(0, pv + d, D * sizeof(float));
+            }
+            for (int r = 0; r < 16; r++) {
+                vec c = vset1(resc[p * W + r]);
+                float *orow = o + (p * W + r) * D;
+                for (long d = 0; d < D; d += W) vstoref(orow + d, vfma(vloadf(orow + d), c, vloadf(pv + r * D + d)));
+            }
+        }
+    }
+    _tile_release();
+    for (long r = 0; r < rows; r++) {   /* divided by the sums, rounded into the token's rows */
+        long row = ((first + i0 + r / group) * Hq + h * group + r % group) * D;
+        vec inv = vdiv(vset1(1.f), vset1(run_sum[r]));
+        for (long d = 0; d < D; d += W) vstoref(o + r * D + d, vmul(vloadf(o + r * D + d), inv));
+        store_bf16((bf16 *)pb->out + row, o + r * D, D);
+    }
+    free(scratch);
+    return 0;
+}
+#endif
+
 static int prefill_item_any(const Problem *pb, long b, long i0, long nt, long h, int act_bf16, int kind) {
+#ifdef AMX_BF16
+    if (act_bf16 && kind == BF16 && pb->D % 32 == 0 && amx_permitted()) return prefill_item_amx(pb, b, i0, nt, h);
+#endif
 #define PREFILL_ITEM(a, k) prefill_item(pb, b, i0, nt, h, a, k)
     EACH_KIND(act_bf16, kind, PREFILL_ITEM)
 #undef PREFILL_ITEM

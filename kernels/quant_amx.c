@@ -15,54 +15,24 @@
  * n, the bf16 pair of columns 2p and 2p + 1. A packed block gives one weight row per int32 lane (its
  * 4-byte columns [v][row][4]), so the widening runs on 16 rows at once, a column at a time.
  *
- * Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it,
- * or in a build for a CPU without AMX, matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
+ * Without the kernel's permission for the tiles (amx.h), or in a build for a CPU without AMX,
+ * matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "quant_layout.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#ifdef AMX_BF16
 #define KEEP(v) __asm__("" : "+v"(v))      /* d * q is rounded before + m: no fused multiply-add */
 #define STREAM_BYTES (1L << 20)             /* outputs larger than this are written past the cache */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int amx_permitted(void) {
-    static int state = 0;   /* 0 unknown, 1 granted, -1 refused; a request twice is harmless */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-static void configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {   /* C 0-3, x 4-5, weight 6-7: 16 rows of 64 bytes each */
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* Two columns of 16 weight rows (float32) -> one B tile row: the bf16 pair of each row, in lane order. */
 static inline void pair_row(__m512 even, __m512 odd, uint16_t *row) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* words 0-15: even, 16-31: odd */
-    _mm512_store_si512((void *)row, _mm512_permutexvar_epi16(interleave, both));
+    _mm512_store_si512((void *)row, pair_rows(even, odd));
 }
 
 static inline __m512 scaled(__m512i q, __m512 d, __m512 m, int has_min) {
@@ -193,7 +163,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
 #pragma omp atomic write
             failed = 1;
         } else {
-            configure();
+            configure_tiles();
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < even; t++) repack(x, M, K, t, xp + t * K * 16);

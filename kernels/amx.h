@@ -1,0 +1,55 @@
+/* AMX's tiles for the sources that multiply on them (quant_amx.c, paged_attention_cpu.c): the kernel's
+ * permission and one tile layout for all eight, 16 rows of 64 bytes each (a bf16 A or B tile of 16 x 32
+ * values, a float32 C tile of 16 x 16). Included only where the build has AMX (AMX_BF16 below).
+ *
+ * Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it
+ * the callers keep their other kernels. The configuration is a thread's own: each thread that multiplies
+ * loads it first, and releases the tiles when it is done.
+ */
+#ifndef MATINEE_AMX_H
+#define MATINEE_AMX_H
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define AMX_BF16 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_permitted(void) {
+    static int state = 0;   /* 0 unknown, 1 granted, -1 refused; a request twice is harmless */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Two float32 vectors -> one tile row of bf16 pairs: word 2i is even[i], word 2i + 1 odd[i], each rounded
+ * to nearest even. */
+static inline __m512i pair_rows(__m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* words 0-15: even, 16-31: odd */
+    return _mm512_permutexvar_epi16(interleave, both);
+}
+#endif
+#endif
