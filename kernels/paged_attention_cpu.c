@@ -566,7 +566,8 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
  * PK keys at a time, each block widened (and, for an int8 or fp8 cache, scaled) into float32 scratch,
  * with flash attention's running max and sum: a block's weights are summed into ot[D][rows], the
  * output kept transposed until the end. A row's arithmetic depends only on its query, the keys it sees
- * and D: the blocks start at multiples of PK from key 0 whichever rows share the item.
+ * and D: the blocks start at multiples of PK from key 0 whichever rows share the item. Where the CPU has
+ * AMX, a bf16 cache's items run on its tiles instead (prefill_item_amx).
  */
 #define PR 3    /* row vectors per item: 48 rows with AVX-512, 24 with AVX2 */
 #define PK 32   /* keys per block of the running softmax */
@@ -583,6 +584,26 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
 #else
 #define DOT_BF16 0
 #endif
+
+/* An item's PROWS rows (row r: token t0 + r / group, query head h * group + r % group; lanes past `rows`
+ * hold zero queries, their results dropped): its queries transposed, as bf16 pairs (d, d + 1) into
+ * qp[D / 2][PROWS] where qp is given, else as float32 into qt[D][PROWS]; each row's last key (limit) and
+ * its running max and sum, started. */
+static inline void item_rows(const Problem *pb, long t0, long h, long rows, long past, long nt, uint32_t *qp,
+                             float *qt, int act_bf16, float *limit, float *run_max, float *run_sum) {
+    const long D = pb->D, Hq = pb->Hq, group = Hq / pb->Hk;
+    const bf16 *q = pb->q;
+    for (long r = 0; r < PROWS; r++) {
+        long row = (t0 + r / group) * Hq + h * group + r % group;
+        if (qp)
+            for (long d = 0; d < D; d += 2)
+                qp[d / 2 * PROWS + r] = r < rows ? q[row * D + d] | (uint32_t)q[row * D + d + 1] << 16 : 0;
+        else
+            for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
+        limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
+        run_max[r] = -INFINITY, run_sum[r] = 0.f;
+    }
+}
 
 /* The running softmax over one block of keys [t0, t0 + padded), its scores s[key][row] (rows in the lanes of
  * PR vectors, PROWS apart): the sums so far rescaled to the new max, the block's weights e^(s - max) written
@@ -628,17 +649,7 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
     const int dot_bf16 = DOT_BF16 && kind == BF16;
     uint32_t *qp = (uint32_t *)qt;
     long kat[PK];   /* with dot_bf16: where each key of a block starts in the cache (padding: the block's first) */
-    for (long r = 0; r < PROWS; r++) {   /* lanes past the rows: zero queries, their results dropped */
-        long row = (first + i0 + r / group) * Hq + h * group + r % group;
-        if (dot_bf16)
-            for (long d = 0; d < D; d += 2)
-                qp[d / 2 * PROWS + r] = r < rows ? ((const bf16 *)pb->q)[row * D + d] |
-                                                   (uint32_t)((const bf16 *)pb->q)[row * D + d + 1] << 16 : 0;
-        else
-            for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
-        limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
-        run_max[r] = -INFINITY, run_sum[r] = 0.f;
-    }
+    item_rows(pb, first + i0, h, rows, past, nt, dot_bf16 ? qp : NULL, qt, act_bf16, limit, run_max, run_sum);
     memset(ot, 0, sizeof(float) * D * PROWS);
     for (long t0 = 0; t0 < span; t0 += PK) {
         const long n = span - t0 < PK ? span - t0 : PK, padded = (n + SK - 1) / SK * SK;
@@ -784,13 +795,7 @@ static int prefill_item_amx(const Problem *pb, long b, long i0, long nt, long h)
     bf16 *kb = (bf16 *)(pv + 16 * D), *vb = kb + AK * D, *ph = vb + AK * D, *pl = ph + PR * 16 * AK;
     float *limit = (float *)(pl + PR * 16 * AK), *run_max = limit + PROWS, *run_sum = run_max + PROWS;
     float *resc = run_sum + PROWS;
-    for (long r = 0; r < PROWS; r++) {   /* lanes past the rows: zero queries, their results dropped */
-        long row = (first + i0 + r / group) * Hq + h * group + r % group;
-        for (long d = 0; d < D; d += 2)
-            qp[d / 2 * PROWS + r] = r < rows ? ((const bf16 *)pb->q)[row * D + d] | (uint32_t)((const bf16 *)pb->q)[row * D + d + 1] << 16 : 0;
-        limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
-        run_max[r] = -INFINITY, run_sum[r] = 0.f;
-    }
+    item_rows(pb, first + i0, h, rows, past, nt, qp, NULL, 1, limit, run_max, run_sum);
     memset(o, 0, sizeof(float) * PROWS * D);
     const __m512i even_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
