@@ -196,16 +196,54 @@ def keep_measurements(path: Path, known: dict) -> None:
         structlog.get_logger().warning("CPU kernels: cannot keep the measurements", path=str(path), error=str(e))
 
 
+# Other work's share of the CPUs above which a measurement is used but not kept: timed beside a package
+# install, the AMX kernels measured 10-50x slower at some row counts and the choices they made were kept
+# for every later start.
+BUSY_SHARE = 0.25
+
+
 def kept_measurement(suffix: str, name: str, measure, lib: ctypes.CDLL | None = None) -> dict:
     """The timings `name` from the file beside the built library (whose name is its digest; `lib`, by
     default the loaded one) with this suffix; where they are not there yet, `measure()` gives them and they
-    are kept for the next start."""
+    are kept for the next start, unless other work took more than BUSY_SHARE of the CPUs meanwhile: then
+    they serve this process alone and the next start measures again."""
     path = (lib or library()).path.with_suffix(suffix)
     known = read_measurements(path)
     if name not in known:
-        known = read_measurements(path) | {name: measure()}   # re-read: another process may have added some
+        timings, share = measured_alone(measure)
+        if share > BUSY_SHARE:
+            structlog.get_logger().warning("CPU kernels: measured beside other work, not kept", measurement=name,
+                                           path=path.name, others_share=round(share, 2))
+            return timings
+        known = read_measurements(path) | {name: timings}   # re-read: another process may have added some
         keep_measurements(path, known)
     return known[name]
+
+
+def measured_alone(measure):
+    """(measure(), the share of all CPUs' time that went to other processes or the hypervisor while it ran),
+    from /proc/stat; the share is 0 where that cannot tell."""
+    before, own = _cpu_seconds(), time.process_time()
+    result = measure()
+    after, own = _cpu_seconds(), time.process_time() - own
+    if before is None or after is None or after[1] <= before[1]:
+        return result, 0.0
+    others = (after[0] - before[0]) - own
+    return result, max(others, 0.0) / (after[1] - before[1])
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy, all) CPU seconds of every CPU since boot: /proc/stat's first line, busy being all but idle and
+    iowait (steal counts: time the hypervisor gave to others), or None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    hz, total = os.sysconf("SC_CLK_TCK"), sum(fields)
+    return (total - fields[3] - fields[4]) / hz, total / hz
 
 
 def last_level_cache_bytes() -> int:

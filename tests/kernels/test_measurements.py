@@ -1,0 +1,67 @@
+"""Timings kept beside the built library (cpu_native.kept_measurement): kept where the machine was quiet
+while they were taken, used but not kept where other work shared the CPUs, which /proc/stat tells."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kernels import cpu_native
+
+
+@pytest.fixture
+def lib(tmp_path):
+    """A stand-in for the loaded library: kept_measurement only reads its path."""
+    return SimpleNamespace(path=tmp_path / "matinee-cpu-test.so")
+
+
+def test_timings_taken_on_a_quiet_machine_are_kept(monkeypatch, lib):
+    monkeypatch.setattr(cpu_native, "measured_alone", lambda measure: (measure(), 0.05))
+    calls = []
+    measure = lambda: calls.append(1) or {"a": 1.0}   # noqa: E731
+    assert cpu_native.kept_measurement(".probe.json", "2 threads", measure, lib) == {"a": 1.0}
+    assert json.loads(lib.path.with_suffix(".probe.json").read_text()) == {"2 threads": {"a": 1.0}}
+    assert cpu_native.kept_measurement(".probe.json", "2 threads", measure, lib) == {"a": 1.0}
+    assert len(calls) == 1   # read back, not measured again
+
+
+def test_timings_taken_beside_other_work_serve_once_and_are_not_kept(monkeypatch, lib):
+    monkeypatch.setattr(cpu_native, "measured_alone", lambda measure: (measure(), 0.6))
+    calls = []
+    measure = lambda: calls.append(1) or {"a": 9.0}   # noqa: E731
+    assert cpu_native.kept_measurement(".probe.json", "2 threads", measure, lib) == {"a": 9.0}
+    assert not lib.path.with_suffix(".probe.json").exists()
+    cpu_native.kept_measurement(".probe.json", "2 threads", measure, lib)
+    assert len(calls) == 2   # the next start measures again
+
+
+def test_a_busy_share_is_what_other_processes_took():
+    """One spinning process per CPU for the whole measurement: well over the limit. The measuring process's
+    own CPU time (a spin of its own) is not counted."""
+    def spin():
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+    cpus = os.cpu_count() or 1
+    spinners = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 3\nwhile time.time() < t: pass"])
+                for _ in range(cpus)]
+    try:
+        time.sleep(0.3)   # the spinners are running
+        _, share = cpu_native.measured_alone(lambda: time.sleep(0.5))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert share > cpu_native.BUSY_SHARE
+    _, own = cpu_native.measured_alone(spin)
+    assert own < share
+
+
+def test_without_proc_stat_the_machine_counts_as_quiet(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_cpu_seconds", lambda: None)
+    assert cpu_native.measured_alone(lambda: 7) == (7, 0.0)
