@@ -1,0 +1,68 @@
+"""One model forward on the CPU, timed alone: a prefill step of fresh prompts and a decode step of a full
+batch, on the default model (or `--model`) as `matinee serve` loads it.
+
+    python -m bench.forward_cpu [--dtype bfloat16] [--prompts 2] [--prompt-len 256] [--decodes 32]
+                                [--context 320] [--repeats 10]
+
+Prints the median and best milliseconds of each (the worker's own forward timer, so no scheduling or
+sampling), and the prefill's tokens per second. The caches hold random tokens' KV; the decode step reads
+`--context` positions per sequence. Asserts nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker.model_runner import ModelRunner
+
+
+def prefill_batch(prompts: int, length: int, vocab: int) -> ForwardBatch:
+    blocks = -(-length // 16)
+    return ForwardBatch([SequenceInput([(7 * j + i) % (vocab - 100) + 100 for j in range(length)], 0,
+                                       list(range(i * blocks, (i + 1) * blocks))) for i in range(prompts)])
+
+
+def decode_batch(decodes: int, context: int) -> ForwardBatch:
+    blocks = -(-(context + 1) // 16)
+    return ForwardBatch([SequenceInput([123 + i], context, list(range(i * blocks, (i + 1) * blocks)))
+                         for i in range(decodes)])
+
+
+def timed(runner: ModelRunner, batch: ForwardBatch, repeats: int) -> dict:
+    for _ in range(3):
+        runner.execute(batch)
+    times = []
+    for _ in range(repeats):
+        runner.execute(batch)
+        times.append(runner.last_forward_s * 1e3)
+    return {"median_ms": round(statistics.median(times), 2), "best_ms": round(min(times), 2)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decodes", type=int, default=32)
+    ap.add_argument("--context", type=int, default=320)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args(argv)
+    blocks = max(args.prompts * -(-args.prompt_len // 16), args.decodes * -(-(args.context + 1) // 16))
+    runner = ModelRunner(args.model, dtype=args.dtype, kernels="auto", num_blocks=blocks + 8,
+                         quantization=args.quantization)
+    vocab = runner.model_config.vocab_size
+    prefill = timed(runner, prefill_batch(args.prompts, args.prompt_len, vocab), args.repeats)
+    prefill["tokens_per_s"] = round(args.prompts * args.prompt_len / prefill["median_ms"] * 1e3)
+    decode = timed(runner, decode_batch(args.decodes, args.context), args.repeats)
+    out = {"dtype": args.dtype, "prefill": {"prompts": args.prompts, "prompt_len": args.prompt_len, **prefill},
+           "decode": {"decodes": args.decodes, "context": args.context, **decode}}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
