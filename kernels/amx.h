@@ -1,6 +1,6 @@
 /* AMX's tiles for the sources that multiply on them (quant_amx.c, paged_attention_cpu.c): the kernel's
  * permission and one tile layout for all eight, 16 rows of 64 bytes each (a bf16 A or B tile of 16 x 32
- * values, a float32 C tile of 16 x 16). Included only where the build has AMX (AMX_BF16 below).
+ * values, a float32 C tile of 16 x 16). Defined only where the build has AMX's bf16 tiles (AMX_BF16).
  *
  * Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it
  * the callers keep their other kernels. The configuration is a thread's own: each thread that multiplies
@@ -41,15 +41,6 @@ static void configure_tiles(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* Two float32 vectors -> one tile row of bf16 pairs: word 2i is even[i], word 2i + 1 odd[i], each rounded
- * to nearest even. */
-static inline __m512i pair_rows(__m512 even, __m512 odd) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* words 0-15: even, 16-31: odd */
-    return _mm512_permutexvar_epi16(interleave, both);
 }
 #endif
 #endif

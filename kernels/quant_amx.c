@@ -32,7 +32,10 @@
 
 /* Two columns of 16 weight rows (float32) -> one B tile row: the bf16 pair of each row, in lane order. */
 static inline void pair_row(__m512 even, __m512 odd, uint16_t *row) {
-    _mm512_store_si512((void *)row, pair_rows(even, odd));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   /* words 0-15: even, 16-31: odd */
+    _mm512_store_si512((void *)row, _mm512_permutexvar_epi16(interleave, both));
 }
 
 static inline __m512 scaled(__m512i q, __m512 d, __m512 m, int has_min) {
