@@ -4,7 +4,8 @@
  * quant_gemm.c's int8 products run on VNNI: right where a step reads each weight byte once for a few rows.
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
  * Each thread widens two 16-row groups of the weight at a time into its own bf16 buffer in the tiles' pair
- * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles).
+ * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles);
+ * the next two groups are widened while the first pair of x's tiles multiplies.
  * The weight is widened once per call, never kept: the model holds only the packed bytes.
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
@@ -19,6 +20,7 @@
  * matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +29,6 @@
 #include "quant_layout.h"
 
 #ifdef AMX_BF16
-#define KEEP(v) __asm__("" : "+v"(v))      /* d * q is rounded before + m: no fused multiply-add */
 #define STREAM_BYTES (1L << 20)             /* outputs larger than this are written past the cache */
 
 /* Two columns of 16 weight rows (float32) -> one B tile row: the bf16 pair of each row, in lane order. */
@@ -38,51 +39,67 @@ static inline void pair_row(__m512 even, __m512 odd, uint16_t *row) {
     _mm512_store_si512((void *)row, _mm512_permutexvar_epi16(interleave, both));
 }
 
-static inline __m512 scaled(__m512i q, __m512 d, __m512 m, int has_min) {
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
-    if (has_min) {
-        KEEP(v);
-        v = _mm512_add_ps(v, m);
-    }
-    return v;
-}
-
-/* One group's block (16 weight rows x 32 columns) -> its B tile, 16 rows of 64 bytes at `tile`. */
+/* One group's block (16 weight rows x 32 columns) -> its B tile, 16 rows of 64 bytes at `tile`.
+ *
+ * Every d * q is exact in float32 (d is a float16, 11 significant bits; q has at most 8), so one fused
+ * d * q + m rounds as dequantize's product-then-sum does, and for Q4_0 and Q5_0 d * (q - 8) is exact as
+ * fma(q, d, -8d). A nibble is not shifted down: masked where it lies, q * 2^s converts exactly and meets d
+ * * 2^-s (exact too), so a column costs a mask, a conversion and an fma. (A float16 scale of inf or NaN,
+ * which no quantizer writes, may come out as NaN where dequantize gives inf.) */
 static void widen_block(int type, const uint8_t *blk, uint16_t *tile) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * GR))) : d;
     const uint8_t *qs = blk + (has_min ? 4 * GR : 2 * GR);
-    if (type == Q8_0) {   /* vector v: columns 4v..4v+3, one signed byte each */
+    if (type == Q8_0) {   /* vector v: columns 4v..4v+3, one signed byte each, moved to the top of the lane */
+        const __m512 d24 = _mm512_mul_ps(d, _mm512_set1_ps(0x1p-24f));
         for (int v = 0; v < 8; v++) {
             __m512i raw = _mm512_loadu_si512((const void *)(qs + v * GR * 4));
             __m512 col[4];
-            for (int k = 0; k < 4; k++)
-                col[k] = scaled(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * k), 24), d, m, 0);
+            for (int k = 0; k < 4; k++) {   /* byte k of each lane to its byte 3, the rest zero */
+                const __m512i top = _mm512_set4_epi32(12 + k << 24 | 0x808080, 8 + k << 24 | 0x808080,
+                                                      4 + k << 24 | 0x808080, k << 24 | 0x808080);
+                col[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, top)), d24);
+            }
             pair_row(col[0], col[1], tile + (2 * v) * 32);
             pair_row(col[2], col[3], tile + (2 * v + 1) * 32);
         }
         return;
     }
-    const int q5 = type == Q5_0 || type == Q5_1;
-    const __m512i low = _mm512_set1_epi32(15), offset = _mm512_set1_epi32(type == Q4_0 ? 8 : type == Q5_0 ? 16 : 0);
-    const __m512i qh = q5 ? _mm512_loadu_si512((const void *)qs) : _mm512_setzero_si512();
-    const uint8_t *nibbles = q5 ? qs + GR * 4 : qs;
-    for (int c = 0; c < 4; c++) {   /* byte k of vector c: column 4c + k low, 16 + 4c + k high */
-        __m512i raw = _mm512_loadu_si512((const void *)(nibbles + c * GR * 4));
+    const __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * GR)))
+                             : _mm512_mul_ps(d, _mm512_set1_ps(type == Q4_0 ? -8.f : -16.f));
+    if (type == Q4_0 || type == Q4_1) {   /* byte k of vector c: column 4c + k low, 16 + 4c + k high */
+        __m512 ds[8];   /* d * 2^-4i: the scale of a nibble left at bit 4i */
+        ds[0] = d;
+        for (int i = 1; i < 8; i++) ds[i] = _mm512_mul_ps(d, _mm512_set1_ps(1.f / (float)(1u << 4 * i)));
+        for (int c = 0; c < 4; c++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(qs + c * GR * 4));
+            __m512 lo[4], hi[4];
+            for (int k = 0; k < 4; k++) {
+                __m512i a = _mm512_and_si512(raw, _mm512_set1_epi32(0xf << 8 * k));
+                __m512i b = _mm512_and_si512(raw, _mm512_set1_epi32((int)(0xf0u << 8 * k)));
+                lo[k] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(a), ds[2 * k], m);
+                hi[k] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(b), ds[2 * k + 1], m);
+            }
+            pair_row(lo[0], lo[1], tile + (2 * c) * 32);
+            pair_row(lo[2], lo[3], tile + (2 * c + 1) * 32);
+            pair_row(hi[0], hi[1], tile + (8 + 2 * c) * 32);
+            pair_row(hi[2], hi[3], tile + (8 + 2 * c + 1) * 32);
+        }
+        return;
+    }
+    const __m512i low = _mm512_set1_epi32(15), fifth = _mm512_set1_epi32(16);   /* Q5_0 and Q5_1 */
+    const __m512i qh = _mm512_loadu_si512((const void *)qs);
+    for (int c = 0; c < 4; c++) {   /* as Q4's, each column's fifth bit in bit j of qh */
+        __m512i raw = _mm512_loadu_si512((const void *)(qs + GR * 4 + c * GR * 4));
         __m512 lo[4], hi[4];
         for (int k = 0; k < 4; k++) {
             const int j = 4 * c + k;
             __m512i a = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k), low);
             __m512i b = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k + 4), low);
-            if (q5) {   /* bit j of qh: column j's fifth bit, as 16 */
-                a = _mm512_or_si512(a, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, j), 4),
-                                                        _mm512_set1_epi32(16)));
-                b = _mm512_or_si512(b, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, 16 + j), 4),
-                                                        _mm512_set1_epi32(16)));
-            }
-            lo[k] = scaled(_mm512_sub_epi32(a, offset), d, m, has_min);
-            hi[k] = scaled(_mm512_sub_epi32(b, offset), d, m, has_min);
+            a = _mm512_or_si512(a, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, j), 4), fifth));
+            b = _mm512_or_si512(b, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(qh, 16 + j), 4), fifth));
+            lo[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, m);
+            hi[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), d, m);
         }
         pair_row(lo[0], lo[1], tile + (2 * c) * 32);
         pair_row(lo[2], lo[3], tile + (2 * c + 1) * 32);
@@ -91,10 +108,34 @@ static void widen_block(int type, const uint8_t *blk, uint16_t *tile) {
     }
 }
 
+/* The pair of groups a thread widens while its tiles multiply the pair before: their packed blocks (w1 NULL
+ * past the last group, whose tiles stay zero) and their B tiles. */
+typedef struct {
+    int type;
+    long gb;
+    const uint8_t *w0, *w1;
+    uint16_t *t0, *t1;
+} Widening;
+
+/* Groups g and g + 1 of w, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
+static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
+    Widening pair = {type, gb, w + g * nb * gb, g + 1 < groups ? w + (g + 1) * nb * gb : NULL, tiles,
+                     tiles + nb * 16 * 32};
+    if (!pair.w1) memset(pair.t1, 0, (size_t)nb * 16 * 64);
+    return pair;
+}
+
+static void widen(const Widening *next, long b) {
+    widen_block(next->type, next->w0 + b * next->gb, next->t0 + b * 16 * 32);
+    if (next->w1) widen_block(next->type, next->w1 + b * next->gb, next->t1 + b * 16 * 32);
+}
+
 /* Two 16-row tiles of x (nb blocks of 1 KB each at a0 and a1, as `repack` lays them) times two widened
- * groups (nb B tiles each at w0 and w1) -> out[32][32] float32: C tile 2i + j is x tile i times group j. */
+ * groups (nb B tiles each at w0 and w1) -> out[32][32] float32: C tile 2i + j is x tile i times group j.
+ * With `next`, block b of the next pair is widened once block b's products are issued: the vector units
+ * widen while the tile unit multiplies (at 32 rows the widening took as long as the products and more). */
 static void multiply(const uint16_t *a0, const uint16_t *a1, const uint16_t *w0, const uint16_t *w1, long nb,
-                     float *out) {
+                     float *out, const Widening *next) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -108,6 +149,7 @@ static void multiply(const uint16_t *a0, const uint16_t *a1, const uint16_t *w0,
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (next) widen(next, b);
     }
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
@@ -160,7 +202,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        uint16_t *wbuf = aligned_alloc(64, (size_t)2 * nb * 16 * 64);
+        uint16_t *wbuf = aligned_alloc(64, (size_t)4 * nb * 16 * 64);   /* two pairs' B tiles */
         float *out = aligned_alloc(64, 32 * 32 * sizeof(float));
         if (!wbuf || !out) {
 #pragma omp atomic write
@@ -170,21 +212,22 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < even; t++) repack(x, M, K, t, xp + t * K * 16);
-#pragma omp for schedule(static)
-        for (long p = 0; p < pairs; p++) {
-            if (!wbuf || !out) continue;
-            const long g = 2 * p;
-            const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
-            uint16_t *w1 = wbuf + nb * 16 * 32;
-            for (long b = 0; b < nb; b++) widen_block(type, w + (g * nb + b) * gb, wbuf + b * 16 * 32);
-            if (g + 1 < groups)
-                for (long b = 0; b < nb; b++) widen_block(type, w + ((g + 1) * nb + b) * gb, w1 + b * 16 * 32);
-            else
-                memset(w1, 0, (size_t)nb * 16 * 64);
-            for (long t = 0; t < tiles; t += 2) {
-                multiply(xp + t * K * 16, xp + (t + 1) * K * 16, wbuf, w1, nb, out);
-                const long rows = M - t * 16 < 32 ? M - t * 16 : 32;
-                emit(out, (int)rows, cols, bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N, stream);
+        /* this thread's pairs in order, in two buffers: pair p + 1 is widened into one while p multiplies */
+        const long first = pairs * omp_get_thread_num() / omp_get_num_threads();
+        const long last = pairs * (omp_get_thread_num() + 1) / omp_get_num_threads(), half = 2 * nb * 16 * 32;
+        if (wbuf && out && first < last) {
+            Widening now = pair_at(type, w, gb, nb, groups, 2 * first, wbuf), next = now;
+            for (long b = 0; b < nb; b++) widen(&now, b);
+            for (long p = first; p < last; p++, now = next) {
+                const long g = 2 * p;
+                if (p + 1 < last) next = pair_at(type, w, gb, nb, groups, g + 2, wbuf + (p + 1 - first) % 2 * half);
+                const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
+                for (long t = 0; t < tiles; t += 2) {
+                    multiply(xp + t * K * 16, xp + (t + 1) * K * 16, now.t0, now.t1, nb, out,
+                             t == 0 && p + 1 < last ? &next : NULL);
+                    const long rows = M - t * 16 < 32 ? M - t * 16 : 32;
+                    emit(out, (int)rows, cols, bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N, stream);
+                }
             }
         }
         if (stream) _mm_sfence();   /* the streamed lines are visible before the region ends */

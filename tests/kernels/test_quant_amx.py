@@ -46,6 +46,18 @@ def test_the_product_is_x_times_the_weight_rounded_to_bf16(qtype, m, n, k, poiso
 
 
 @needs_amx
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(17, 64), (200, 96)])   # a group past the last; several pairs of groups a thread
+def test_the_weight_is_widened_to_exactly_its_bf16_dequantization(qtype, n, k):
+    """x's rows one-hot: row j picks column j of every weight row, one product in the float32 sums, so the
+    output is the widened weight itself, bit for bit (but for the sign of a zero: a sum of zeros is +0)."""
+    weight = _weight(qtype, n, k, 7)
+    w = quant_linear.dequantize(weight).to(torch.bfloat16)
+    got = quant_amx.matmul(torch.eye(k, dtype=torch.bfloat16), weight)
+    assert torch.equal(got.T.float(), w.float())   # == on every value: -0 equals +0, a bf16 step does not
+
+
+@needs_amx
 def test_exact_integer_products_come_out_exact():
     """Q8_0 with scale 1 and small integer x: every product and sum is an integer below 256, which bf16
     holds exactly; 50 rows and 40 columns leave partial tiles of x and of the weight's groups."""
