@@ -58,6 +58,16 @@ def test_the_weight_is_widened_to_exactly_its_bf16_dequantization(qtype, n, k):
 
 
 @needs_amx
+def test_rows_past_one_part_come_out_as_each_part_alone():
+    """x larger than the kernel takes at once (1 MB: 320 rows of 1536) goes in parts; a row's output does
+    not depend on which part it is in."""
+    weight = _weight(GGMLQuantizationType.Q4_1, 33, 1536, 3)
+    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = quant_amx.matmul(x, weight)
+    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 100], weight) for r in range(0, 700, 100)]))
+
+
+@needs_amx
 def test_exact_integer_products_come_out_exact():
     """Q8_0 with scale 1 and small integer x: every product and sum is an integer below 256, which bf16
     holds exactly; 50 rows and 40 columns leave partial tiles of x and of the weight's groups."""
