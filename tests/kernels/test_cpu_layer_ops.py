@@ -33,6 +33,17 @@ def test_rms_norm_matches_the_reference(dtype, rows, width, poisoned_empty):
     _close(out, expect)
 
 
+def test_bf16_rms_norm_keeps_denormals_and_nans():
+    """Where the CPU rounds to bf16 in hardware (which flushes denormals), a denormal result still comes out
+    as torch rounds it, and a NaN as a NaN."""
+    x = torch.ones(3, 40, dtype=torch.bfloat16)
+    x[1, 5] = float("nan")
+    weight = torch.full((40,), 1e-39, dtype=torch.bfloat16)   # a denormal bf16, times ~1
+    got, expect = cpu_layer_ops.rms_norm(x, weight, 1e-6), rms_norm.rms_norm(x, weight, 1e-6)
+    assert (expect[0] != 0).all() and expect[1].isnan().all() and got[1].isnan().all()
+    assert torch.equal(got[::2].view(torch.int16), expect[::2].view(torch.int16))
+
+
 def test_rms_norm_normalises_each_head_of_a_3d_tensor():
     x = torch.randn(4, 3, 16)
     weight = torch.rand(16) + 0.5
