@@ -44,12 +44,12 @@ def fused_calls(monkeypatch):
 
 
 def _steps(fused: ModelRunner, looped: ModelRunner, fused_calls: list) -> None:
-    """Two prompts prefilled, then 12 steps of two greedy decodes beside a 3-token verification run of
+    """Two prompts prefilled (76 rows), then 12 steps of two greedy decodes beside a 3-token verification run of
     the second prompt's continuation, one of them beside a third prompt's 13 tokens (the prefill
     attention kernel in the same call); the logits equal at every step, and every step went through
     the C loop."""
-    prompts = [list(range(3, 30)), [7, 8, 9, 300, 5]]
-    tables = [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12], [16, 17, 18, 19, 20, 21]]
+    prompts = [list(range(3, 69)), [7, 8, 9, 300, 5]]   # 76 rows: the kernels' parallel loops
+    tables = [[0, 1, 2, 3, 4, 5, 6, 7, 26, 27, 28, 29], [8, 9, 10, 11, 12], [16, 17, 18, 19, 20, 21]]
     batch = ForwardBatch([SequenceInput(prompts[0], 0, tables[0], 1), SequenceInput(prompts[1], 0, tables[1], 1),
                           SequenceInput(prompts[1], 0, tables[2], 1)])
     got, want = fused.execute(batch), looped.execute(batch)

@@ -74,13 +74,16 @@ def test_rope_refuses_a_position_outside_the_table():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_matches_the_reference_and_skips_padding(dtype):
+@pytest.mark.parametrize("tokens", [9, 100])   # 100: a prefill chunk's rows
+def test_write_kv_matches_the_reference_and_skips_padding(dtype, tokens):
     gen = torch.Generator().manual_seed(1)
-    tokens, hk, head_dim, num_blocks, block_size = 9, 3, 5, 7, 4
+    hk, head_dim, num_blocks, block_size = 3, 5, 7 if tokens == 9 else 30, 4
     qkv = torch.randn(tokens, 4 * hk * head_dim, generator=gen).to(dtype)
     _, k, v = qkv.split((2 * hk * head_dim, hk * head_dim, hk * head_dim), dim=-1)
     k, v = k.reshape(tokens, hk, head_dim), v.reshape(tokens, hk, head_dim)
-    slots = torch.tensor([0, 27, -1, 5, 6, 13, -1, 26, 1])
+    slots = torch.tensor([0, 27, -1, 5, 6, 13, -1, 26, 1]) if tokens == 9 else torch.randperm(120, generator=gen)[:tokens]
+    if tokens == 100:
+        slots[::7] = -1
     caches = [torch.randn(num_blocks, block_size, hk, head_dim, generator=gen).to(dtype) for _ in range(2)]
     expect = [c.clone() for c in caches]
     kv_write.write_kv(k, v, *expect, slots)
@@ -88,12 +91,15 @@ def test_write_kv_matches_the_reference_and_skips_padding(dtype):
     assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
 
 
-def test_write_kv_refuses_a_slot_outside_the_cache():
-    k = v = torch.randn(1, 1, 4)
-    caches = torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4)
+@pytest.mark.parametrize("tokens", [1, 80])
+def test_write_kv_refuses_a_slot_outside_the_cache(tokens):
+    k = v = torch.randn(tokens, 1, 4)
+    caches = torch.zeros(30, 4, 1, 4), torch.zeros(30, 4, 1, 4)
+    slots = torch.arange(tokens)
+    slots[-1] = 120   # the last row's: nothing is written, not even the rows before it
     with pytest.raises(IndexError):
-        cpu_layer_ops.write_kv(k, v, *caches, torch.tensor([4]))
-    assert not caches[0].any()
+        cpu_layer_ops.write_kv(k, v, *caches, slots)
+    assert not caches[0].any() and not caches[1].any()
 
 
 def test_other_dtypes_take_the_reference():
