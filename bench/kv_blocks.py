@@ -17,7 +17,8 @@ import torch
 from actors.worker.kv_blocks import KVBlockIO
 
 
-def _ms(fn, repeats: int) -> float:
+def best_ms(fn, repeats: int) -> float:
+    """fn's best time of `repeats` calls after one warm-up, in ms."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         data = bytes(paths["numpy"].read(src))
         row = {"blocks": n, "bytes": len(data)}
         for name, io in paths.items():
-            row[f"{name}_read_ms"] = _ms(lambda: io.read(src), args.repeats)
-            row[f"{name}_write_ms"] = _ms(lambda: io.write(dst, data), args.repeats)
+            row[f"{name}_read_ms"] = best_ms(lambda: io.read(src), args.repeats)
+            row[f"{name}_write_ms"] = best_ms(lambda: io.write(dst, data), args.repeats)
         row["read_speedup"] = row["torch_read_ms"] / row["numpy_read_ms"]
         row["write_speedup"] = row["torch_write_ms"] / row["numpy_write_ms"]
         print(json.dumps(row), flush=True)

@@ -12,25 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
+from bench.kv_blocks import best_ms
 from kernels import quant_amx, quant_linear
 
 SHAPES = [("qkv", quant_linear.Q4_1, 960, 576), ("o", quant_linear.Q4_1, 576, 576),
           ("gate_up", quant_linear.Q4_1, 3072, 576), ("down", quant_linear.Q4_1, 576, 1536),
           ("lm_head", quant_linear.Q8_0, 49152, 576)]
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
