@@ -89,7 +89,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("write_kv needs contiguous K/V caches")
     slots = slot_mapping.to(torch.int64).contiguous()
     status = fn(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k.shape[0],
-                k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_cache.shape[0] * k_cache.shape[1])
+                k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_cache.shape[0] * k_cache.shape[1],
+                torch.get_num_threads())
     if status:
         raise IndexError("write_kv: a slot outside the KV cache")
 

@@ -135,7 +135,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for dtype in ("f32", "bf16"):   # cpu_layer_ops.c
         for name, restype, args in (("rms_norm", None, [ptr] * 5 + [long_] * 2 + [ctypes.c_float, int_]),
                                     ("rope", int_, [ptr] * 4 + [long_] * 7 + [int_]),
-                                    ("write_kv", int_, [ptr] * 5 + [long_] * 5),
+                                    ("write_kv", int_, [ptr] * 5 + [long_] * 5 + [int_]),
                                     ("silu_and_mul", None, [ptr] * 2 + [long_] * 2 + [int_])):
             fn = getattr(lib, f"matinee_{name}_{dtype}")
             fn.restype, fn.argtypes = restype, args

@@ -29,9 +29,9 @@ int matinee_rope_f32(const long *positions, void *q, void *k, const float *cos_s
 int matinee_rope_bf16(const long *positions, void *q, void *k, const float *cos_sin, long rows, long Hq, long Hk,
                       long D, long q_stride, long k_stride, long max_pos, int threads);
 int matinee_write_kv_f32(const void *k, const void *v, void *k_cache, void *v_cache, const long *slots, long rows,
-                         long W, long k_stride, long v_stride, long num_slots);
+                         long W, long k_stride, long v_stride, long num_slots, int threads);
 int matinee_write_kv_bf16(const void *k, const void *v, void *k_cache, void *v_cache, const long *slots, long rows,
-                          long W, long k_stride, long v_stride, long num_slots);
+                          long W, long k_stride, long v_stride, long num_slots, int threads);
 int matinee_write_kv_quant_f32(const void *k, const void *v, uint8_t *k_cache, uint8_t *v_cache, float *k_scales,
                                float *v_scales, const long *slots, long rows, long Hk, long D, long k_stride,
                                long v_stride, long num_slots, long block_size, int fp8);
@@ -136,13 +136,15 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
         long num_slots = s->num_blocks * s->block_size;
         int written = s->cache < 2
             ? (bf16 ? matinee_write_kv_bf16 : matinee_write_kv_f32)(kp, vp, c->k, c->v, slots, T, kv_size, k_stride,
-                                                                    qkv_width, num_slots)
+                                                                    qkv_width, num_slots, threads)
             : (bf16 ? matinee_write_kv_quant_bf16 : matinee_write_kv_quant_f32)(
                   kp, vp, c->k, c->v, c->k_scales, c->v_scales, slots, T, Hk, D, k_stride, qkv_width, num_slots,
                   s->block_size, s->cache == 3);
         if (written) { status = -5; break; }
-        if (qp != q)   /* the attention kernel reads q contiguous */
+        if (qp != q) {   /* the attention kernel reads q contiguous */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 64)
             for (long t = 0; t < T; t++) memcpy(q + el * t * q_size, qp + el * t * q_stride, el * q_size);
+        }
         status = matinee_paged_attention(q, c->k, c->v, c->k_scales, c->v_scales, block_tables, query_start_loc,
                                          seq_lens, attn, B, T, Hq, Hk, D, s->block_size, s->table_width,
                                          s->num_blocks, s->scale, threads, bf16, s->cache, s->short_max);
