@@ -222,9 +222,7 @@ DEFINE_SILU_AND_MUL(matinee_silu_and_mul_f32, float, f32_load, f32_round)
 
 static inline __mmask16 lanes(long i, long n) { return n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1); }
 
-static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-static inline __m512 load16(const uint16_t *p, __mmask16 k) { return widen16(_mm256_maskz_loadu_epi16(k, p)); }
+static inline __m512 load16(const uint16_t *p, __mmask16 k) { return bf16x16_to_f32(_mm256_maskz_loadu_epi16(k, p)); }
 
 static inline __m256i round16(__m512 f) {
     if (_mm512_fpclass_ps_mask(f, 0x01 | 0x20 | 0x80)) {   /* a quiet NaN, a denormal, a signalling NaN */
@@ -250,7 +248,7 @@ void matinee_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t
                 __mmask16 k = lanes(i, H);
                 __m256i r = round16(_mm512_add_ps(load16(xr + i, k), load16(rr + i, k)));
                 _mm256_mask_storeu_epi16(ro + i, k, r);
-                acc = _mm512_fmadd_ps(widen16(r), widen16(r), acc);
+                acc = _mm512_fmadd_ps(bf16x16_to_f32(r), bf16x16_to_f32(r), acc);
             }
             xr = ro;
         } else {
@@ -262,7 +260,7 @@ void matinee_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t
         __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps));
         for (long i = 0; i < H; i += 16) {
             __mmask16 k = lanes(i, H);
-            __m512 normed = widen16(round16(_mm512_mul_ps(load16(xr + i, k), inv)));
+            __m512 normed = bf16x16_to_f32(round16(_mm512_mul_ps(load16(xr + i, k), inv)));
             _mm256_mask_storeu_epi16(out + t * H + i, k, round16(_mm512_mul_ps(load16(weight + i, k), normed)));
         }
     }

@@ -46,8 +46,7 @@ static const long ELEMENT_SIZE[] = {4, 2, 1, 1};
 /* Element access for any kind, as float32 (an int8 or fp8 code's value before its scale). */
 static inline __m256 load8(const void *p, long i, int kind) {
     if (kind == BF16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const bf16 *)p + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return bf16x8_to_f32(_mm_loadu_si128((const __m128i *)((const bf16 *)p + i)));
     }
     if (kind == I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + i))));
     if (kind == FP8) {
@@ -118,8 +117,7 @@ typedef __m512 vec;
 #define W 16
 static inline vec vload(const void *p, long i, int kind) {
     if (kind == BF16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16 *)p + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const bf16 *)p + i)));
     }
     if (kind == I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const char *)p + i))));
     if (kind == FP8) {
@@ -860,8 +858,7 @@ static int prefill_item_amx(const Problem *pb, long b, long i0, long nt, long h)
             transpose16(c1);
             for (int r = 0; r < 16; r++) {
                 __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(c1[r], c0[r]);
-                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
-                __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+                __m512 h0 = bf16x16_to_f32(_mm512_castsi512_si256(hi)), h1 = bf16x16_to_f32(_mm512_extracti64x4_epi64(hi, 1));
                 _mm512_storeu_si512(ph + (p * 16 + r) * AK, hi);
                 _mm512_storeu_si512(pl + (p * 16 + r) * AK, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(c1[r], h1), _mm512_sub_ps(c0[r], h0)));
             }

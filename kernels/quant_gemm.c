@@ -139,10 +139,8 @@ static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
 /* An int32 lane's low byte, sign-extended: the (int8_t) it is stored as. */
 #define LOW_I8(v, w) _mm##w##_srai_epi32(_mm##w##_slli_epi32(v, 24), 24)
 /* 8 or 16 bf16 to float32: their bits in the high half. */
-#define WIDEN8(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define WIDEN16(p) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define WIDEN8(p) bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(p)))
+#define WIDEN16(p) bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(p)))
 
 /* One row of x (float32 or bf16) -> int8 values, a float32 scale, the sum of the values per block and
  * the sum of its first 16 (Q6_K's scales cover 16 values). amax is taken over 4 vectors of 8 in one
