@@ -18,14 +18,21 @@ from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 
 
+BLOCK = 16   # the KV block size the runner is given
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
 def prefill_batch(prompts: int, length: int, vocab: int) -> ForwardBatch:
-    blocks = -(-length // 16)
+    blocks = blocks_for(length)
     return ForwardBatch([SequenceInput([(7 * j + i) % (vocab - 100) + 100 for j in range(length)], 0,
                                        list(range(i * blocks, (i + 1) * blocks))) for i in range(prompts)])
 
 
 def decode_batch(decodes: int, context: int) -> ForwardBatch:
-    blocks = -(-(context + 1) // 16)
+    blocks = blocks_for(context + 1)
     return ForwardBatch([SequenceInput([123 + i], context, list(range(i * blocks, (i + 1) * blocks)))
                          for i in range(decodes)])
 
@@ -51,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args(argv)
-    blocks = max(args.prompts * -(-args.prompt_len // 16), args.decodes * -(-(args.context + 1) // 16))
-    runner = ModelRunner(args.model, dtype=args.dtype, kernels="auto", num_blocks=blocks + 8,
+    blocks = max(args.prompts * blocks_for(args.prompt_len), args.decodes * blocks_for(args.context + 1))
+    runner = ModelRunner(args.model, dtype=args.dtype, kernels="auto", block_size=BLOCK, num_blocks=blocks + 8,
                          quantization=args.quantization)
     vocab = runner.model_config.vocab_size
     prefill = timed(runner, prefill_batch(args.prompts, args.prompt_len, vocab), args.repeats)
