@@ -147,6 +147,30 @@ def _q8_0(values: np.ndarray) -> quant_linear.QuantWeight:
     return quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q8_0), raw, k))
 
 
+@pytest.mark.parametrize("qtype", TYPES[1:], ids=lambda t: t.name)
+def test_largest_values_times_the_largest_x_stay_exact(lib, qtype):
+    """Every value at its largest (Q4 nibbles 15, Q5 values 31) times x of +-127 in every column: the
+    largest products a block can hold. Without VNNI the kernel sums several maddubs pair vectors in
+    int16 before widening them; one sum too many wraps around and the output is no longer the
+    reference's (which is exact)."""
+    n, k = 17, 96
+    head = 2 + (2 if qtype in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1) else 0)
+    q5 = qtype in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
+    blocks = np.full((n, k // 32, head + (4 if q5 else 0) + 16), 0xFF, dtype=np.uint8)   # nibbles 15, fifth bits 1
+    blocks[..., :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    if head == 4:
+        blocks[..., 2:4] = np.array([0.0], dtype=np.float16).view(np.uint8)
+    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(blocks.reshape(n, -1)), k))
+    x = torch.full((3, k), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0                                          # pairs of opposite signs
+    got = quant_linear.matmul(x, weight, lib=lib)
+    assert torch.equal(got, quant_linear.reference_matmul(x, weight))
+    top = 31 if q5 else 15
+    offset = {GGMLQuantizationType.Q4_0: 8, GGMLQuantizationType.Q5_0: 16}.get(qtype, 0)
+    assert got[0, 0].item() == 127 * k * (top - offset)        # no scale rounding: d 1.0, integer sums
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
