@@ -399,13 +399,14 @@ typedef struct {
  * every 768 bytes.) Steps start at multiples of KC from key 0 whatever the block size, so a row's
  * arithmetic depends only on its query, the keys it sees and D. */
 static inline __attribute__((always_inline)) int attend(const Problem *pb, long b, long i0, long h0, long h1,
-                                                        int act_bf16, int kind) {
+                                                        long k0, long k1, float *part, int act_bf16, int kind) {
     long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
     long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
     long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
     long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE;
     /* Tile token i sees keys [0, past + i]; the tile reads keys [0, span). */
     long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq;
+    long end = part != NULL && k1 < span ? k1 : span;   /* the keys this call walks: [k0, end) */
     const int *table = pb->block_tables + b * pb->table_width;
     /* Scratch: the slots, each row's running max and sum, a row group's scores, and for bf16 q and out,
      * the rows widened and their sums. */
@@ -414,19 +415,19 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     float *run_max = (float *)(slot + span), *run_sum = run_max + rows, *s = run_sum + rows;
     /* Slot t's row (every KV head) starts at slot[t] in either cache: the table is walked a block
      * at a time, with no division per token. */
-    for (long t0 = 0, t = 0; t0 < span; t0 += block_size) {
+    for (long t0 = k0 / block_size * block_size, t = t0; t0 < end; t0 += block_size) {
         long base = (long)table[t0 / block_size] * block_size;
-        for (long j = 0; j < block_size && t < span; j++, t++) slot[t] = (base + j) * slot_stride;
+        for (long j = 0; j < block_size && t < end; j++, t++) slot[t] = (base + j) * slot_stride;
     }
     /* Row r = token * Hq + head: q and out rows are consecutive in memory, those of one token's
      * heads [h0, h1) too. bf16 queries are widened once, and bf16 outputs summed in float32 before
      * one rounding. */
     long row0 = (first + i0) * Hq * D, heads = (h1 - h0) * group * D;   /* a token's elements of the range */
     const float *qf = (const float *)pb->q + row0;
-    float *acc = (float *)pb->out + row0;
+    float *acc = part != NULL ? part : (float *)pb->out + row0;
     if (act_bf16) {
         float *wide = s + group * KC;
-        acc = wide + rows * D;
+        if (part == NULL) acc = wide + rows * D;
         for (long i = 0; i < n; i++)
             for (long e = (i * Hq + h0 * group) * D; e < (i * Hq + h0 * group) * D + heads; e++)
                 wide[e] = load1(pb->q, row0 + e, 1);
@@ -434,13 +435,13 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     }
     for (long i = 0; i < n; i++) memset(acc + (i * Hq + h0 * group) * D, 0, sizeof(float) * heads);
     for (long r = 0; r < rows; r++) run_max[r] = -INFINITY, run_sum[r] = 0.f;
-    long fetched = 0;
-    for (long t0 = 0; t0 < span; t0 += KC) {
-        long t1 = t0 + KC < span ? t0 + KC : span;
+    long fetched = k0;
+    for (long t0 = k0; t0 < end; t0 += KC) {
+        long t1 = t0 + KC < end ? t0 + KC : end;
         /* Keys [fetched, ahead) are fetched during this step, a KV head at a time, K before its scores and V
          * before its sums: all of a step's lines at once (both caches, every head) measured 14 GB/s, against
          * 25 spread so. */
-        long ahead = fetched < span && fetched <= t0 + AHEAD ? (t1 + AHEAD < span ? t1 + AHEAD : span) : fetched, next = fetched;
+        long ahead = fetched < end && fetched <= t0 + AHEAD ? (t1 + AHEAD < end ? t1 + AHEAD : end) : fetched, next = fetched;
         /* Past t1, the last key stands in and its scores go unused. A key's block, for its scales. */
         long slots[KC], blocks[KC];
         for (long j = 0, bi = t0 / block_size, bo = t0 % block_size; j < KC; j++) {
@@ -452,7 +453,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
         for (long i = i_first; i < n; i++) {
             long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
             for (long h = h0; h < h1; h++) {
-                if (i == i_first && fetched < ahead) prefetch(pb->k_cache, slot, fetched, ahead, block_size, span, h * D, D, kind);
+                if (i == i_first && fetched < ahead) prefetch(pb->k_cache, slot, fetched, ahead, block_size, end, h * D, D, kind);
                 long at[KC];
                 float kmult[KC], vmult[KC];   /* the softmax scale, times each key's own for a quantized cache */
                 for (int j = 0; j < KC; j++) {
@@ -470,7 +471,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                         scores(qs, qb, m, pb->k_cache, at + j0, D, s + g0 * KC + j0, kmult + j0, kind);
                 }
                 if (i == i_first && fetched < ahead)
-                    next = prefetch(pb->v_cache, slot, fetched, ahead, block_size, span, h * D, D, kind);
+                    next = prefetch(pb->v_cache, slot, fetched, ahead, block_size, end, h * D, D, kind);
                 float c[4];
                 for (long g0 = 0; g0 < group; g0 += 4) {
                     int m = group - g0 < 4 ? (int)(group - g0) : 4;
@@ -486,6 +487,13 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
             }
         }
         fetched = next;
+    }
+    if (part != NULL) {   /* a part of the context: its sums unscaled, with each row's max and sum, for merge() */
+        for (long i = 0; i < n; i++)
+            for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++)
+                part[rows * D + r] = run_max[r], part[rows * D + rows + r] = run_sum[r];
+        free(slot);
+        return 0;
     }
     for (long i = 0; i < n; i++)
         for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++) {
@@ -515,16 +523,52 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     }                                         \
     return -1;
 
-static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, int act_bf16, int kind) {
-#define ATTEND(a, k) attend(pb, b, i0, h0, h1, a, k)
+static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, long k0, long k1, float *part,
+                      int act_bf16, int kind) {
+#define ATTEND(a, k) attend(pb, b, i0, h0, h1, k0, k1, part, a, k)
     EACH_KIND(act_bf16, kind, ATTEND)
 #undef ATTEND
 }
 
-/* Checks the metadata, then attends every (sequence, query tile) of the runs of at most short_max tokens
- * in parallel (longer runs are left to the prefill kernel): with fewer tiles than 4 per thread, every
- * (tile, KV head), or a lone decode would keep one core. Either way each row is computed by the same
- * steps, so the split changes no bits. */
+/* A row's context is walked in parts of SEG keys, from key 0, where it is longer than one: each part a work
+ * item of its own, their sums merged after. A lone decode at 2,000 keys had three items (its KV heads,
+ * each reading a third of every slot), two of them on one core. The parts start at multiples of SEG
+ * whatever the batch and the threads, so a row's arithmetic still depends only on its query, the keys
+ * it sees and D. */
+#define SEG 512
+
+/* The rows of sequence b's tile at i0 from its nseg parts (attend's partial sums in part, each rows x D
+ * sums, then the rows' maxima and sums): each part's sums and sum scaled by e^(its max - the largest), in
+ * part order, and the total divides them, into out. */
+static void merge(const Problem *pb, long b, long i0, long nseg, const float *part, int act_bf16) {
+    long Hq = pb->Hq, D = pb->D, q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
+    long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE, rows = n * Hq, size = rows * (D + 2);
+    long row0 = (pb->query_start_loc[b] + i0) * Hq * D;
+    float o[D];
+    for (long r = 0; r < rows; r++) {
+        float top = -INFINITY, total = 0.f;
+        for (long g = 0; g < nseg; g++) top = fmaxf(top, part[g * size + rows * D + r]);
+        for (long d = 0; d < D; d++) o[d] = 0.f;
+        for (long g = 0; g < nseg; g++) {
+            const float *p = part + g * size;
+            if (p[rows * D + r] == -INFINITY) continue;   /* a part past the row's last key */
+            float c = expf(p[rows * D + r] - top);
+            total += c * p[rows * D + rows + r];
+            for (long d = 0; d < D; d++) o[d] += c * p[r * D + d];
+        }
+        float inv = 1.f / total;
+        for (long d = 0; d < D; d++) o[d] *= inv;
+        if (act_bf16)
+            store_bf16((bf16 *)pb->out + row0 + r * D, o, D);
+        else
+            memcpy((float *)pb->out + row0 + r * D, o, sizeof(float) * D);
+    }
+}
+
+/* Checks the metadata, then attends every (sequence, query tile, part of its context) of the runs of at
+ * most short_max tokens in parallel (longer runs are left to the prefill kernel): with fewer items than
+ * threads, every (item, KV head), or a lone short decode would keep one core. Either way each row is
+ * computed by the same steps, so the split changes no bits. */
 static int paged_attention(const Problem *pb, long B, long T, long num_blocks, int threads, int act_bf16, int kind,
                            long short_max) {
     int bad = check_metadata(pb->block_tables, pb->query_start_loc, pb->seq_lens, B, T, pb->block_size,
@@ -537,20 +581,50 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
         long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
         tiles[b + 1] = tiles[b] + (pb->seq_lens[b] > 0 && q_len <= short_max ? (q_len + QUERY_TILE - 1) / QUERY_TILE : 0);
     }
-    long parts = threads > 1 && tiles[B] < 4 * threads ? pb->Hk : 1;   /* KV-head ranges per tile */
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && tiles[B] * parts > 1)
-    for (long w = 0; w < tiles[B] * parts; w++) {
-        long tile = w / parts, part = w % parts;
-        long lo = 0, hi = B;   /* the sequence holding the tile: tiles[lo] <= tile < tiles[lo + 1] */
-        while (hi - lo > 1) {
-            long mid = (lo + hi) / 2;
-            if (tiles[mid] <= tile) lo = mid; else hi = mid;
-        }
-        long i0 = (tile - tiles[lo]) * QUERY_TILE, h0 = part * pb->Hk / parts, h1 = (part + 1) * pb->Hk / parts;
-        if (attend_any(pb, lo, i0, h0, h1, act_bf16, kind)) failed = 1;
+    /* Tile t's parts are items [items[t], items[t + 1]); one of several writes its sums at parts + at[t]. */
+    long *items = malloc(sizeof(long) * (2 * tiles[B] + 2)), *seq = malloc(sizeof(long) * (tiles[B] + 1));
+    if (items == NULL || seq == NULL) {
+        free(tiles), free(items), free(seq);
+        return -1;
     }
-    free(tiles);
+    long *at = items + tiles[B] + 1, floats = 0;
+    items[0] = 0;
+    for (long b = 0; b < B; b++)
+        for (long t = tiles[b]; t < tiles[b + 1]; t++) {
+            long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b], i0 = (t - tiles[b]) * QUERY_TILE;
+            long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE, span = pb->seq_lens[b] - q_len + i0 + n;
+            long nseg = (span + SEG - 1) / SEG;
+            seq[t] = b, items[t + 1] = items[t] + nseg, at[t] = floats;
+            if (nseg > 1) floats += nseg * n * pb->Hq * (pb->D + 2);
+        }
+    float *parts_buf = floats ? malloc(sizeof(float) * floats) : NULL;
+    long S = items[tiles[B]], parts = threads > 1 && S < threads ? pb->Hk : 1;   /* KV-head ranges per item */
+    int failed = floats && parts_buf == NULL;
+#pragma omp parallel num_threads(threads) if (threads > 1 && S * parts > 1)
+    {
+#pragma omp for schedule(dynamic)
+        for (long w = 0; w < S * parts; w++) {
+            if (failed) continue;
+            long item = w / parts, part = w % parts;
+            long lo = 0, hi = tiles[B];   /* the tile holding the item: items[lo] <= item < items[lo + 1] */
+            while (hi - lo > 1) {
+                long mid = (lo + hi) / 2;
+                if (items[mid] <= item) lo = mid; else hi = mid;
+            }
+            long b = seq[lo], g = item - items[lo], nseg = items[lo + 1] - items[lo];
+            long i0 = (lo - tiles[b]) * QUERY_TILE, h0 = part * pb->Hk / parts, h1 = (part + 1) * pb->Hk / parts;
+            long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
+            long rows = (q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE) * pb->Hq;
+            float *out = nseg > 1 ? parts_buf + at[lo] + g * rows * (pb->D + 2) : NULL;
+            if (attend_any(pb, b, i0, h0, h1, g * SEG, (g + 1) * SEG, out, act_bf16, kind)) failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (long t = 0; t < tiles[B]; t++)
+            if (!failed && items[t + 1] - items[t] > 1)
+                merge(pb, seq[t], (t - tiles[seq[t]]) * QUERY_TILE, items[t + 1] - items[t], parts_buf + at[t],
+                      act_bf16);
+    }
+    free(tiles), free(items), free(seq), free(parts_buf);
     return failed ? -1 : 0;
 }
 

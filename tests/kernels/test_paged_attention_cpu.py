@@ -102,9 +102,34 @@ def test_a_rows_result_does_not_depend_on_the_batch(dtype):
         assert torch.equal(paged_attention(*alone_args), out[starts[b]:starts[b + 1]])
 
 
+# The decode kernel walks a context longer than 512 keys in parts of 512 from key 0, and merges them.
+LONG = [(1, 1500), (5, 515), (1, 513), (16, 1100), (1, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "mha"])
+def test_long_contexts_in_parts_match_oracle(poisoned_empty, dtype, heads):
+    _assert_matches_oracle(make_batch(LONG, *heads, head_dim=64, block_size=16, dtype=dtype, seed=5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verified_row_is_the_row_decoded_alone(dtype):
+    """Speculative decoding's exactness needs a verification row (here 5 tokens whose contexts end at keys
+    510..514, on both sides of a part's edge) to be the same bits as that token decoded alone."""
+    batch = make_batch([(5, 515)], 9, 3, head_dim=64, block_size=16, dtype=dtype, seed=6)
+    rows = paged_attention(*batch.args())
+    for i in range(5):
+        alone = list(batch.args())
+        alone[0] = batch.q[i:i + 1]
+        alone[4] = torch.tensor([511 + i], dtype=torch.int32)
+        alone[5] = torch.tensor([0, 1], dtype=torch.int32)
+        alone[6], alone[7] = 1, 511 + i
+        assert torch.equal(paged_attention(*alone), rows[i:i + 1])
+
+
 # Few tiles are split over KV heads between threads, many are not: the bits must not change either way.
-@pytest.mark.parametrize("shapes", [CASES["decode"] + CASES["verify"], [(1, 300)], [(4, 70), (1, 33)]],
-                         ids=["many-tiles", "one-decode", "few-tiles"])
+@pytest.mark.parametrize("shapes", [CASES["decode"] + CASES["verify"], [(1, 300)], [(4, 70), (1, 33)], LONG],
+                         ids=["many-tiles", "one-decode", "few-tiles", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threads_give_the_same_bits(dtype, shapes):
     batch = make_batch(shapes, 9, 3, head_dim=64, block_size=16, seed=4, dtype=dtype)
