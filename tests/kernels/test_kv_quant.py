@@ -130,6 +130,7 @@ def test_fp8_codes_round_as_torch_casts(name):
 # ---- attention --------------------------------------------------------------------------------
 
 MIXED = [(1, 1), (5, 5), (3, 19), (1, 41), (9, 40), (1, 70), (2, 33)]   # decodes, verifications, chunks
+LONG = [(1, 1300), (5, 515), (1, 20)]   # contexts the decode kernel walks in parts of 512 keys, and merges
 SHAPES = [(9, 3, 20, 5), (8, 2, 64, 16), (7, 1, 33, 16), (4, 4, 64, 3)]   # Hq, Hk, D, block size
 
 
@@ -179,8 +180,9 @@ def kernel_takes_a_tile(monkeypatch):
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cpu_kernel(poisoned_empty, kernel_takes_a_tile, each_build, cache_dtype, dtype, shape, monkeypatch):
-    batch, k_scales, v_scales, dequantized = quantized_batch(MIXED, *shape, cache_dtype, dtype=dtype)
+@pytest.mark.parametrize("runs", [MIXED, LONG], ids=["mixed", "long"])
+def test_cpu_kernel(poisoned_empty, kernel_takes_a_tile, each_build, cache_dtype, dtype, shape, runs, monkeypatch):
+    batch, k_scales, v_scales, dequantized = quantized_batch(runs, *shape, cache_dtype, dtype=dtype)
     # Nothing may reach the reference: every query run here is short enough for the kernel.
     monkeypatch.setattr("kernels.paged_attention_cpu.reference_paged_attention",
                         lambda *a, **kw: pytest.fail("fell back to the reference"))
