@@ -387,6 +387,12 @@ typedef struct {
     float scale;
 } Problem;
 
+/* The new tokens of sequence b's query tile at i0: QUERY_TILE, or what is left of its run. */
+static inline long tile_tokens(const Problem *pb, long b, long i0) {
+    long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
+    return q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE;
+}
+
 /* The rows of KV heads [h0, h1) for new tokens [i0, i0 + QUERY_TILE) of sequence b; 0, or -1 when
  * its scratch cannot be had. q and out hold bf16 when act_bf16, else float32; the caches, `kind`.
  *
@@ -402,8 +408,7 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                                                         long k0, long k1, float *part, int act_bf16, int kind) {
     long Hq = pb->Hq, D = pb->D, block_size = pb->block_size;
     long group = Hq / pb->Hk, slot_stride = pb->Hk * D;   /* elements between consecutive slots of one block */
-    long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first;
-    long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE;
+    long first = pb->query_start_loc[b], q_len = pb->query_start_loc[b + 1] - first, n = tile_tokens(pb, b, i0);
     /* Tile token i sees keys [0, past + i]; the tile reads keys [0, span). */
     long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq;
     long end = part != NULL && k1 < span ? k1 : span;   /* the keys this call walks: [k0, end) */
@@ -541,8 +546,7 @@ static int attend_any(const Problem *pb, long b, long i0, long h0, long h1, long
  * sums, then the rows' maxima and sums): each part's sums and sum scaled by e^(its max - the largest), in
  * part order, and the total divides them, into out. */
 static void merge(const Problem *pb, long b, long i0, long nseg, const float *part, int act_bf16) {
-    long Hq = pb->Hq, D = pb->D, q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
-    long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE, rows = n * Hq, size = rows * (D + 2);
+    long Hq = pb->Hq, D = pb->D, rows = tile_tokens(pb, b, i0) * Hq, size = rows * (D + 2);
     long row0 = (pb->query_start_loc[b] + i0) * Hq * D;
     float o[D];
     for (long r = 0; r < rows; r++) {
@@ -592,7 +596,7 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
     for (long b = 0; b < B; b++)
         for (long t = tiles[b]; t < tiles[b + 1]; t++) {
             long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b], i0 = (t - tiles[b]) * QUERY_TILE;
-            long n = q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE, span = pb->seq_lens[b] - q_len + i0 + n;
+            long n = tile_tokens(pb, b, i0), span = pb->seq_lens[b] - q_len + i0 + n;
             long nseg = (span + SEG - 1) / SEG;
             seq[t] = b, items[t + 1] = items[t] + nseg, at[t] = floats;
             if (nseg > 1) floats += nseg * n * pb->Hq * (pb->D + 2);
@@ -613,8 +617,7 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
             }
             long b = seq[lo], g = item - items[lo], nseg = items[lo + 1] - items[lo];
             long i0 = (lo - tiles[b]) * QUERY_TILE, h0 = part * pb->Hk / parts, h1 = (part + 1) * pb->Hk / parts;
-            long q_len = pb->query_start_loc[b + 1] - pb->query_start_loc[b];
-            long rows = (q_len - i0 < QUERY_TILE ? q_len - i0 : QUERY_TILE) * pb->Hq;
+            long rows = tile_tokens(pb, b, i0) * pb->Hq;
             float *out = nseg > 1 ? parts_buf + at[lo] + g * rows * (pb->D + 2) : NULL;
             if (attend_any(pb, b, i0, h0, h1, g * SEG, (g + 1) * SEG, out, act_bf16, kind)) failed = 1;
         }
