@@ -74,6 +74,9 @@ class EngineConfig:
     decode_burst: int = field(default=16, metadata={
         "help": "decode steps the worker may run in a row when every running request decodes and none "
                 "waits, each step's tokens streamed as they come (saves the planning round trip; 1: off)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at start-up for "
+                "batches of up to --max-num-seqs sequences"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "priority: requests' `priority` field orders them (lower first); fcfs refuses it",
         "choices": SCHEDULING_POLICIES})

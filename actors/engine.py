@@ -172,4 +172,5 @@ def _make_runner(config: EngineConfig) -> ModelRunner:
                        block_size=config.block_size, num_blocks=config.num_blocks,
                        kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
                        num_threads=config.num_threads, quantization=config.quantization,
-                       kv_cache_dtype=config.kv_cache_dtype)
+                       kv_cache_dtype=config.kv_cache_dtype,
+                       cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs)

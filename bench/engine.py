@@ -84,20 +84,23 @@ def matmul_params(cfg) -> int:
     return cfg.num_layers * (attn + mlp) + cfg.vocab_size * cfg.hidden_size
 
 
-def run_matinee(model: str, wl: Workload, dtype: str, threads: int, budget: int, kv_cache_dtype: str = "auto") -> dict:
+def run_matinee(model: str, wl: Workload, dtype: str, threads: int | None, budget: int, kv_cache_dtype: str = "auto",
+                **config) -> dict:
     """One Matinee engine over the workload, in a fresh process of its own, as each peer runs: nothing an
     engine before it left in the process (threads, an OpenMP team, a heap) is measured with it. OpenMP
     keeps its default wait policy, as `matinee serve` runs it (PASSIVE, which this benchmark forced
-    before, made decode steps 2-4x slower on an Intel VM: 25.8 against 6.4 ms at batch 1)."""
+    before, made decode steps 2-4x slower on an Intel VM: 25.8 against 6.4 ms at batch 1). `config`: more
+    EngineConfig fields (device, enforce_eager, ...)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_run_matinee_here, model, wl, dtype, threads, budget, kv_cache_dtype).result()
+        return pool.submit(_run_matinee_here, model, wl, dtype, threads, budget, kv_cache_dtype, config).result()
 
 
-def _run_matinee_here(model: str, wl: Workload, dtype: str, threads: int, budget: int, kv_cache_dtype: str) -> dict:
+def _run_matinee_here(model: str, wl: Workload, dtype: str, threads: int | None, budget: int, kv_cache_dtype: str,
+                      config: dict) -> dict:
     from actors import LLM, SamplingParams
 
-    with LLM(model, dtype=dtype, num_threads=threads, max_num_seqs=len(wl.prompts),
-             max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype) as llm:
+    with LLM(model, dtype=dtype, num_threads=threads, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype,
+             **{"max_num_seqs": len(wl.prompts), **config}) as llm:
         llm.generate([wl.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         before = llm.stats()
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]

@@ -36,17 +36,22 @@ TINY_MODEL = dict(family="llama", vocab_size=256, hidden_size=64, intermediate_s
 
 
 class Timer:
-    """Milliseconds per call: CUDA events with an L2 flush on the GPU, wall clock on the CPU."""
+    """Milliseconds per call. On the GPU, the device's own time: CUDA events around a CUDA graph of many
+    calls (triton's do_bench_cudagraph), so Python's launch overhead, tens of microseconds a Triton launch,
+    is not counted; `launches=True` counts it (events around plain calls, after an L2 flush), as an eager
+    forward pays it. Wall clock on the CPU."""
 
     def __init__(self, device: torch.device, dry_run: bool) -> None:
         self.device = device
         self.dry_run = dry_run
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, launches: bool = False) -> float:
         if self.device.type == "cuda":
             import triton.testing
 
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+            if launches:
+                return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+            return float(triton.testing.do_bench_cudagraph(fn, rep=20))
         if not self.dry_run:
             fn()  # warm-up
         start = time.perf_counter()
@@ -168,12 +173,16 @@ def attention_grid(ops, device, dtype, timer, ceiling, dry_run):
         io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
         triton_ms = timer(lambda: ops.paged_attention(*args))
         splits = choose_num_splits(batch, heads["num_kv_heads"], 1, context, 64, device)
+        # Every split count, to check the heuristic's choice against the best.
+        by_splits = {s: timer(lambda: ops.paged_attention(*args, num_splits=s)) for s in (1, 2, 4, 8, 16, 32, 64)
+                     if context // s >= 64}
         # SDPA on the same keys and values, laid out contiguously per sequence (its best case).
         keys = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
         values = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
         query = q.view(batch, 1, heads["num_q_heads"], heads["head_dim"]).transpose(1, 2)
         sdpa_ms = timer(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
         rows.append(dict(batch=batch, context=context, num_splits=splits, triton_ms=triton_ms, sdpa_ms=sdpa_ms,
+                         ms_by_splits=by_splits,
                          triton_bw_frac=io_bytes / (triton_ms / 1000) / ceiling,
                          sdpa_bw_frac=io_bytes / (sdpa_ms / 1000) / ceiling,
                          speedup_vs_sdpa=sdpa_ms / triton_ms))
@@ -249,8 +258,8 @@ def model_steps(ops, device, dtype, timer, ceiling, dry_run):
                 with torch.inference_mode():
                     return model.forward(input_ids, positions, meta, kv, logits_indices)
 
-            eager_ms = timer(step)
-            graph_ms = _graph_ms(step, device, timer)
+            eager_ms = timer(step, launches=True)
+            graph_ms = timer(step) if device.type == "cuda" else None
             kv_bytes = batch * context * config.kv_bytes_per_token(dtype.itemsize)
             floor_ms = (weight_bytes + kv_bytes) / ceiling * 1000
             best = graph_ms if graph_ms is not None else eager_ms
@@ -260,22 +269,6 @@ def model_steps(ops, device, dtype, timer, ceiling, dry_run):
             del kv
         del model
     return rows
-
-
-def _graph_ms(step, device, timer):
-    """The step replayed from a CUDA graph: what it costs without Python's launch overhead."""
-    if device.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up (compiles every kernel variant) outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return timer(graph.replay)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import torch
 
 from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
+from actors.worker.decode_graphs import DecodeGraphs
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
@@ -67,7 +68,9 @@ class ModelRunner:
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "float32", kernels: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  device: str | torch.device = "cpu", num_threads: int | None = None,
-                 quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+                 quantization: str = "none", kv_cache_dtype: str = "auto", cuda_graph_batch: int = 0) -> None:
+        """cuda_graph_batch: on CUDA with the Triton kernels, decode steps of up to this many sequences
+        replay CUDA graphs captured here (decode_graphs.py); 0 runs every step eagerly."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -110,6 +113,14 @@ class ModelRunner:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.kv_caches = self.allocate_kv_caches(config.num_layers, self.num_blocks)
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_batch and self.device.type == "cuda" and self.ops.backend == "triton" \
+                and not is_quantized(self.kv_caches[0][0]):
+            t0 = time.perf_counter()
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, cuda_graph_batch,
+                                              min(self.max_model_len, self.num_blocks * block_size), block_size)
+            structlog.get_logger().info("decode steps captured as CUDA graphs", batch_sizes=self.decode_graphs.sizes,
+                                        seconds=round(time.perf_counter() - t0, 1))
         self._tokenizer = None
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
@@ -193,6 +204,8 @@ class ModelRunner:
     def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        if self.decode_graphs is not None and self.decode_graphs.fits(flat, kv_caches):
+            return self.decode_graphs.run(flat)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=flat.slot_mapping.to(dev, non_blocking=True),

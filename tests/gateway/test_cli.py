@@ -114,7 +114,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser
 """.split()
-FLAGS += ["--kv-cache-dtype", "--decode-burst"]
+FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 
 
 def _serve_flags(parser) -> list[str]:

@@ -43,19 +43,14 @@ def tiny_llama(tmp_path_factory):
     return str(folder), prompts, expected
 
 
-@pytest.mark.slow
-def test_triton_kernels_give_transformers_greedy_tokens(tiny_llama):
+def _greedy(runner, prompts) -> list[list[int]]:
+    """NUM_NEW greedy tokens a prompt, prompts in CHUNK-token prefill chunks mixed with the others' decodes."""
     from actors.worker.forward_batch import ForwardBatch, SequenceInput
-    from actors.worker.model_runner import ModelRunner
 
-    folder, prompts, expected = tiny_llama
-    runner = ModelRunner(folder, dtype="float32", kernels="triton", block_size=BLOCK_SIZE, num_blocks=32,
-                         device=DEVICE)
-    assert runner.ops.backend == "triton"
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
-    # Blocks handed out back to front, so tables are not the identity.
-    free = list(range(runner.num_blocks))
+    # Blocks handed out back to front, so tables are not the identity; block 0 is never handed out.
+    free = list(range(1, runner.num_blocks))
     tables: list[list[int]] = [[] for _ in prompts]
     while any(len(t) - len(p) < NUM_NEW for t, p in zip(tokens, prompts)):
         items, active = [], []
@@ -72,7 +67,74 @@ def test_triton_kernels_give_transformers_greedy_tokens(tiny_llama):
             computed[i] += len(item.token_ids)
             if computed[i] == len(tokens[i]):
                 tokens[i].append(int(row.argmax()))
-    assert [t[len(p):] for t, p in zip(tokens, prompts)] == expected
+    return [t[len(p):] for t, p in zip(tokens, prompts)]
+
+
+@pytest.mark.slow
+def test_triton_kernels_give_transformers_greedy_tokens(tiny_llama):
+    from actors.worker.model_runner import ModelRunner
+
+    folder, prompts, expected = tiny_llama
+    runner = ModelRunner(folder, dtype="float32", kernels="triton", block_size=BLOCK_SIZE, num_blocks=32,
+                         device=DEVICE)
+    assert runner.ops.backend == "triton"
+    assert _greedy(runner, prompts) == expected
+
+
+@pytest.mark.slow
+def test_decode_steps_padded_to_a_graph_size_give_the_eager_logits(tiny_llama):
+    """A decode batch in the static buffers, padded up to a captured size (replayed from a CUDA graph on a
+    GPU, run eagerly on the padded buffers under the interpreter), gives the eager step's logits, and its
+    padding rows write no KV: block 0, in no table, stays zero."""
+    from actors.worker.decode_graphs import DecodeGraphs
+    from actors.worker.forward_batch import ForwardBatch, SequenceInput, flatten
+    from actors.worker.model_runner import ModelRunner
+
+    folder, prompts, _ = tiny_llama
+    runner = ModelRunner(folder, dtype="float32", kernels="triton", block_size=BLOCK_SIZE, num_blocks=32,
+                         device=DEVICE)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, max_batch=5, max_seq_len=runner.num_blocks * BLOCK_SIZE,
+                          block_size=BLOCK_SIZE, capture=DEVICE == "cuda")
+    assert graphs.sizes == [1, 2, 4, 5]
+    assert sorted(graphs.graphs) == ([1, 2, 4, 5] if DEVICE == "cuda" else [])
+    # Five sequences: the three prompts, and the first two again in blocks of their own.
+    seqs = [list(p) for p in prompts + prompts[:2]]   # 1, 6, 19, 1 and 6 tokens
+    tables = [[31, 7], [30, 8, 12], [29, 20, 3], [28], [27, 26]]
+    runner.execute(ForwardBatch([SequenceInput(s, 0, t) for s, t in zip(seqs, tables)]))
+    # Batches of 5, 3 (padded to 4, its last row left over from the 5), 1, 2 and 3: every size, and rows
+    # that a larger batch used going back to padding.
+    for step, members in enumerate([(0, 1, 2, 3, 4), (0, 1, 2), (1,), (2, 0), (4, 3, 1)]):
+        batch = ForwardBatch([SequenceInput([5 + step + i], len(seqs[i]), tables[i]) for i in members])
+        flat = flatten(batch, BLOCK_SIZE, runner.num_blocks, runner.model_config.vocab_size)
+        assert graphs.fits(flat, runner.kv_caches)
+        eager = runner.forward(flat, runner.kv_caches)
+        padded = graphs.run(flat)   # writes the same tokens' K/V again, then attends
+        torch.testing.assert_close(padded, eager, atol=1e-4, rtol=0)
+        size = next(s for s in graphs.sizes if s >= len(members))
+        assert (graphs.slot_mapping[len(members):size] == -1).all() and (graphs.seq_lens[len(members):size] == 1).all()
+        for i in members:
+            seqs[i].append(5 + step + i)
+    k0, v0 = runner.kv_caches[0][0][0], runner.kv_caches[0][1][0]
+    assert not k0.any() and not v0.any()
+    prefill = flatten(ForwardBatch([SequenceInput([1, 2], 0, [4])]), BLOCK_SIZE, runner.num_blocks, 128)
+    assert not graphs.fits(prefill, runner.kv_caches)
+    assert not graphs.fits(flat, runner.kv_caches[:1])   # a layer-skip draft's caches run eagerly
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_a_runner_with_cuda_graphs_gives_transformers_greedy_tokens(tiny_llama):
+    from actors.worker.model_runner import ModelRunner
+
+    folder, prompts, expected = tiny_llama
+    runner = ModelRunner(folder, dtype="float32", kernels="triton", block_size=BLOCK_SIZE, num_blocks=32,
+                         device=DEVICE, cuda_graph_batch=8)
+    assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4, 8]
+    replays = []
+    run = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda flat: replays.append(flat.input_ids.shape[0]) or run(flat)
+    assert _greedy(runner, prompts) == expected
+    assert replays   # the decodes after the prompts went through the graphs
 
 
 @pytest.mark.slow
