@@ -25,13 +25,13 @@ step() {   # step NAME SECONDS COMMAND...: runs it, its output in OUT_DIR/NAME.l
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $py -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 } >"$out/steps.txt" 2>&1
+step kernels_gpu 90 $py -m bench.kernels_gpu
+step kernels_quant_gpu 120 $py -m bench.kernels_quant_gpu
 # Compiling each kernel variant takes most of the tests' time: pytest-xdist, where it is installed, spreads it.
 parallel=$($py -c "import xdist" 2>/dev/null && echo "-n 8")
-step pytest_triton 150 $py -m pytest -v -p no:cacheprovider --timeout 120 $parallel -k "triton or Triton or graph" \
+step pytest_triton 120 $py -m pytest -v -p no:cacheprovider --timeout 110 $parallel -k "triton or Triton or graph" \
     tests/kernels/test_model_triton.py tests/kernels/test_paged_attention_triton.py \
     tests/kernels/test_elementwise_triton.py tests/kernels/test_quant_matmul_triton.py tests/kernels/test_kv_quant.py
-step kernels_gpu 150 $py -m bench.kernels_gpu
 if [ -n "$tokenizer" ]; then
-    step engine_gpu 200 $py -m bench.engine_gpu --tokenizer "$tokenizer" --shapes "$shapes"
+    step engine_gpu 180 $py -m bench.engine_gpu --tokenizer "$tokenizer" --shapes "$shapes"
 fi
-step kernels_quant_gpu 90 $py -m bench.kernels_quant_gpu

@@ -67,13 +67,13 @@ def kernel_math(x: torch.Tensor, weight) -> torch.Tensor:
 
 
 def _copies(weight, device) -> list:
-    """The weight (a tensor or a quantized one) and enough copies of it to fill the L2 cache four times
+    """The weight (a tensor or a quantized one) and enough copies of it to fill the L2 cache twice
     over: the timed calls go round them, so each reads its weight from memory, as a decode step's
     projections do."""
     if device.type != "cuda":
         return [weight]
     size = weight.numel() * weight.element_size() if torch.is_tensor(weight) else weight_bytes(weight)
-    extra = 4 * torch.cuda.get_device_properties(device).L2_cache_size // size
+    extra = 2 * torch.cuda.get_device_properties(device).L2_cache_size // size
     if torch.is_tensor(weight):
         return [weight] + [weight.clone() for _ in range(extra)]
     fields = {name: getattr(weight, name) for name in weight.__dataclass_fields__}
