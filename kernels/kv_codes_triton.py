@@ -8,7 +8,7 @@ float8_e4m3fn bits. Rounding to nearest even adds and subtracts 1.5 * 2^23, exac
 import triton
 import triton.language as tl
 
-ROUNDER = 12582912.0   # 1.5 * 2^23
+ROUNDER = tl.constexpr(12582912.0)   # 1.5 * 2^23; a constexpr, as compiled kernels read globals
 
 
 @triton.jit
@@ -35,8 +35,10 @@ def quantize_values(x, QMAX: tl.constexpr, FP8: tl.constexpr):
         sign = (bits >> 24) & 0x80
         exponent = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, -6)
         step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        r = _round_even(tl.abs(x) / step) * step
+        r = _round_even(tl.math.div_rn(tl.abs(x), step)) * step   # not `/`: see kv_write_triton.py
         normal = (r.to(tl.uint32, bitcast=True) >> 20) - (120 << 3)
         subnormal = (r * 512.0).to(tl.uint32)
-        return (tl.where(r < 0.015625, subnormal, normal) | sign).to(tl.uint8)
-    return _round_even(x).to(tl.int8)
+        codes = (tl.where(r < 0.015625, subnormal, normal) | sign).to(tl.uint8)
+    else:
+        codes = _round_even(x).to(tl.int8)
+    return codes   # one return: the compiler checks every return's type, even where FP8 rules one out

@@ -8,7 +8,8 @@ block stride overflows int32 on caches of a few GiB.
 An int8 or fp8 cache follows kv_quant.py's rule, which is sequential within a block: one program per
 (block written by this call, KV head) takes that block's tokens in order. fp8 codes are made and read
 with integer ops (kv_codes_triton.py), bit for bit as torch's casts, on any device and under the
-interpreter alike.
+interpreter alike. Its divisions are tl.math.div_rn: a plain `/` compiles to the GPU's approximate
+division (div.full.f32, up to 2 ulp off), and a code or scale one ulp off is not torch's.
 """
 
 import torch
@@ -67,15 +68,15 @@ def _write_kv_quantized_kernel(
         scale_at = scale_ptr + block * num_kv_heads + head
         old = tl.where(offset == 0, 0.0, tl.load(scale_at))
         grows = amax > old * QMAX
-        new = tl.where(grows, amax / QMAX, old)
+        new = tl.where(grows, tl.math.div_rn(amax, QMAX), old)
         if grows & (old > 0.0):   # the block's tokens before this one move to the new scale
             held_at = head_base + rows[:, None] * stride_cs + cols[None, :]
             held_mask = (rows < offset)[:, None] & col_ok[None, :]
-            held = code_values(tl.load(held_at, mask=held_mask, other=0), FP8) * (old / new)
+            held = code_values(tl.load(held_at, mask=held_mask, other=0), FP8) * tl.math.div_rn(old, new)
             tl.store(held_at, quantize_values(held, QMAX, FP8), mask=held_mask)
         tl.store(scale_at, new)
         divisor = tl.where(new > 0.0, new, 1.0)
-        tl.store(head_base + offset * stride_cs + cols, quantize_values(x / divisor, QMAX, FP8), mask=col_ok)
+        tl.store(head_base + offset * stride_cs + cols, quantize_values(tl.math.div_rn(x, divisor), QMAX, FP8), mask=col_ok)
         tl.debug_barrier()   # the next token may read back this block
 
 
