@@ -156,7 +156,9 @@ def copy_bandwidth(device, timer, dry_run) -> float:
     numel = (1 << 20) if dry_run else (1 << 30)
     src = torch.empty(numel, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    # Timed as plain calls: in a CUDA graph the copy becomes a memcpy node on the copy engines, which
+    # measured 2.77 TB/s on an H200 where the copy kernel moves 4.25.
+    ms = timer(lambda: dst.copy_(src), launches=True)
     return 2 * numel / (ms / 1000)
 
 

@@ -176,21 +176,26 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                      tile_n: int, device: torch.device) -> int:
-    """Split only decode batches whose (sequence, KV head) pairs leave the GPU's SMs idle."""
+                      tile_n: int, device: torch.device, multiprocessors: int | None = None) -> int:
+    """Split only decode batches whose (sequence, KV head) pairs leave the GPU's SMs idle.
+
+    A decode program keeps only a couple of key tiles in flight, so a few programs per SM are needed to
+    cover memory latency; but splitting a batch that already has two per SM costs more in merging than it
+    gains. Measured on an H200 (132 SMs; 8 KV heads of 128, bfloat16; bench/kernels_gpu.py's sweep): 512
+    programs (64 x 2k) ran fastest unsplit, 136 us against 169 in 2 splits; 128 (16 x 4k) fastest in 8,
+    91 us against 103 in 4 and 98 in 16; 8 (1 x 32k) in 32 or 64, 55 and 59 us.
+    """
     if max_query_len != 1:
         return 1
     programs = num_seqs * num_kv_heads
-    # A decode program keeps only a couple of key tiles in flight; several per SM are needed
-    # to cover memory latency, so aim for a few times as many programs as SMs.
-    target = PROGRAMS_PER_SM * _multiprocessors(device)
-    if programs >= target:
+    sms = _multiprocessors(device) if multiprocessors is None else multiprocessors
+    if programs >= 2 * sms:
         return 1
-    # At least four key tiles per split, or the merge costs more than the parallelism gains.
+    wanted = min(triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * sms, programs)), 64)
+    # At least four key tiles per split, or the merge costs more than the parallelism gains; a power of
+    # two bounds the number of compiled variants.
     max_useful = max(1, max_seq_len // (4 * tile_n))
-    wanted = min(triton.cdiv(target, programs), max_useful, 64)
-    # A power of two (rounded down) bounds the number of compiled variants.
-    return 1 << (wanted.bit_length() - 1)
+    return min(wanted, 1 << (max_useful.bit_length() - 1))
 
 
 def paged_attention(

@@ -117,9 +117,12 @@ def test_write_kv_slots_past_int32_offsets(triton_ops):
 
 
 def test_split_heuristic_only_splits_small_decode_batches():
-    cpu = torch.device("cpu")  # counts as one SM: a target of PROGRAMS_PER_SM programs
-    assert choose_num_splits(1, 1, 1, 32768, 64, cpu) == PROGRAMS_PER_SM
-    assert choose_num_splits(1, 3, 1, 32768, 64, cpu) == 2         # ceil(4 / 3) splits
-    assert choose_num_splits(1, 1, 7, 32768, 64, cpu) == 1         # prefill never splits
-    assert choose_num_splits(4, 8, 1, 32768, 64, cpu) == 1         # enough programs already
-    assert choose_num_splits(1, 1, 1, 100, 64, cpu) == 1           # too short to be worth it
+    cpu, h200 = torch.device("cpu"), 132   # the choices that measured fastest on an H200's 132 SMs
+    assert choose_num_splits(1, 8, 1, 32768, 64, cpu, h200) == 64
+    assert choose_num_splits(16, 8, 1, 4096, 64, cpu, h200) == 8
+    assert choose_num_splits(64, 8, 1, 2048, 64, cpu, h200) == 1     # two programs an SM already
+    assert choose_num_splits(256, 8, 1, 1024, 64, cpu, h200) == 1
+    assert choose_num_splits(1, 8, 7, 32768, 64, cpu, h200) == 1     # prefill never splits
+    assert choose_num_splits(1, 8, 1, 600, 64, cpu, h200) == 2       # four key tiles a split at least
+    assert choose_num_splits(1, 1, 1, 100, 64, cpu, h200) == 1       # too short to be worth it
+    assert choose_num_splits(1, 1, 1, 32768, 64, cpu) == PROGRAMS_PER_SM   # the CPU counts as one SM
