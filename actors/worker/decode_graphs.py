@@ -18,6 +18,7 @@ import torch
 
 from actors.worker.forward_batch import FlatBatch
 from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV
+from actors.worker.pinned_batch import PinnedBatch
 
 # vLLM's ladder, shorter: every size up to 8, then steps of 8 to 64, then of 32.
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256)
@@ -47,6 +48,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=dev)   # one token a sequence
         self.logits_indices = torch.arange(size, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(size, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self._pinned = PinnedBatch(dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture()
@@ -71,12 +73,14 @@ class DecodeGraphs:
 
     def _load(self, flat: FlatBatch, n: int, size: int) -> None:
         width = flat.block_tables.shape[1]
-        self.input_ids[:n].copy_(flat.input_ids, non_blocking=True)
-        self.positions[:n].copy_(flat.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(flat.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(flat.seq_lens, non_blocking=True)
+        ids, positions, slots, seq_lens, tables = self._pinned.send(
+            [flat.input_ids, flat.positions, flat.slot_mapping, flat.seq_lens, flat.block_tables])
+        self.input_ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slots)
+        self.seq_lens[:n].copy_(seq_lens)
         # Columns past `width` keep an earlier step's block ids: valid ids, never read below a row's length.
-        self.block_tables[:n, :width].copy_(flat.block_tables, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables)
         if n < size:   # rows an earlier, larger batch used: back to padding
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)

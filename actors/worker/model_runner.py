@@ -14,6 +14,7 @@ import torch
 from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.decode_graphs import DecodeGraphs
+from actors.worker.pinned_batch import PinnedBatch
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
@@ -125,6 +126,7 @@ class ModelRunner:
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
         self._cursor: DecodeCursor | None = None   # the last step, when it was decodes alone: execute_next
+        self._pinned = PinnedBatch(self.device)
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKV]:
         """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer (with
@@ -206,20 +208,21 @@ class ModelRunner:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         if self.decode_graphs is not None and self.decode_graphs.fits(flat, kv_caches):
             return self.decode_graphs.run(flat)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=flat.slot_mapping.to(dev, non_blocking=True),
-            block_tables=flat.block_tables.to(dev, non_blocking=True),
-            seq_lens=flat.seq_lens.to(dev, non_blocking=True),
-            query_start_loc=flat.query_start_loc.to(dev, non_blocking=True),
-            max_query_len=flat.max_query_len,
-            max_seq_len=flat.max_seq_len,
-        )
+        input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._on_device(flat)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
+                                 max_query_len=flat.max_query_len, max_seq_len=flat.max_seq_len)
         with torch.inference_mode():
-            logits = self.model.forward(flat.input_ids.to(dev, non_blocking=True),
-                                        flat.positions.to(dev, non_blocking=True), meta, kv_caches,
-                                        flat.logits_indices.to(dev, non_blocking=True))
+            logits = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices)
             return logits.float()
+
+    def _on_device(self, flat: FlatBatch) -> list[torch.Tensor]:
+        """The batch's arrays where the forward runs: on a GPU, in one copy from pinned memory."""
+        parts = [flat.input_ids, flat.positions, flat.slot_mapping, flat.block_tables, flat.seq_lens,
+                 flat.query_start_loc, flat.logits_indices]
+        if self.device.type == "cpu":
+            return parts
+        input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._pinned.send(parts)
+        return [input_ids, positions, slots, tables.int(), seq_lens.int(), starts.int(), logits_indices]
 
 
 def _usable_cores() -> int:
