@@ -12,7 +12,6 @@ runs in a process of its own, one after the other. The last line printed is the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ import time
 import torch
 
 from bench.engine import Workload, make_chat_workload, run_matinee
+from bench.kernels_gpu import print_summary
 
 # SmolLM2-135M's layers, and Qwen2.5-1.5B's (q/k/v biases), both over the tokenizer's vocabulary.
 SHAPES = {
@@ -105,11 +105,7 @@ def main() -> None:
             summary["runs"].append(row)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-    text = json.dumps(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_summary(summary, args.json)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,15 @@ def model_steps(ops, device, dtype, timer, ceiling, dry_run):
     return rows
 
 
+def print_summary(summary: dict, path: str | None) -> None:
+    """The JSON summary as the last line printed, and into `path` when one is given."""
+    text = json.dumps(summary)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="toy sizes; on the CPU under Triton's interpreter")
@@ -326,11 +335,7 @@ def main() -> None:
         "attention_16x4k_bw_frac>=0.7": grid[(16, 4096)]["triton_bw_frac"] >= 0.7 if (16, 4096) in grid else None,
         "model_1.5b_b64_within_1.5x_floor": big[0]["ratio_to_floor"] <= 1.5 if big else None,
     }
-    text = json.dumps(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_summary(summary, args.json)
 
 
 if __name__ == "__main__":

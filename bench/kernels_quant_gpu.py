@@ -12,14 +12,13 @@ rounding: a Q8_0 weight of 8-bit integers times a float16 scale loses bits in bf
 """
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from bench.kernels_gpu import Timer, _error, copy_bandwidth
+from bench.kernels_gpu import Timer, _error, copy_bandwidth, print_summary
 
 ROWS = [1, 4, 16]
 # (N, K) of the projections of each model shape: SmolLM2-135M (and its LM head), a 7B Llama.
@@ -136,11 +135,7 @@ def main(argv=None) -> None:
         print(f"{r['model']:>8} {r['n']:>6}x{r['k']:<6} {r['format']:>6} {r['m']:3d} {r['ms']:8.4f} "
               f"{r['bw_frac']:8.2f} {r['dense_ms']:9.4f} {r['dense_bw_frac']:8.2f} {r['speedup_vs_dense']:8.2f} "
               f"{r['error']:9.2e} {r['error_vs_float32']:9.2e}{'' if r['error'] <= tolerance else ' FAIL'}")
-    text = json.dumps(summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    print_summary(summary, args.json)
 
 
 if __name__ == "__main__":
