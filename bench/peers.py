@@ -47,7 +47,10 @@ def vllm_serve_cmd(port: int, dtype: str, model: str = VLLM_MODEL, python: str =
     # package that transformers probes for, and vLLM dies importing it.
     return [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--max-model-len", "2048"]
+            "--dtype", dtype, "--max-model-len", "2048",
+            # A startup guard on the CPU (the KV space is VLLM_CPU_KVCACHE_SPACE): it asks for this share of
+            # the NUMA node's memory free, and a VM whose node reported 12.7 of its 23 GiB refused the default 0.92.
+            "--gpu-memory-utilization", "0.5"]
 
 
 def llamacpp_serve_cmd(port: int, model: str, slots: int, threads: int = 2,
