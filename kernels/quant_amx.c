@@ -5,7 +5,8 @@
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
  * Each thread widens two 16-row groups of the weight at a time into its own bf16 buffer in the tiles' pair
  * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles);
- * the next two groups are widened while the first pair of x's tiles multiplies.
+ * the next two groups are widened while the first pair of x's tiles multiplies, and each 32 x 32 block of
+ * products goes to y while the next block multiplies.
  * The weight is widened once per call, never kept: the model holds only the packed bytes.
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
@@ -131,12 +132,43 @@ static void widen(const Widening *next, long b) {
     if (next->w1) widen_block(next->type, next->w1 + b * next->gb, next->t1 + b * 16 * 32);
 }
 
+/* A 32 x 32 block of float32 products (row stride 32) on its way to y: rows x cols of it, + bias, rounded to
+ * the nearest even bf16 into y (row stride N). `stream`: whole lines bypass the cache (an output larger than L2
+ * written a column strip at a time otherwise reads every line it writes). */
+typedef struct {
+    const float *out;
+    int rows, cols, stream;
+    const float *bias;
+    uint16_t *y;
+    long N;
+} Emission;
+
+static void emit(const Emission *e, int from, int to) {
+    const int cols = e->cols;
+    const __mmask32 mask = (__mmask32)(cols >= 32 ? 0xffffffffu : (1u << cols) - 1);
+    const __m512 b0 = e->bias ? _mm512_maskz_loadu_ps((__mmask16)mask, e->bias) : _mm512_setzero_ps();
+    const __m512 b1 = e->bias ? _mm512_maskz_loadu_ps((__mmask16)(mask >> 16), e->bias + 16) : _mm512_setzero_ps();
+    for (int r = from; r < to && r < e->rows; r++) {
+        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(e->out + r * 32), b0);
+        __m512 hi = _mm512_add_ps(_mm512_loadu_ps(e->out + r * 32 + 16), b1);
+        __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        uint16_t *to_row = e->y + r * e->N;
+        if (e->stream && cols == 32 && ((uintptr_t)to_row & 63) == 0)
+            _mm512_stream_si512((void *)to_row, v);
+        else
+            _mm512_mask_storeu_epi16(to_row, mask, v);
+    }
+}
+
 /* Two 16-row tiles of x (nb blocks of 1 KB each at a0 and a1, as `repack` lays them) times two widened
  * groups (nb B tiles each at w0 and w1) -> out[32][32] float32: C tile 2i + j is x tile i times group j.
- * With `next`, block b of the next pair is widened once block b's products are issued: the vector units
- * widen while the tile unit multiplies (at 32 rows the widening took as long as the products and more). */
+ * The vector units work while the tile unit multiplies, a share after each block's products are issued:
+ * with `next`, block b of the next pair is widened (at 32 rows the widening took as long as the products
+ * and more); with `done`, the block multiplied before this one goes to y. (Read back right after its tile
+ * stores, a block's floats stalled the emission: 17% of a 2048-row call.) */
 static void multiply(const uint16_t *a0, const uint16_t *a1, const uint16_t *w0, const uint16_t *w1, long nb,
-                     float *out, const Widening *next) {
+                     float *out, const Widening *next, const Emission *done) {
+    const int share = (int)((32 + nb - 1) / nb);   /* rows of `done` emitted a block */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -152,6 +184,7 @@ static void multiply(const uint16_t *a0, const uint16_t *a1, const uint16_t *w0,
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
         if (next) widen(next, b);
+        if (done) emit(done, (int)b * share, (int)(b + 1) * share);
     }
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
@@ -172,25 +205,6 @@ static void repack(const uint16_t *x, long M, long K, long t, uint16_t *xp) {
     }
 }
 
-/* rows x cols of out (row stride 32, + bias) -> y (bf16, row stride N), rounded to nearest even. `stream`:
- * whole lines bypass the cache (an output larger than L2 written a column strip at a time otherwise reads
- * every line it writes). */
-static void emit(const float *out, int rows, int cols, const float *bias, uint16_t *y, long N, int stream) {
-    const __mmask32 mask = (__mmask32)(cols >= 32 ? 0xffffffffu : (1u << cols) - 1);
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps((__mmask16)mask, bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_maskz_loadu_ps((__mmask16)(mask >> 16), bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; r++) {
-        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * 32), b0);
-        __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + r * 32 + 16), b1);
-        __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        uint16_t *to = y + r * N;
-        if (stream && cols == 32 && ((uintptr_t)to & 63) == 0)
-            _mm512_stream_si512((void *)to, v);
-        else
-            _mm512_mask_storeu_epi16(to, mask, v);
-    }
-}
-
 static int rows_at_once(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M,
                         long N, long K, int threads) {
     const long nb = K / QK, groups = (N + GR - 1) / GR, gb = group_bytes(type);
@@ -203,7 +217,7 @@ static int rows_at_once(const uint16_t *x, int type, const uint8_t *w, const flo
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         uint16_t *wbuf = aligned_alloc(64, (size_t)4 * nb * 16 * 64);   /* two pairs' B tiles */
-        float *out = aligned_alloc(64, 32 * 32 * sizeof(float));
+        float *out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));   /* one block multiplied, one emitted */
         if (!wbuf || !out) {
 #pragma omp atomic write
             failed = 1;
@@ -217,18 +231,21 @@ static int rows_at_once(const uint16_t *x, int type, const uint8_t *w, const flo
         const long last = pairs * (omp_get_thread_num() + 1) / omp_get_num_threads(), half = 2 * nb * 16 * 32;
         if (wbuf && out && first < last) {
             Widening now = pair_at(type, w, gb, nb, groups, 2 * first, wbuf), next = now;
+            Emission done = {0};   /* the block multiplied last, emitted while the next one multiplies */
+            int flip = 0;
             for (long b = 0; b < nb; b++) widen(&now, b);
             for (long p = first; p < last; p++, now = next) {
                 const long g = 2 * p;
                 if (p + 1 < last) next = pair_at(type, w, gb, nb, groups, g + 2, wbuf + (p + 1 - first) % 2 * half);
                 const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
-                for (long t = 0; t < tiles; t += 2) {
-                    multiply(xp + t * K * 16, xp + (t + 1) * K * 16, now.t0, now.t1, nb, out,
-                             t == 0 && p + 1 < last ? &next : NULL);
-                    const long rows = M - t * 16 < 32 ? M - t * 16 : 32;
-                    emit(out, (int)rows, cols, bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N, stream);
+                for (long t = 0; t < tiles; t += 2, flip ^= 1) {
+                    multiply(xp + t * K * 16, xp + (t + 1) * K * 16, now.t0, now.t1, nb, out + flip * 1024,
+                             t == 0 && p + 1 < last ? &next : NULL, done.rows ? &done : NULL);
+                    done = (Emission){out + flip * 1024, M - t * 16 < 32 ? (int)(M - t * 16) : 32, cols, stream,
+                                      bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N};
                 }
             }
+            emit(&done, 0, done.rows);
         }
         if (stream) _mm_sfence();   /* the streamed lines are visible before the region ends */
         if (wbuf && out) _tile_release();

@@ -68,6 +68,28 @@ def test_rows_past_one_part_come_out_as_each_part_alone():
 
 
 @needs_amx
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_a_rows_output_does_not_depend_on_where_it_lies(qtype):
+    """Tall x across parts, rows not a multiple of the tiles, groups not a multiple of the pairs (232 rows: 15
+    groups, the last half full), with a bias: every row comes out as it does alone, in a chunk of 45, and on one
+    thread, bit for bit; so no tile, part, thread's share or block emitted during the next one's products mixes
+    rows or columns."""
+    weight = _weight(qtype, 232, 1536, 11)
+    gen = torch.Generator().manual_seed(11)
+    x, bias = torch.randn(1001, 1536, generator=gen).to(torch.bfloat16), torch.randn(232, generator=gen)
+    whole = quant_amx.matmul(x, weight, bias)
+    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 45], weight, bias) for r in range(0, 1001, 45)]))
+    for r in (0, 15, 16, 31, 32, 333, 640, 1000):
+        assert torch.equal(whole[r:r + 1], quant_amx.matmul(x[r:r + 1], weight, bias))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(whole, quant_amx.matmul(x, weight, bias))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
 def test_exact_integer_products_come_out_exact():
     """Q8_0 with scale 1 and small integer x: every product and sum is an integer below 256, which bf16
     holds exactly; 50 rows and 40 columns leave partial tiles of x and of the weight's groups."""
