@@ -35,14 +35,20 @@ def test_the_product_is_x_times_the_weight_rounded_to_bf16(qtype, m, n, k, poiso
     x, bias = torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
     got = quant_amx.matmul(x, weight, bias)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _assert_within_rounding(got, x, weight, bias)
+    # and the same product the int8 kernel approximates from the other side
+    w = quant_linear.dequantize(weight).to(torch.bfloat16).double()
+    int8 = quant_linear.matmul(x, weight, bias).double()
+    assert ((got.double() - int8).abs() <= 0.05 * (x.double().abs() @ w.abs().T) + 1e-3).all()
+
+
+def _assert_within_rounding(got, x, weight, bias):
+    """got is x @ dequantize(weight).bfloat16().T + bias but for float32 sums and one rounding to bf16."""
     w = quant_linear.dequantize(weight).to(torch.bfloat16).double()
     exact = x.double() @ w.T + bias.double()
     # float32 sums of k products (relative 2^-24 each step), then one rounding to bf16 (half a step: 2^-9)
-    sums = (x.double().abs() @ w.abs().T) * k * 2.0 ** -24
+    sums = (x.double().abs() @ w.abs().T) * x.shape[1] * 2.0 ** -24
     assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + sums + 1e-30).all()
-    # and the same product the int8 kernel approximates from the other side
-    int8 = quant_linear.matmul(x, weight, bias).double()
-    assert ((got.double() - int8).abs() <= 0.05 * (x.double().abs() @ w.abs().T) + 1e-3).all()
 
 
 @needs_amx
@@ -69,15 +75,17 @@ def test_rows_past_one_part_come_out_as_each_part_alone():
 
 @needs_amx
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
-def test_a_rows_output_does_not_depend_on_where_it_lies(qtype):
+@pytest.mark.parametrize("n", [232, 2072])   # 2072: 65 pairs of groups, so a thread copies x's tiles
+def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
     """Tall x across parts, rows not a multiple of the tiles, groups not a multiple of the pairs (232 rows: 15
     groups, the last half full), with a bias: every row comes out as it does alone, in a chunk of 45, and on one
-    thread, bit for bit; so no tile, part, thread's share or block emitted during the next one's products mixes
-    rows or columns."""
-    weight = _weight(qtype, 232, 1536, 11)
+    thread, bit for bit; so no tile, part, thread's share, copy of x or block emitted during the next one's
+    products mixes rows or columns."""
+    weight = _weight(qtype, n, 1536, 11)
     gen = torch.Generator().manual_seed(11)
-    x, bias = torch.randn(1001, 1536, generator=gen).to(torch.bfloat16), torch.randn(232, generator=gen)
+    x, bias = torch.randn(1001, 1536, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
     whole = quant_amx.matmul(x, weight, bias)
+    _assert_within_rounding(whole, x, weight, bias)
     assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 45], weight, bias) for r in range(0, 1001, 45)]))
     for r in (0, 15, 16, 31, 32, 333, 640, 1000):
         assert torch.equal(whole[r:r + 1], quant_amx.matmul(x[r:r + 1], weight, bias))
