@@ -293,7 +293,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     /* Every pair of groups reads all of x's tiles: past L2 they come from memory each time (2048 x 576 rows
      * cost 1.8x four times 512). So x goes in parts of at most X_BYTES, each widening the weight anew. */
     const long most = X_BYTES / (2 * K) / 32 * 32 > 32 ? X_BYTES / (2 * K) / 32 * 32 : 32;
-    const long parts = (M + most - 1) / most, rows = (M + parts - 1) / parts;
+    const long parts = (M + most - 1) / most, rows = ((M + parts - 1) / parts + 31) / 32 * 32;
     for (long r = 0; r < M; r += rows) {
         int status = rows_at_once(x + r * K, type, w, bias, y + r * N, M - r < rows ? M - r : rows, N, K, threads);
         if (status) return status;
