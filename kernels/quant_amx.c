@@ -7,8 +7,9 @@
  * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles,
  * x's read where they lie);
  * the next two groups are widened while the first pair of x's tiles multiplies, and each 32 x 32 block of
- * products goes to y while the next block multiplies.
- * The weight is widened once per call, never kept: the model holds only the packed bytes.
+ * products goes to y while the next block multiplies. x taller than half an L2 goes in parts; a thread whose
+ * widened groups fit KEEP_BYTES widens them in the first part only.
+ * The weight is widened once per call, never kept past it: the model holds only the packed bytes.
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
  * rounded apart), then rounded to the nearest even bf16, as torch rounds: the product is x times exactly
@@ -33,6 +34,10 @@
 #ifdef AMX_BF16
 #define STREAM_BYTES (1L << 20)             /* outputs larger than this are written past the cache */
 #define X_BYTES (1L << 20)                  /* x's rows a call multiplies at once: half an L2 */
+#ifndef KEEP_BYTES
+#define KEEP_BYTES (1L << 20)               /* a thread's widened pairs up to this size serve every part (2 MB:
+                                               the same) */
+#endif
 #ifndef COPY_PAIRS
 #define COPY_PAIRS 32                       /* a thread with this many pairs of groups copies x's tiles */
 #endif
@@ -224,81 +229,109 @@ static void multiply(const XTiles *x, const uint16_t *w0, const uint16_t *w1, lo
     _tile_stored(3, out + 512 + 16, 128);
 }
 
-static int rows_at_once(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M,
-                        long N, long K, int threads) {
-    const long nb = K / QK, groups = (N + GR - 1) / GR, gb = group_bytes(type);
-    const long tiles = (M + 15) / 16, pairs = (groups + 1) / 2, whole = M / 32 * 32;
-    const int stream = M * N * 2 > STREAM_BYTES;
-    /* x's tiles are read where they lie (a copy cost more than it saved below COPY_PAIRS: o 576 x 576 at 512
-     * rows 1.4x faster without); the rows past the last whole 32 are copied, zeros after them, so that no
-     * tile reads past x */
-    uint16_t *tail = NULL;
-    if (M > whole) {
-        if (!(tail = aligned_alloc(64, (size_t)32 * K * 2))) return -1;
-        memcpy(tail, x + whole * K, (size_t)(M - whole) * K * 2);
-        memset(tail + (M - whole) * K, 0, (size_t)(32 - (M - whole)) * K * 2);
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        /* this thread's pairs in order, in two buffers: pair p + 1 is widened into one while p multiplies */
-        const long first = pairs * omp_get_thread_num() / omp_get_num_threads();
-        const long last = pairs * (omp_get_thread_num() + 1) / omp_get_num_threads(), half = 2 * nb * 16 * 32;
-        uint16_t *wbuf = aligned_alloc(64, (size_t)4 * nb * 16 * 64);   /* two pairs' B tiles */
-        float *out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));   /* one block multiplied, one emitted */
-        /* x's tiles as the first pair loads them, for the later ones: in place, a tile's 16 rows are 2K bytes
-         * apart, its loads 5% slower than of 1 KB in a row */
-        uint16_t *mine = last - first >= COPY_PAIRS ? aligned_alloc(64, (size_t)(tiles + 1) / 2 * K * 64) : NULL;
-        const int ready = wbuf && out && (mine || last - first < COPY_PAIRS);
-        if (!ready) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            configure_tiles();
+/* What every thread of a call reads: the operands, their shapes, and how x is cut into parts. */
+typedef struct {
+    const uint16_t *x;
+    int type, stream;
+    const uint8_t *w;
+    const float *bias;
+    uint16_t *y;
+    long M, N, K, nb, groups, gb, pairs, rows;   /* rows: of x in each part but the last (a multiple of 32) */
+    const uint16_t *tail;   /* the rows past the last whole 32, zeros after them: no tile reads past x */
+} Call;
+
+/* One thread's pairs of groups [first, last) and its buffers. `wbuf` holds two pairs' B tiles, pair p + 1
+ * widened into one while p multiplies in the other, or with `keep` every pair's, widened in the first part
+ * only. `mine`: x's tiles as the first pair loads them, for the later ones (COPY_PAIRS). */
+typedef struct {
+    long first, last;
+    int keep, flip;
+    uint16_t *wbuf, *mine;
+    float *out;       /* one block multiplied, one emitted */
+    Emission done;    /* the block multiplied last, emitted while the next one multiplies */
+} Share;
+
+/* Where pair p's B tiles are in the thread's buffer. */
+static uint16_t *slot(const Share *s, long nb, long p) {
+    return s->wbuf + (s->keep ? p - s->first : (p - s->first) % 2) * 2 * nb * 16 * 32;
+}
+
+/* Rows [r, r + m) of x by the thread's pairs, into y. Out of line: inlined into the parallel region, the
+ * same loops ran 3-4% slower at 512 rows. */
+__attribute__((noinline)) static void multiply_part(const Call *c, Share *s, long r, long m) {
+    const long nb = c->nb, K = c->K, N = c->N, tiles = (m + 15) / 16;
+    const uint16_t *x = c->x + r * K;
+    const int widened = s->keep && r > 0;
+    Widening now = pair_at(c->type, c->w, c->gb, nb, c->groups, 2 * s->first, slot(s, nb, s->first)), next = now;
+    if (!widened)
+        for (long b = 0; b < nb; b++) widen(&now, b);
+    for (long p = s->first; p < s->last; p++) {
+        const long g = 2 * p;
+        const uint16_t *w0 = slot(s, nb, p), *w1 = w0 + nb * 16 * 32;
+        const int more = !widened && p + 1 < s->last;
+        if (more) next = pair_at(c->type, c->w, c->gb, nb, c->groups, g + 2, slot(s, nb, p + 1));
+        const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
+        for (long t = 0; t < tiles; t += 2, s->flip ^= 1) {
+            XTiles a = s->mine && p > s->first ? in_copy(s->mine, K, t) : in_place(x, c->tail, m, K, t);
+            if (s->mine && p == s->first) a.copy = s->mine + t * 16 * K;
+            float *out = s->out + s->flip * 1024;
+            multiply(&a, w0, w1, nb, out, t == 0 && more ? &next : NULL, s->done.rows ? &s->done : NULL);
+            s->done = (Emission){out, m - t * 16 < 32 ? (int)(m - t * 16) : 32, cols, c->stream,
+                                 c->bias ? c->bias + g * GR : 0, c->y + (r + t * 16) * N + g * GR, N};
         }
-        if (ready && first < last) {
-            Widening now = pair_at(type, w, gb, nb, groups, 2 * first, wbuf), next = now;
-            Emission done = {0};   /* the block multiplied last, emitted while the next one multiplies */
-            int flip = 0;
-            for (long b = 0; b < nb; b++) widen(&now, b);
-            for (long p = first; p < last; p++, now = next) {
-                const long g = 2 * p;
-                if (p + 1 < last) next = pair_at(type, w, gb, nb, groups, g + 2, wbuf + (p + 1 - first) % 2 * half);
-                const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
-                for (long t = 0; t < tiles; t += 2, flip ^= 1) {
-                    XTiles a = mine && p > first ? in_copy(mine, K, t) : in_place(x, tail, M, K, t);
-                    if (mine && p == first) a.copy = mine + t * 16 * K;
-                    multiply(&a, now.t0, now.t1, nb, out + flip * 1024, t == 0 && p + 1 < last ? &next : NULL,
-                             done.rows ? &done : NULL);
-                    done = (Emission){out + flip * 1024, M - t * 16 < 32 ? (int)(M - t * 16) : 32, cols, stream,
-                                      bias ? bias + g * GR : 0, y + t * 16 * N + g * GR, N};
-                }
-            }
-            emit(&done, 0, done.rows);
-        }
-        if (stream) _mm_sfence();   /* the streamed lines are visible before the region ends */
-        if (ready) _tile_release();
-        free(wbuf);
-        free(out);
-        free(mine);
     }
-    free(tail);
-    return failed ? -1 : 0;
 }
 
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
     if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1) return -2;
     if (!amx_permitted()) return -4;
+    if (M <= 0) return 0;
     /* Every pair of groups reads all of x's tiles: past L2 they come from memory each time (2048 x 576 rows
-     * cost 1.8x four times 512). So x goes in parts of at most X_BYTES, each widening the weight anew. */
+     * cost 1.8x four times 512). So x goes in parts of at most X_BYTES, in whole pairs of tiles (a last tile
+     * pair of 5 rows costs a full one). */
     const long most = X_BYTES / (2 * K) / 32 * 32 > 32 ? X_BYTES / (2 * K) / 32 * 32 : 32;
-    const long parts = (M + most - 1) / most, rows = ((M + parts - 1) / parts + 31) / 32 * 32;
-    for (long r = 0; r < M; r += rows) {
-        int status = rows_at_once(x + r * K, type, w, bias, y + r * N, M - r < rows ? M - r : rows, N, K, threads);
-        if (status) return status;
+    const long parts = (M + most - 1) / most, whole = M / 32 * 32;
+    const long nb = K / QK, groups = (N + GR - 1) / GR;
+    Call c = {x, type, M * N * 2 > STREAM_BYTES, w, bias, y, M, N, K, nb, groups, group_bytes(type),
+              (groups + 1) / 2, ((M + parts - 1) / parts + 31) / 32 * 32, NULL};
+    /* x's tiles are read where they lie (a copy cost more than it saved below COPY_PAIRS: o 576 x 576 at 512
+     * rows 1.4x faster without) */
+    uint16_t *tail = NULL;
+    if (M > whole) {
+        if (!(tail = aligned_alloc(64, (size_t)32 * K * 2))) return -1;
+        memcpy(tail, x + whole * K, (size_t)(M - whole) * K * 2);
+        memset(tail + (M - whole) * K, 0, (size_t)(32 - (M - whole)) * K * 2);
+        c.tail = tail;
     }
-    return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const long first = c.pairs * omp_get_thread_num() / omp_get_num_threads();
+        const long last = c.pairs * (omp_get_thread_num() + 1) / omp_get_num_threads();
+        const size_t pair_bytes = (size_t)2 * nb * 16 * 64;
+        Share s = {first, last, parts > 1 && (size_t)(last - first) * pair_bytes <= KEEP_BYTES, 0};
+        s.wbuf = aligned_alloc(64, (s.keep ? (size_t)(last - first) : 2) * pair_bytes);
+        s.out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));
+        /* in place, a tile's 16 rows are 2K bytes apart: its loads 5% slower than of 1 KB in a row */
+        if (last - first >= COPY_PAIRS) s.mine = aligned_alloc(64, (size_t)c.rows * K * 2);
+        const int ready = s.wbuf && s.out && (s.mine || last - first < COPY_PAIRS);
+        if (!ready) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (first < last) {
+            configure_tiles();
+            for (long r = 0; r < M; r += c.rows) multiply_part(&c, &s, r, M - r < c.rows ? M - r : c.rows);
+            emit(&s.done, 0, s.done.rows);
+            _tile_release();
+        }
+        if (c.stream) _mm_sfence();   /* the streamed lines are visible before the region ends */
+        free(s.wbuf);
+        free(s.out);
+        free(s.mine);
+    }
+    free(tail);
+    return failed ? -1 : 0;
 }
 #else
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
