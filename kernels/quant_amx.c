@@ -314,8 +314,11 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
         s.wbuf = aligned_alloc(64, (s.keep ? (size_t)(last - first) : 2) * pair_bytes);
         s.out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));
         /* in place, a tile's 16 rows are 2K bytes apart: its loads 5% slower than of 1 KB in a row */
-        if (last - first >= COPY_PAIRS) s.mine = aligned_alloc(64, (size_t)c.rows * K * 2);
-        const int ready = s.wbuf && s.out && (s.mine || last - first < COPY_PAIRS);
+        /* and x's rows off 64 bytes (decode_layers.c's scratch lies 16 bytes past them) cross two lines a tile
+         * row: 0.85x the repacking kernel's speed at 512 rows read in place, so only the first pair reads them */
+        const int copying = last - first >= COPY_PAIRS || (last - first > 1 && ((uintptr_t)x & 63));
+        if (copying) s.mine = aligned_alloc(64, (size_t)c.rows * K * 2);
+        const int ready = s.wbuf && s.out && (s.mine || !copying);
         if (!ready) {
 #pragma omp atomic write
             failed = 1;

@@ -98,6 +98,21 @@ def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
 
 
 @needs_amx
+@pytest.mark.parametrize("n", [40, 232, 2072])   # one pair of groups, a few a thread, a copy of x's tiles anyway
+def test_x_off_the_cache_lines_comes_out_the_same(n):
+    """x 16 bytes past a cache line (as a scratch from malloc lies), tall enough for parts: every bit as the same
+    rows aligned."""
+    weight = _weight(GGMLQuantizationType.Q4_1, n, 1536, 13)
+    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    flat = torch.empty(700 * 1536 + 32, dtype=torch.bfloat16)
+    skew = (16 - flat.data_ptr() % 64) % 64 // 2   # values to the first address 16 bytes past a line
+    off = flat[skew:skew + 700 * 1536].view(700, 1536)
+    off.copy_(x)
+    assert off.data_ptr() % 64 == 16
+    assert torch.equal(quant_amx.matmul(off, weight), quant_amx.matmul(x, weight))
+
+
+@needs_amx
 def test_exact_integer_products_come_out_exact():
     """Q8_0 with scale 1 and small integer x: every product and sum is an integer below 256, which bf16
     holds exactly; 50 rows and 40 columns leave partial tiles of x and of the weight's groups."""
