@@ -5,10 +5,9 @@
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
  * Each thread widens two 16-row groups of the weight at a time into its own bf16 buffer in the tiles' pair
  * layout (K x 128 bytes: within L2), then multiplies every pair of 16-row tiles of x by them (2 x 2 tiles,
- * x's read where they lie);
- * the next two groups are widened while the first pair of x's tiles multiplies, and each 32 x 32 block of
- * products goes to y while the next block multiplies. x taller than half an L2 goes in parts; a thread whose
- * widened groups fit KEEP_BYTES widens them in the first part only.
+ * x's read where they lie); the next two groups are widened while the first pair of x's tiles multiplies,
+ * and each 32 x 32 block of products goes to y while the next block multiplies. x taller than half an L2
+ * goes in parts; a thread whose widened groups fit KEEP_BYTES widens them in the first part only.
  * The weight is widened once per call, never kept past it: the model holds only the packed bytes.
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
@@ -313,9 +312,9 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
         Share s = {first, last, parts > 1 && (size_t)(last - first) * pair_bytes <= KEEP_BYTES, 0};
         s.wbuf = aligned_alloc(64, (s.keep ? (size_t)(last - first) : 2) * pair_bytes);
         s.out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));
-        /* in place, a tile's 16 rows are 2K bytes apart: its loads 5% slower than of 1 KB in a row */
-        /* and x's rows off 64 bytes (decode_layers.c's scratch lies 16 bytes past them) cross two lines a tile
-         * row: 0.85x the repacking kernel's speed at 512 rows read in place, so only the first pair reads them */
+        /* in place, a tile's 16 rows are 2K bytes apart: its loads 5% slower than of 1 KB in a row. And rows of
+         * x off 64 bytes (decode_layers.c's scratch lies 16 bytes past them) cross two lines a tile row: read in
+         * place, 0.85x the repacking kernel's speed at 512 rows; so only the first pair reads those there. */
         const int copying = last - first >= COPY_PAIRS || (last - first > 1 && ((uintptr_t)x & 63));
         if (copying) s.mine = aligned_alloc(64, (size_t)c.rows * K * 2);
         const int ready = s.wbuf && s.out && (s.mine || !copying);
