@@ -31,7 +31,10 @@ LLAMACPP_SLOT_TOKENS = 2048   # KV per parallel slot (-c is split evenly between
 def vllm_env(bind: str = VLLM_OMP_BIND, base: dict | None = None, python: str = VLLM_PYTHON) -> dict:
     """vLLM's CPU settings as setup_vllm_cpu.sh uses them. OMP_* is dropped: vLLM binds its own
     threads (VLLM_CPU_OMP_THREADS_BIND), and bench.engine's OMP_WAIT_POLICY is Matinee's choice."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("OMP_")}
+    # PYTHONPATH is dropped too: with Matinee's tree on it, transformers in vLLM's venv takes Matinee's
+    # kernels/ for the `kernels` package it probes for, and vLLM dies importing it.
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("OMP_") and k != "PYTHONPATH"}
     preload = [p for p in (TCMALLOC, os.path.join(os.path.dirname(os.path.dirname(python)), "lib", "libiomp5.so"))
                if os.path.exists(p)]
     env.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="4",
