@@ -20,26 +20,14 @@ INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_sta
 # An int8 cache's codes, and an fp8 one's, which the kernels read as bytes.
 INT8_CACHE = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "cache_ptr": "*i8"}
 FP8_CACHE = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "cache_ptr": "*u8"}
-
-
-def quantized_cache_variants():
-    """The attention over an int8 and an fp8 cache, and the writer of each: a byte a value, a scale a block."""
-    pa = paged_attention_triton
-    for fp8, pointers in ((False, INT8_CACHE), (True, FP8_CACHE)):
-        yield pa._paged_attention_kernel, "bf16", dict(
-            QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, HEAD_PAD=128, NUM_SPLITS=1, DOT_PRECISION="tf32",
-            QUANTIZED=True, FP8=fp8, pointers=pointers)
-        yield kv_write_triton._write_kv_quantized_kernel, "bf16", dict(
-            QMAX=QMAX[torch.float8_e4m3fn if fp8 else torch.int8], FP8=fp8, BLOCK_S=16, HEAD_PAD=64,
-            pointers=pointers)
 FLOAT32_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "cache_ptr", "k_scales_ptr", "v_scales_ptr",
                     "scale_ptr")
 FLOAT_SCALARS = ("eps", "scale_log2")
 
 
-def _signature(fn, constexprs: dict, dtype: str) -> dict:
+def _signature(fn, constexprs: dict, dtype: str, pointers: dict) -> dict:
+    """`pointers`: a variant's own pointer types (a quantized cache's codes), before the names' defaults."""
     sig = {}
-    pointers = constexprs.pop("pointers", {})   # a variant's own pointer types: a quantized cache's codes
     for name in fn.arg_names:
         if name in pointers:
             sig[name] = pointers[name]
@@ -73,6 +61,18 @@ def _ptx_notes(ptx: str) -> str:
     # `/` on float32 compiles to these (up to 2 ulp off); tl.math.div_rn to div.rn.f32.
     approximate = sum(ptx.count(op) for op in ("div.full.f32", "div.approx.f32"))
     return f"{wide} vector / {len(loads) - wide} scalar global loads, {approximate} approximate divisions"
+
+
+def quantized_cache_variants():
+    """The attention over an int8 and an fp8 cache, and the writer of each: a byte a value, a scale a block."""
+    pa = paged_attention_triton
+    for fp8, pointers in ((False, INT8_CACHE), (True, FP8_CACHE)):
+        yield pa._paged_attention_kernel, "bf16", dict(
+            QUERIES_PER_KV=4, BLOCK_M=16, BLOCK_Q=4, TILE_N=64, HEAD_PAD=128, NUM_SPLITS=1, DOT_PRECISION="tf32",
+            QUANTIZED=True, FP8=fp8, pointers=pointers)
+        yield kv_write_triton._write_kv_quantized_kernel, "bf16", dict(
+            QMAX=QMAX[torch.float8_e4m3fn if fp8 else torch.int8], FP8=fp8, BLOCK_S=16, HEAD_PAD=64,
+            pointers=pointers)
 
 
 def variants(quick: bool = False):
@@ -115,7 +115,8 @@ def main() -> int:
         t0 = time.perf_counter()
         label = f"{fn.__name__} {dtype} {constexprs}"
         try:
-            src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype),
+            pointers = constexprs.pop("pointers", {})
+            src = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, constexprs, dtype, pointers),
                                             constexprs=constexprs, attrs=_divisibility(fn))
             compiled = triton.compile(src, target=target)
             print(f"ok   {label}: {time.perf_counter() - t0:.1f}s, shared {compiled.metadata.shared} B, "
