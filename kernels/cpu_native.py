@@ -30,7 +30,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c",
                                                              "quant_amx.c", "token_mask.c", "decode_layers.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16.h", "e4m3.h", "quant_layout.h")]   # included by the sources: part of the library's name
+HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16.h", "e4m3.h", "quant_layout.h", "vexp.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
 X86 = ("x86_64", "amd64", "i386", "i686")   # the sources use x86 vector intrinsics (immintrin.h)

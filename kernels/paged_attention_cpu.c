@@ -31,6 +31,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "e4m3.h"
+#include "vexp.h"
 
 typedef unsigned short bf16;
 
@@ -79,31 +80,6 @@ static inline void store_bf16(bf16 *dst, const float *src, long n) {
     }
     for (long i = n8; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
-
-/* e^x for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf, and
- * eight (exp8) or sixteen (exp16) at a time where glibc's expf took as long as the rest of a decode row. */
-#define DEFINE_EXP(name, T, P, SI, ROUND)                                                                       \
-    static inline T name(T x) {                                                                               \
-        x = P##_max_ps(P##_set1_ps(-87.3f), x);   /* keeps NaN, which max_ps returns from x */                 \
-        T n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));                                         \
-        x = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                    \
-        x = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), x);                                                 \
-        T y = P##_set1_ps(1.9875691500e-4f);                                                                   \
-        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                                 \
-        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                                 \
-        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                                 \
-        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                                 \
-        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                                 \
-        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.f)));                                \
-        __m##SI##i e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);             \
-        return P##_mul_ps(y, P##_castsi##SI##_ps(e));                                                          \
-    }
-#define ROUND8(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-DEFINE_EXP(exp8, __m256, _mm256, 256, ROUND8)
-#ifdef __AVX512F__
-#define ROUND16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-DEFINE_EXP(exp16, __m512, _mm512, 512, ROUND16)
-#endif
 
 static inline float hsum(__m256 a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -660,6 +636,27 @@ static int paged_attention(const Problem *pb, long B, long T, long num_blocks, i
 #define DOT_BF16 0
 #endif
 
+#ifdef __AVX512F__
+/* Rows r[0..15] -> columns: r[i] gets lane i of every input, in input order. Three rounds of two-input
+ * shuffles (pairs of lanes, then of 4-lane groups, then of 128-bit lanes twice). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+}
+#endif
+
 /* An item's PROWS rows (row r: token t0 + r / group, query head h * group + r % group; lanes past `rows`
  * hold zero queries, their results dropped): its queries transposed, as bf16 pairs (d, d + 1) into
  * qp[D / 2][PROWS] where qp is given, else as float32 into qt[D][PROWS]; each row's last key (limit) and
@@ -668,12 +665,27 @@ static inline void item_rows(const Problem *pb, long t0, long h, long rows, long
                              float *qt, int act_bf16, float *limit, float *run_max, float *run_sum) {
     const long D = pb->D, Hq = pb->Hq, group = Hq / pb->Hk;
     const bf16 *q = pb->q;
+#ifdef __AVX512F__
+    if (qp && D % 32 == 0) {   /* 16 rows x 16 pairs at a time, each a row's 64 bytes as they lie, transposed */
+        for (long r0 = 0; r0 < PROWS; r0 += 16)
+            for (long d = 0; d < D; d += 32) {
+                __m512 x[16];
+                for (long i = 0; i < 16; i++) {
+                    long r = r0 + i, row = (t0 + r / group) * Hq + h * group + r % group;
+                    x[i] = r < rows ? _mm512_loadu_ps(q + row * D + d) : _mm512_setzero_ps();
+                }
+                transpose16(x);
+                for (long i = 0; i < 16; i++) _mm512_storeu_ps(qp + (d / 2 + i) * PROWS + r0, x[i]);
+            }
+        qp = NULL, qt = NULL;
+    }
+#endif
     for (long r = 0; r < PROWS; r++) {
         long row = (t0 + r / group) * Hq + h * group + r % group;
         if (qp)
             for (long d = 0; d < D; d += 2)
                 qp[d / 2 * PROWS + r] = r < rows ? q[row * D + d] | (uint32_t)q[row * D + d + 1] << 16 : 0;
-        else
+        else if (qt)
             for (long d = 0; d < D; d++) qt[d * PROWS + r] = r < rows ? load1(pb->q, row * D + d, act_bf16 ? BF16 : F32) : 0.f;
         limit[r] = (float)(past + (r < rows ? r / group : nt - 1));
         run_max[r] = -INFINITY, run_sum[r] = 0.f;
@@ -825,25 +837,6 @@ static inline __attribute__((always_inline)) int prefill_item(const Problem *pb,
 }
 
 #ifdef AMX_BF16
-/* Rows r[0..15] -> columns: r[i] gets lane i of every input, in input order. Three rounds of two-input
- * shuffles (pairs of lanes, then of 4-lane groups, then of 128-bit lanes twice). */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-}
-
 #define AK 32   /* keys per block here: one bf16 A tile row of weights, the K of one product */
 
 /* prefill_item for a bf16 cache on AMX's tiles (D a multiple of 32, PR row vectors of 16 in three C tiles).
@@ -943,12 +936,19 @@ static int prefill_item_amx(const Problem *pb, long b, long i0, long nt, long h)
         for (int p = 0; p < PR; p++) {   /* the block's weighted values, 16 rows x 16 columns a tile */
             _tile_loadd(4, ph + p * 16 * AK, AK * sizeof(bf16));
             _tile_loadd(5, pl + p * 16 * AK, AK * sizeof(bf16));
-            for (long d = 0; d < D; d += 16) {
+            /* Two column tiles at a time, their products interleaved: each tile's hi and lo products depend on
+             * each other, and one tile at a time left the tile unit waiting on that chain (18% of this kernel). */
+            for (long d = 0; d < D; d += 32) {
                 _tile_zero(0);
+                _tile_zero(1);
                 _tile_loadd(6, vb + 2 * d, 2 * D * sizeof(bf16));
+                _tile_loadd(7, vb + 2 * (d + 16), 2 * D * sizeof(bf16));
                 _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
                 _tile_dpbf16ps(0, 5, 6);
+                _tile_dpbf16ps(1, 5, 7);
                 _tile_stored(0, pv + d, D * sizeof(float));
+                _tile_stored(1, pv + d + 16, D * sizeof(float));
             }
             for (int r = 0; r < 16; r++) {
                 vec c = vset1(resc[p * W + r]);
@@ -1002,9 +1002,11 @@ static int prefill(const Problem *pb, const int *seqs, long S, long B, long T, l
         items[x + 1] = items[x] + (q_len + per - 1) / per * pb->Hk;
     }
     int failed = 0;
+    /* Last items first: a run's later tokens see more keys, so its items grow along it, and the threads taking
+     * the largest first finish together (in order, the last large item kept one thread while the other waited). */
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1 && items[S] > 1)
-    for (long w = 0; w < items[S]; w++) {
-        long lo = 0, hi = S;   /* the sequence holding item w: items[lo] <= w < items[lo + 1] */
+    for (long v = 0; v < items[S]; v++) {
+        long w = items[S] - 1 - v, lo = 0, hi = S;   /* the sequence holding item w: items[lo] <= w < items[lo + 1] */
         while (hi - lo > 1) {
             long mid = (lo + hi) / 2;
             if (items[mid] <= w) lo = mid; else hi = mid;
