@@ -677,7 +677,7 @@ static inline void item_rows(const Problem *pb, long t0, long h, long rows, long
                 transpose16(x);
                 for (long i = 0; i < 16; i++) _mm512_storeu_ps(qp + (d / 2 + i) * PROWS + r0, x[i]);
             }
-        qp = NULL, qt = NULL;
+        qp = NULL, qt = NULL;   /* packed: the loop below only starts each row's limit, max and sum */
     }
 #endif
     for (long r = 0; r < PROWS; r++) {
