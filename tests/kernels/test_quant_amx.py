@@ -158,11 +158,13 @@ def test_the_threshold_is_where_amx_wins_from_then_on():
         for rows, win in zip(quant_amx.ROWS, wins):
             out[f"int8_{rows}"], out[f"amx_{rows}"] = 1.0, 0.5 if win else 1.0
         return out
-    assert quant_amx.threshold(ms([False, False, True, True, True, True])) == 64
-    assert quant_amx.threshold(ms([True, False, True, False, True, True])) == 256   # wins only from 256 on
-    assert quant_amx.threshold(ms([True] * 6)) == quant_amx.ROWS[0]
-    assert quant_amx.threshold(ms([True] * 5 + [False])) is None
-    assert quant_amx.threshold(ms([True] * 6) | {"amx_512": 0.95}) is None   # within the margin: not a win
+    n = len(quant_amx.ROWS)
+    assert quant_amx.ROWS[-3:] == (128, 256, 512)
+    assert quant_amx.threshold(ms([False] * (n - 4) + [True] * 4)) == quant_amx.ROWS[-4]
+    assert quant_amx.threshold(ms([True] * (n - 3) + [False, True, True])) == 256   # wins only from 256 on
+    assert quant_amx.threshold(ms([True] * n)) == quant_amx.ROWS[0]
+    assert quant_amx.threshold(ms([True] * (n - 1) + [False])) is None
+    assert quant_amx.threshold(ms([True] * n) | {"amx_512": 0.95}) is None   # within the margin: not a win
 
 
 def test_prepare_measures_bf16_weights_where_there_is_amx():
