@@ -24,6 +24,8 @@ static inline float f32_round(float f) { return f; }
 /* rows >= 64 (a prefill chunk) share the rows between threads; a decode step's few rows cost less
  * than waking a second thread. */
 #define PARALLEL_ROWS(threads, rows) _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 64)")
+/* SiLU-and-multiply takes 2I exponentials a row: worth a second thread from 8 rows. */
+#define PARALLEL_SILU_ROWS(threads, rows) _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)")
 
 /* out[t] = rms_norm(r[t]) * weight, where r = x + residual when residual is given (then written to
  * residual_out), else r = x. Rows have stride H. */
@@ -189,8 +191,7 @@ static inline float fast_exp(float x) {
 #define DEFINE_SILU_AND_MUL(NAME, T, LOAD, ROUND)                                                          \
     __attribute__((target("prefer-vector-width=512")))                                                     \
     void NAME(const T *x, T *out, long rows, long I, int threads) {                                        \
-        /* 2I exponentials a row: worth a second thread from 8 rows */                                     \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)")     \
+        PARALLEL_SILU_ROWS(threads, rows)                                                                  \
         for (long t = 0; t < rows; t++) {                                                                  \
             const T *a = x + t * 2 * I, *b = a + I;                                                        \
             T *o = out + t * I;                                                                            \
@@ -273,7 +274,7 @@ void matinee_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t
  * always, and one rounding step apart at most). The division was 7% of a 2 x 256 prefill step on 2 Xeon cores;
  * without it the step measured ~4% faster (alone in a loop, the two versions timed alike). */
 void matinee_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, long rows, long I, int threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows >= 8)")
+    PARALLEL_SILU_ROWS(threads, rows)
     for (long t = 0; t < rows; t++) {
         const uint16_t *a = x + t * 2 * I, *b = a + I;
         uint16_t *o = out + t * I;
