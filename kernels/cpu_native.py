@@ -12,7 +12,9 @@ the CPU faster, never change what it computes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -206,18 +208,60 @@ def kept_measurement(suffix: str, name: str, measure, lib: ctypes.CDLL | None = 
     """The timings `name` from the file beside the built library (whose name is its digest; `lib`, by
     default the loaded one) with this suffix; where they are not there yet, `measure()` gives them and they
     are kept for the next start, unless other work took more than BUSY_SHARE of the CPUs meanwhile: then
-    they serve this process alone and the next start measures again."""
+    they serve this process alone and the next start measures again. Processes measure one at a time (an
+    flock in the cache folder), so engines started together take the first one's timings rather than each
+    timing its kernels beside the others'."""
     path = (lib or library()).path.with_suffix(suffix)
     known = read_measurements(path)
     if name not in known:
-        timings, share = measured_alone(measure)
-        if share > BUSY_SHARE:
-            structlog.get_logger().warning("CPU kernels: measured beside other work, not kept", measurement=name,
-                                           path=path.name, others_share=round(share, 2))
-            return timings
-        known = read_measurements(path) | {name: timings}   # re-read: another process may have added some
-        keep_measurements(path, known)
+        with _one_at_a_time(path.parent):
+            known = read_measurements(path)   # kept by another process while this one waited
+            if name not in known:
+                timings, share = measured_alone(measure)
+                if share > BUSY_SHARE:
+                    structlog.get_logger().warning("CPU kernels: measured beside other work, not kept",
+                                                   measurement=name, path=path.name, others_share=round(share, 2))
+                    return timings
+                known = read_measurements(path) | {name: timings}   # re-read: another process may have added some
+                keep_measurements(path, known)
     return known[name]
+
+
+class _MeasuringLock:
+    """Held by one process of the machine at a time (an flock on a file in the cache folder), and
+    re-entered freely by its holder, whose measurement may run code that measures in turn. Where the
+    file cannot be opened (a read-only cache), the process measures without it."""
+
+    def __init__(self) -> None:
+        self._held = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, folder: Path):
+        with self._held:
+            if self._depth == 0:
+                self._fd = _flock(folder / "measuring.lock")
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._fd is not None:
+                    os.close(self._fd)   # closing it releases the flock
+                    self._fd = None
+
+
+def _flock(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+_one_at_a_time = _MeasuringLock()
 
 
 def measured_alone(measure):

@@ -1,11 +1,13 @@
 """Timings kept beside the built library (cpu_native.kept_measurement): kept where the machine was quiet
-while they were taken, used but not kept where other work shared the CPUs, which /proc/stat tells."""
+while they were taken, used but not kept where other work shared the CPUs, which /proc/stat tells.
+Processes measure one at a time, so engines started together agree on what was measured."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -65,3 +67,44 @@ def test_a_busy_share_is_what_other_processes_took():
 def test_without_proc_stat_the_machine_counts_as_quiet(monkeypatch):
     monkeypatch.setattr(cpu_native, "_cpu_seconds", lambda: None)
     assert cpu_native.measured_alone(lambda: 7) == (7, 0.0)
+
+
+MEASURER = """
+import json, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from kernels import cpu_native
+share = float(sys.argv[3])
+cpu_native.measured_alone = lambda measure: (measure(), share)   # however busy the test machine is
+def measure():
+    start = time.time()
+    time.sleep(0.5)
+    return {"start": start, "end": time.time(), "by": sys.argv[4]}
+time.sleep(max(float(sys.argv[2]) - time.time(), 0))   # both past their imports: they ask at once
+print(json.dumps(cpu_native.kept_measurement(".probe.json", "1 threads", measure, SimpleNamespace(path=Path(sys.argv[1])))))
+"""
+
+
+@pytest.mark.parametrize("share", [0.0, 0.9])
+def test_processes_that_start_together_measure_one_at_a_time(lib, share):
+    start_at = str(time.time() + 6)
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURER, str(lib.path), start_at, str(share), name],
+                              stdout=subprocess.PIPE, text=True) for name in ("a", "b")]
+    results = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]   # after any log line
+    if share < cpu_native.BUSY_SHARE:   # the first one's timings were kept: the other took them
+        assert results[0] == results[1]
+    else:   # not kept: each measured, but never both at once
+        first, second = sorted(results, key=lambda r: r["start"])
+        assert first["by"] != second["by"] and second["start"] >= first["end"]
+
+
+def test_a_measurement_may_take_another_inside_it(monkeypatch, lib):
+    monkeypatch.setattr(cpu_native, "measured_alone", lambda measure: (measure(), 0.05))
+    inner = lambda: {"inner": 1.0}   # noqa: E731
+    outer = lambda: {"outer": cpu_native.kept_measurement(".inner.json", "n", inner, lib)["inner"]}   # noqa: E731
+    out = {}
+    t = threading.Thread(target=lambda: out.update(cpu_native.kept_measurement(".outer.json", "n", outer, lib)),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    assert out == {"outer": 1.0}   # not stuck on its own lock
