@@ -180,7 +180,7 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     kv_transfer = await attach_kv_transfer(system, engine, transfer)
     info = EngineInfo(node.engine_id, engine.max_model_len, engine_config.block_size,
                       engine_config.model or "", priority_scheduling=engine_config.scheduling_policy == "priority",
-                      role=node.role, kv_receiver=kv_transfer)
+                      role=node.role, kv_receiver=kv_transfer, kv_layout=engine.kv_blocks.layout)
     # A fresh path per run: gateways tell a restarted engine from the one they saw die.
     front = await system.spawn(EngineFront(info, engine.scheduler), name=f"front-{uuid.uuid4().hex[:8]}")
     name = registry_name(node.role, node.engine_id)

@@ -400,6 +400,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     priority_scheduling: bool = False # requests' `priority` is honoured (else the gateway refuses it)
     role: str = "engine"              # engine (colocated), prefill or decode
     kv_receiver: ActorRef | None = None  # where a prefill engine hands this engine a request's KV
+    kv_layout: str = ""               # KVBlockIO.layout: a handoff goes only between engines that share it
 
 
 class SubmitRefused(msgspec.Struct, tag=True):

@@ -259,12 +259,16 @@ class EnginePool:
     async def _choose(self, prompt: list[int], cache_salt: str | None,
                       params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to).
-        With prefill and decode engines up, requests are disaggregated (with n > 1 or prompt
+        With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1 or prompt
         logprobs they run whole on the prefill engine, with a short prompt whole on the decode
         engine); otherwise colocated engines serve them whole, or any engine left."""
         routable = [e for e in self.engines.values() if e.routable]
         prefill = [e for e in routable if e.info.role == "prefill"]
-        decode = [e for e in routable if e.info.role == "decode" and e.info.kv_receiver is not None]
+        # A handoff needs one KV layout (dtype, layers, heads) at both ends: `--dtype auto` can
+        # resolve differently on two machines. A decode engine no prefill engine can feed is no target.
+        layouts = {e.info.kv_layout for e in prefill}
+        decode = [e for e in routable if e.info.role == "decode" and e.info.kv_receiver is not None
+                  and e.info.kv_layout in layouts]
         if prefill and decode:
             whole = params.n > 1 or params.prompt_logprobs is not None
             target = None if whole else self._choose_decode(decode, prompt)
@@ -272,6 +276,8 @@ class EnginePool:
                 return None, None
             if target is not None and len(prompt) <= self.config.local_prefill_tokens:
                 return target, None   # short: its decode engine prefills it
+            if target is not None:
+                prefill = [e for e in prefill if e.info.kv_layout == target.info.kv_layout]
             return await self._choose_among(prefill, prompt, cache_salt), target
         colocated = [e for e in routable if e.info.role == "engine"]
         return await self._choose_among(colocated or routable, prompt, cache_salt), None
@@ -465,7 +471,12 @@ class EnginePool:
             self.hasher = PromptHasher(info.block_size)
         self.engines[key] = _Engine(key, ref, info)
         self.receiver.tell(_Watch(ref))
-        log.info("engine joined", engine_id=info.engine_id, address=node)
+        log.info("engine joined", engine_id=info.engine_id, address=node, role=info.role, kv_layout=info.kv_layout)
+        partner = {"prefill": "decode", "decode": "prefill"}.get(info.role)
+        others = {e.info.kv_layout for e in self.engines.values() if e.info.role == partner}
+        if others and info.kv_layout not in others:
+            log.warning("no engine of the other role shares this engine's KV layout: no handoffs with it",
+                        engine_id=info.engine_id, role=info.role, kv_layout=info.kv_layout, theirs=sorted(others))
         self._changed.set()
 
     async def _poll_stats(self) -> None:

@@ -87,8 +87,13 @@ class DisaggCluster:
 
 def engine_stats(redis_url: str, role: str):
     """The EngineStats of the one engine registered with this role."""
-    from actors.engine_node import registry_name
     from actors.messages import GetStats
+    return ask_engine(redis_url, role, GetStats())
+
+
+def ask_engine(redis_url: str, role: str, msg):
+    """The one engine registered with this role's answer to `msg`."""
+    from actors.engine_node import registry_name
     from runtime import ActorSystem
     from runtime.redis_registry import RedisRegistry
 
@@ -101,7 +106,7 @@ def engine_stats(redis_url: str, role: str):
             entries = {k: v for k, v in (await registry.entries(prefix)).items() if "/" not in k[len(prefix):]}
             assert len(entries) == 1, entries
             node, path = next(iter(entries.values()))
-            return await system.ref_for(node, path).ask(GetStats(), timeout=5)
+            return await system.ref_for(node, path).ask(msg, timeout=5)
         finally:
             await system.shutdown()
             await registry.close()
@@ -171,6 +176,12 @@ def test_greedy_text_through_a_prefill_and_a_decode_engine_equals_the_colocated_
                  "the prefill engine's /metrics")
     assert h.metric(f"http://127.0.0.1:{cluster.metrics_ports['decode']}", "matinee_prefill_steps_total") == \
         d.prefill_steps
+
+
+def test_each_engine_tells_the_gateway_its_kv_layout(cluster):
+    from actors.messages import GetEngineInfo
+    layouts = {role: ask_engine(cluster.redis.url, role, GetEngineInfo()).kv_layout for role in ("prefill", "decode")}
+    assert layouts["prefill"] == layouts["decode"] and "float32[16x" in layouts["decode"]   # --dtype float32
 
 
 def test_a_gateway_with_the_default_prefills_short_prompts_on_the_decode_engine(cluster):

@@ -2,7 +2,8 @@
 goes to the prefill engine naming a decode engine, streams its first token from there and the
 rest from the decode engine; a decode engine that refuses (its pool is full) is passed over for
 another, and with none that has room the request waits for one instead of failing; a short prompt
-runs whole on the decode engine."""
+runs whole on the decode engine; a decode engine whose KV layout no prefill engine shares gets no
+handoffs."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ def _stats(running: int = 0, free: int = 100) -> EngineStats:
 class ScriptedDecode(Actor):
     """Takes a handoff when it has room and decodes the rest at once, one delta per token."""
 
-    def __init__(self, engine_id: str, room: bool, stats: EngineStats):
-        self.engine_id, self.room, self.stats = engine_id, room, stats
+    def __init__(self, engine_id: str, room: bool, stats: EngineStats, kv_layout: str = "layout"):
+        self.engine_id, self.room, self.stats, self.kv_layout = engine_id, room, stats, kv_layout
         self.offers: list[str] = []
         self.served: list[SubmitRequest] = []
 
@@ -42,7 +43,7 @@ class ScriptedDecode(Actor):
                                                               len(msg.prompt_token_ids), 0)]))
             case GetEngineInfo():
                 return EngineInfo(self.engine_id, 4096, 16, "scripted", role="decode",
-                                  kv_receiver=self.context.self_ref)
+                                  kv_receiver=self.context.self_ref, kv_layout=self.kv_layout)
             case GetStats():
                 return self.stats
             case KVOffer():
@@ -71,7 +72,7 @@ class ScriptedPrefill(Actor):
     async def receive(self, msg):
         match msg:
             case GetEngineInfo():
-                return EngineInfo("prefill", 4096, 16, "scripted", role="prefill")
+                return EngineInfo("prefill", 4096, 16, "scripted", role="prefill", kv_layout="layout")
             case GetStats():
                 return _stats()
             case SubmitRequest():
@@ -180,6 +181,38 @@ async def test_a_short_prompt_runs_whole_on_the_decode_engine_and_a_longer_one_i
         assert [(m.prompt_token_ids, m.handoff_to) for m in decode.served] == [(short, None)]
         assert [m.prompt_token_ids for m in prefill.served] == [longer] and decode.offers == ["l"]
         assert pool.metrics.handoffs == 1
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_handoffs_go_only_to_a_decode_engine_of_the_prefill_engines_kv_layout():
+    # `--dtype auto` resolved to float32 on one engine and bfloat16 on the other: the idle one cannot
+    # take the prefill engine's blocks, so the busier one of its layout gets the request.
+    other = ScriptedDecode("d1", room=True, stats=_stats(running=0), kv_layout="30x(float32)")
+    same = ScriptedDecode("d2", room=True, stats=_stats(running=5))
+    system, pool, prefill = await _cluster({"d1": other, "d2": same})
+    try:
+        for rid in ("a", "b"):
+            queue: asyncio.Queue = asyncio.Queue()
+            pool.submit(rid, [6, 2, 8], SamplingParams(max_tokens=4, temperature=0.0), queue)
+            assert await _tokens(queue) == expected([6, 2, 8], 4)
+        assert same.offers == ["a", "b"] and not other.offers and not other.served
+        assert pool.metrics.handoffs == 2 and pool.metrics.handoff_failures == 0
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_with_no_decode_engine_of_its_kv_layout_a_request_runs_whole():
+    other = ScriptedDecode("d1", room=True, stats=_stats(), kv_layout="30x(float32)")
+    system, pool, prefill = await _cluster({"d1": other})
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        pool.submit("w", [1, 6, 1, 8], SamplingParams(max_tokens=1, temperature=0.0), queue)
+        assert await _tokens(queue) == expected([1, 6, 1, 8], 1)
+        assert not other.offers   # nothing was offered that the engine must refuse
+        assert [m.handoff_to for m in prefill.served + other.served] == [None]
     finally:
         await pool.close()
         await system.shutdown()
