@@ -88,6 +88,9 @@ SERIES = (
            "still being computed.", lambda s: s.kv_transfer_blocks_ahead),
     Series("matinee_kv_transfer_bytes", "counter", "KV bytes this engine sent in handoffs.",
            lambda s: s.kv_transfer_bytes),
+    Series("matinee_kv_transfer_bytes_ahead", "counter", "Of those, bytes sent while their prompt was "
+           "still being computed (whole blocks, and layers as the forward wrote them).",
+           lambda s: s.kv_transfer_bytes_ahead),
     Series("matinee_kv_transfer_seconds", "counter", "Handoff time from the first token to the commit, summed.",
            lambda s: s.kv_transfer_s),
     Series("matinee_ttft_queue_seconds", "counter", "Arrival to first scheduled, summed over first tokens "

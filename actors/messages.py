@@ -167,8 +167,9 @@ class EngineStats(msgspec.Struct, tag=True):
     kv_handoffs_failed: int = 0       # sender side: cut, or refused by a full decode engine
     kv_handoffs_refused: int = 0      # receiver side: no room for the blocks
     kv_transfer_blocks: int = 0
-    kv_transfer_blocks_ahead: int = 0 # of those, sent while their prompt was still being computed
+    kv_transfer_blocks_ahead: int = 0 # of those, sent whole while their prompt was still being computed
     kv_transfer_bytes: int = 0
+    kv_transfer_bytes_ahead: int = 0  # of those, sent while their prompt was being computed (blocks, layers)
     kv_transfer_s: float = 0.0        # cumulative, the first token (the HandOver) to commit, on the sending side
     ttft_count: int = 0               # first tokens sampled here (the split below sums over them)
     ttft_queue_s: float = 0.0         # arrival to its first scheduled step
@@ -221,6 +222,9 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
     # when the scheduler pulls its brake (see actors/worker/decode_burst.py).
     burst: int = 0
     report_to: ActorRef | None = None
+    # Each layer's KV, once the step's forward has written it, is announced to this actor as a
+    # LayerWritten (the transfer actor: prompts handed over go layer by layer).
+    layers_to: ActorRef | None = None
 
 
 class SeqOutput(msgspec.Struct, array_like=True, gc=False):
@@ -440,12 +444,15 @@ class KVOfferReply(msgspec.Struct, tag=True):
 
 
 class KVChunk(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Blocks [first_block, first_block + num_blocks) of a transfer, as KVBlockIO lays them out."""
+    """Blocks [first_block, first_block + num_blocks) of a transfer, as KVBlockIO lays them out: of
+    layers [first_layer, first_layer + num_layers), or of every layer (num_layers 0)."""
 
     transfer_id: str
     first_block: int
     num_blocks: int
     data: bytes
+    first_layer: int = 0
+    num_layers: int = 0
 
 
 class KVCommit(msgspec.Struct, tag=True):
@@ -513,6 +520,29 @@ class HandOverAhead(msgspec.Struct, tag=True):
     to: ActorRef
 
 
+class HandOverLayers(msgspec.Struct, tag=True):
+    """Scheduler -> its transfer actor, before the step `step_id` runs: the step computes the
+    sequence's blocks [first_block, end_block) (the last one partly filled when its prompt ends
+    there), so each layer of them may go as soon as the worker has written it (LayerWritten).
+    The first message for a sequence offers the handoff, as HandOverAhead does; the step's
+    outcome (HandOverAhead, HandOver) says which blocks are whole."""
+
+    seq_id: int
+    step_id: int
+    block_table: list[int]
+    first_block: int
+    end_block: int
+    offer: KVOffer
+    to: ActorRef
+
+
+class LayerWritten(msgspec.Struct, tag=True):
+    """Worker -> the plan's `layers_to`, from the compute thread: step `step_id` wrote layer `layer`'s KV."""
+
+    step_id: int
+    layer: int
+
+
 class HandOverCancel(msgspec.Struct, tag=True):
     """Scheduler -> its transfer actor: the sequence sent ahead will not be handed over from those
     blocks (preempted, ended or failed): the decode engine lets its reservation go."""
@@ -529,7 +559,8 @@ class HandOverDone(msgspec.Struct, tag=True):
     num_blocks: int
     num_bytes: int
     seconds: float                    # from the HandOver (the first token out) to the commit
-    num_blocks_ahead: int = 0         # of num_blocks, sent before the HandOver
+    num_blocks_ahead: int = 0         # of num_blocks, sent whole before the HandOver
+    num_bytes_ahead: int = 0          # of num_bytes, sent before the HandOver (whole blocks, and layers)
 
 
 class AdoptReserve(msgspec.Struct, tag=True):

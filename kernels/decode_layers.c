@@ -87,10 +87,12 @@ static int project(const Projection *p, const void *x, void *y, long M, int bf16
  * matinee_paged_attention's. Returns 0; -1 out of memory; -2, -3 the attention kernel's metadata errors;
  * -4 a position outside the rotary table; -5 a slot outside the cache (the kernels' own checks, in
  * the layer loop's order: nothing is written before them); -6 a projection's kernel refused; -7 a head
- * shape the attention kernels do not take (decode_layers.py sends none). */
+ * shape the attention kernels do not take (decode_layers.py sends none). `layer_written`, where not NULL,
+ * is called with each layer's index once its KV is in the cache (a prompt handed over goes layer by layer). */
 int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L, const Shape *s,
                           const void *embeddings, void *hidden, void *residual, const long *positions, const long *slots, const int *block_tables,
-                          const int *query_start_loc, const int *seq_lens, long B, long T, int threads) {
+                          const int *query_start_loc, const int *seq_lens, long B, long T, int threads,
+                          void (*layer_written)(long)) {
     const long H = s->hidden, Hq = s->Hq, Hk = s->Hk, D = s->D, I = s->intermediate;
     const long q_size = Hq * D, kv_size = Hk * D, qkv_width = q_size + 2 * kv_size;
     const long el = s->bf16 ? 2 : 4;
@@ -141,6 +143,7 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
                   kp, vp, c->k, c->v, c->k_scales, c->v_scales, slots, T, Hk, D, k_stride, qkv_width, num_slots,
                   s->block_size, s->cache == 3);
         if (written) { status = -5; break; }
+        if (layer_written != NULL) layer_written(l);
         if (qp != q) {   /* the attention kernel reads q contiguous */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= 64)
             for (long t = 0; t < T; t++) memcpy(q + el * t * q_size, qp + el * t * q_stride, el * q_size);

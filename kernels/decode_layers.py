@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +51,11 @@ class _Shape(ctypes.Structure):
 def declare(lib: ctypes.CDLL) -> None:
     lib.matinee_decode_layers.restype = _int
     lib.matinee_decode_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_LayerCache), _long,
-                                          ctypes.POINTER(_Shape)] + [_ptr] * 8 + [_long] * 2 + [_int]
+                                          ctypes.POINTER(_Shape)] + [_ptr] * 8 + [_long] * 2 + [_int, LayerWritten]
+
+
+LayerWritten = ctypes.CFUNCTYPE(None, _long)   # called back, holding the GIL, with each layer written
+_NOBODY = LayerWritten()                         # NULL: no call back
 
 
 class _Plan:
@@ -124,11 +129,11 @@ def _plan(model) -> _Plan | None:
     return _plans[model]
 
 
-def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list
-        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list,
+        layer_written: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The layers of `kv_caches` (the first len(kv_caches) of the model) over hidden [T, H], the
     embeddings: (the last layer's output, its residual), or None where the step is not one for
-    decode_layers.c."""
+    decode_layers.c. `layer_written(i)` is called (on this thread) once layer i's KV is in its cache."""
     lib = cpu_native.library()
     num_tokens = hidden.shape[0]
     cfg = model.config
@@ -160,7 +165,8 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
                                        embeddings.data_ptr(), hidden.data_ptr(), residual.data_ptr(),
                                        positions.data_ptr(), slots.data_ptr(),
                                        tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0],
-                                       num_tokens, torch.get_num_threads())
+                                       num_tokens, torch.get_num_threads(),
+                                       LayerWritten(layer_written) if layer_written is not None else _NOBODY)
     if status:
         error, message = _ERRORS.get(status, (MemoryError, "decode layers: no memory for a step's scratch"))
         raise error(message)

@@ -95,12 +95,12 @@ def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:
     return packed_linear.embedding(ids, weight)
 
 
-def _cpu_decode_layers(model, *args):
+def _cpu_decode_layers(model, *args, **kwargs):
     """decode_layers.c runs the CPU table's own kernels: a table with any of them replaced (a test's
     reference) runs the layer loop, which calls what it holds."""
     if any(getattr(model.ops, name) is not getattr(CPU_OPS, name) for name in _LAYER_OPS):
         return None
-    return decode_layers.run(model, *args)
+    return decode_layers.run(model, *args, **kwargs)
 
 
 _LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",

@@ -7,6 +7,9 @@ unacknowledged (a chunk is acknowledged once written, so a slow receiver slows t
 nothing piles up), then commits: the receiver's scheduler starts decoding. A prompt of several
 prefill chunks is offered after its first: each chunk's full blocks go while the next is computed,
 and only the last chunk's are left to send once the first token is out (the commit carries it).
+Where the cache is in host memory, a prompt's blocks go layer by layer instead: the scheduler
+names the blocks each step fills (HandOverLayers) and the worker announces every layer it has
+written (LayerWritten), so once the first token is out only what the last layers wrote is left.
 Cut before that, the blocks sent ahead are let go and the handoff goes whole as above. Whatever goes wrong
 before the commit, the sender tells the request's front end, which continues it elsewhere, and
 the receiver, which lets the reserved blocks go (as it does when the sender's node is lost). On a
@@ -21,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverAhead, HandOverCancel,
-                             HandOverDone, KVCancel, KVChunk, KVCommit, KVHandoffFailed, KVOffer, KVOfferReply,
-                             KVReserved)
+                             HandOverDone, HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandoffFailed, KVOffer,
+                             KVOfferReply, KVReserved, LayerWritten)
 from runtime import Actor, ActorRef, Terminated
 
 if TYPE_CHECKING:
@@ -35,6 +38,9 @@ class KVTransferConfig:
     window_bytes: int = field(default=8 << 20, metadata={
         "help": "KV bytes a prefill engine may have sent and not yet seen written (e.g. 8MiB)",
         "type": "bytes", "flag": "kv-transfer-window"})
+    by_layer: bool = field(default=True, metadata={
+        "help": "send a prompt's KV as the forward writes each layer (a cache in host memory); this flag "
+                "sends whole blocks once each chunk is computed", "flag": "no-kv-transfer-by-layer"})
     chunk_bytes: int = 1 << 20        # blocks per frame: as many as fit (at least one)
     timeout_s: float = 30.0           # a chunk, an offer or a commit not answered by then cuts the handoff;
                                       # a receiver that hears nothing of a handoff for twice that lets it go
@@ -63,6 +69,9 @@ class _Outgoing:
     to: ActorRef
     block_table: list[int] = field(default_factory=list)
     ready: int = 0                    # leading blocks that hold KV (while the prompt is computed)
+    # step id -> [first block, end block, layers the worker wrote]: blocks a step fills, by layer
+    filling: dict[int, list[int]] = field(default_factory=dict)
+    sent_layers: dict[int, int] = field(default_factory=dict)   # block index -> its layers sent (from 0)
     final: KVOffer | None = None      # from the HandOver: the prompt is done, its first token out
     final_at: float = 0.0             # when that came: the transfer time counts from there
     failed: bool = False              # cut before its HandOver: that starts a whole one
@@ -77,7 +86,7 @@ class _Incoming:
     block_table: list[int]
     skip_blocks: int
     ahead: bool                       # offered before its first token: the commit brings it
-    written: int = 0                  # blocks written so far
+    layers: dict[int, int] = field(default_factory=dict)   # block index -> bit mask of its layers written
     heard: float = field(default_factory=time.monotonic)   # the sender's last offer or chunk
 
 
@@ -96,6 +105,7 @@ class KVTransfer(Actor):
         self.config = config or KVTransferConfig()
         self._incoming: dict[str, _Incoming] = {}
         self._outgoing: dict[int, _Outgoing] = {}   # by the sending engine's seq_id
+        self._filling: dict[int, list[int]] = {}    # step id -> the seq ids whose blocks it fills
         self._watched: set[ActorRef] = set()
         self._sends: set[asyncio.Task] = set()
         self.peak_in_flight_bytes = 0     # the most a handoff ever had unacknowledged (<= the window)
@@ -109,6 +119,10 @@ class KVTransfer(Actor):
         match msg:
             case HandOverAhead():
                 self._ahead(msg)
+            case HandOverLayers():
+                self._layers(msg)
+            case LayerWritten(step_id=step_id, layer=layer):
+                self._layer_written(step_id, layer)
             case HandOver():
                 self._finish(msg)
             case HandOverCancel(seq_id=seq_id):
@@ -141,6 +155,27 @@ class KVTransfer(Actor):
         out.block_table, out.ready = msg.block_table, max(out.ready, msg.num_blocks)
         out.changed.set()
 
+    def _layers(self, msg: HandOverLayers) -> None:
+        """The coming step fills these blocks: each layer of them goes once written (the first
+        time, the handoff is offered)."""
+        out = self._outgoing.get(msg.seq_id)
+        if out is None:
+            out = self._outgoing[msg.seq_id] = _Outgoing(msg.offer, msg.to)
+            self._start(msg.seq_id, out)
+        out.block_table = msg.block_table
+        out.filling[msg.step_id] = [msg.first_block, msg.end_block, 0]
+        for step_id in [s for s in self._filling if s < msg.step_id]:   # steps run (or failed) since
+            del self._filling[step_id]
+        self._filling.setdefault(msg.step_id, []).append(msg.seq_id)
+
+    def _layer_written(self, step_id: int, layer: int) -> None:
+        for seq_id in self._filling.get(step_id, ()):
+            out = self._outgoing.get(seq_id)
+            span = out.filling.get(step_id) if out is not None else None
+            if span is not None and layer + 1 > span[2]:
+                span[2] = layer + 1
+                out.changed.set()
+
     def _finish(self, h: HandOver) -> None:
         """The prompt is computed and its first token out: the handoff sends the rest and commits.
         One sent ahead goes on from where it is; one that failed, or none, starts from the offer."""
@@ -171,22 +206,22 @@ class KVTransfer(Actor):
         starts another."""
         offer = out.offer
         tid = offer.transfer_id
-        sent_blocks = sent_bytes = blocks_ahead = 0
+        sent_bytes = bytes_ahead = blocks_ahead = 0
         ok, refused, accepted = False, False, False
         try:
             reply: KVOfferReply = await out.to.ask(offer, timeout=self.config.timeout_s)
             if not reply.accepted:
                 raise HandoffCut(f"the decode engine refused the handoff: {reply.reason}", refused=reply.no_room)
             accepted = True
-            first = reply.skip_blocks
             while True:
                 final = out.final
-                end = self._num_blocks(final) if final is not None else out.ready
-                if end > first:
-                    sent_bytes += await self._stream(tid, out.to, out.block_table[first:end], first)
-                    sent_blocks += end - first
-                    blocks_ahead += (end - first) if final is None else 0
-                    first = end
+                if final is not None:   # the first token is out: what went before it
+                    blocks_ahead = sum(n == self.blocks.num_layers for n in out.sent_layers.values())
+                whole = self._num_blocks(final) if final is not None else out.ready
+                for first, count, layers in self._due(out, reply.skip_blocks, whole):
+                    size = await self._stream(tid, out.to, out.block_table[first:first + count], first, layers)
+                    sent_bytes += size
+                    bytes_ahead += size if final is None else 0
                 if final is not None:
                     break
                 await out.changed.wait()
@@ -211,29 +246,55 @@ class KVTransfer(Actor):
         finally:
             if out.final is not None and self._outgoing.get(seq_id) is out:
                 del self._outgoing[seq_id]
-                self.scheduler.tell(HandOverDone(seq_id, ok, refused, sent_blocks, sent_bytes,
-                                                 time.perf_counter() - out.final_at, blocks_ahead))
+                self.scheduler.tell(HandOverDone(seq_id, ok, refused, len(out.sent_layers), sent_bytes,
+                                                 time.perf_counter() - out.final_at, blocks_ahead, bytes_ahead))
 
     def _num_blocks(self, offer: KVOffer) -> int:
         """Blocks that hold the request's KV: every position but the last sampled token's."""
         return -(-(len(offer.prompt_token_ids) + len(offer.output_token_ids) - 1) // self.block_size)
 
-    async def _stream(self, tid: str, to: ActorRef, block_ids: list[int], first_block: int) -> int:
-        """These blocks, the handoff's from `first_block` on, in chunks, never more than the window
-        unacknowledged; returns the bytes sent."""
-        per_chunk = max(1, self.config.chunk_bytes // self.blocks.bytes_per_block)
+    def _due(self, out: _Outgoing, skip: int, whole: int) -> list[tuple[int, int, range]]:
+        """What to send now, as runs (first block, count, layers): every layer of blocks [skip, whole),
+        and of the blocks a step is filling, the layers it has written; less what already went."""
+        n = self.blocks.num_layers
+        want = dict.fromkeys(range(skip, whole), n)
+        for step_id, (first, end, written) in list(out.filling.items()):
+            if end <= whole:   # the step is over: its blocks are whole
+                del out.filling[step_id]
+                continue
+            for b in range(max(first, skip), end):
+                want[b] = max(want.get(b, 0), written)
+        runs: list[list] = []
+        for b in sorted(want):
+            layers = range(out.sent_layers.get(b, 0), want[b])
+            if not layers:
+                continue
+            out.sent_layers[b] = layers.stop
+            if runs and runs[-1][0] + runs[-1][1] == b and runs[-1][2] == layers:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, 1, layers])
+        return [(first, count, layers) for first, count, layers in runs]
+
+    async def _stream(self, tid: str, to: ActorRef, block_ids: list[int], first_block: int, layers: range) -> int:
+        """These blocks' layers, the handoff's from `first_block` on, in chunks, never more than the
+        window unacknowledged; returns the bytes sent."""
+        whole = len(layers) == self.blocks.num_layers
+        per_block = self.blocks.nbytes(1, layers)
+        per_chunk = max(1, self.config.chunk_bytes // per_block)
         in_flight: dict[asyncio.Task, int] = {}
         sent = 0
         try:
             for at in range(0, len(block_ids), per_chunk):
                 ids = block_ids[at:at + per_chunk]
-                size = len(ids) * self.blocks.bytes_per_block
+                size = len(ids) * per_block
                 while in_flight and sum(in_flight.values()) + size > self.config.window_bytes:
                     done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         del in_flight[task]
                         task.result()   # a chunk that failed cuts the handoff
-                chunk = KVChunk(tid, first_block + at, len(ids), self.blocks.read(ids))
+                chunk = KVChunk(tid, first_block + at, len(ids), self.blocks.read(ids, None if whole else layers),
+                                0 if whole else layers.start, 0 if whole else len(layers))
                 in_flight[asyncio.create_task(to.ask(chunk, timeout=self.config.timeout_s))] = size
                 self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, sum(in_flight.values()))
                 sent += size
@@ -268,8 +329,12 @@ class KVTransfer(Actor):
         if chunk.first_block < inc.skip_blocks or end > len(inc.block_table):
             raise ValueError(f"blocks [{chunk.first_block}, {end}) outside the handoff's "
                              f"[{inc.skip_blocks}, {len(inc.block_table)})")
-        self.blocks.write(inc.block_table[chunk.first_block:end], chunk.data)
-        inc.written += chunk.num_blocks
+        whole = range(self.blocks.num_layers)
+        layers = range(chunk.first_layer, chunk.first_layer + chunk.num_layers) if chunk.num_layers else whole
+        self.blocks.write(inc.block_table[chunk.first_block:end], chunk.data, None if layers == whole else layers)
+        mask = ((1 << len(layers)) - 1) << layers.start
+        for b in range(chunk.first_block, end):
+            inc.layers[b] = inc.layers.get(b, 0) | mask
         inc.heard = time.monotonic()
         return chunk.num_blocks
 
@@ -304,8 +369,11 @@ class KVTransfer(Actor):
         if inc is None:
             raise ValueError(f"no handoff {transfer_id} in progress")
         problem = None
-        if inc.written != len(inc.block_table) - inc.skip_blocks:
-            problem = f"with {inc.written} of {len(inc.block_table) - inc.skip_blocks} blocks written"
+        every = (1 << self.blocks.num_layers) - 1
+        wanted = range(inc.skip_blocks, len(inc.block_table))
+        written = sum(inc.layers.get(b, 0) == every for b in wanted)
+        if written != len(wanted):
+            problem = f"with {written} of {len(wanted)} blocks written"
         elif inc.ahead and len(commit.output_token_ids or ()) != 1:
             problem = "offered before its first token, without exactly one"   # the blocks hold the prompt's KV alone
         elif not inc.ahead and commit.output_token_ids is not None:

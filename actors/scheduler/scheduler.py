@@ -134,6 +134,7 @@ class Scheduler:
         self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
         self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
         self._cancelled_ahead: list[int] = []  # sent ahead, then preempted or ended: not handed over
+        self._layered: list[tuple[Sequence, int, int]] = []   # the planned step's prompt blocks, by layer
         self._adopting: dict[int, Sequence] = {}   # handed to us, blocks reserved, KV arriving
 
     # --- requests in and out ---------------------------------------------------------------------
@@ -206,6 +207,16 @@ class Scheduler:
         their leading blocks hold KV after the last step: those go ahead while the rest is computed."""
         ready, self._ready_ahead = self._ready_ahead, []
         return [(seq, self._ahead[seq.seq_id]) for seq in ready if seq.seq_id in self._ahead]
+
+    def take_layered(self) -> list[tuple[Sequence, int, int]]:
+        """Sequences the planned step computes for a decode engine, with the blocks [first, end) it
+        fills (the last one partly, where the prompt ends in it): each layer of them may go as soon
+        as the worker has written it. Taking them counts the sequences as sent ahead, so that one
+        preempted or ended before its handover cancels what went."""
+        out, self._layered = self._layered, []
+        for seq, _, _ in out:
+            self._ahead.setdefault(seq.seq_id, 0)
+        return out
 
     def take_cancelled_ahead(self) -> list[int]:
         """Sequences sent ahead that will not be handed over from those blocks (preempted, ended)."""
@@ -332,10 +343,13 @@ class Scheduler:
         seqs, new, drafts, starts = [], [], [], {}
         tables = self._step.tables
         prefill_tokens, now = 0, self.clock()
+        self._layered = []
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if start < seq.num_tokens - 1:   # not just the last sampled token: a prompt (or a recompute)
                 prefill_tokens += n
+            if seq.request.handoff_to is not None:
+                self._note_layered(seq, start, end)
             if seq.request.first_step_s is None:
                 seq.request.first_step_s = now
             if not seq.known_to_worker:
@@ -464,6 +478,12 @@ class Scheduler:
             if full > self._ahead.get(seq_id, 0):
                 self._ahead[seq_id] = full
                 self._ready_ahead.append(seq)
+
+    def _note_layered(self, seq: Sequence, start: int, end: int) -> None:
+        bs = self.cfg.block_size
+        last = -(-end // bs) if end == seq.num_tokens else end // bs   # the prompt's partial block with its end
+        if last > start // bs:
+            self._layered.append((seq, start // bs, last))
 
     def _drop_ahead(self, seq: Sequence) -> None:
         """The sequence's blocks sent ahead will not be handed over as they are."""

@@ -25,8 +25,9 @@ import msgspec
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
-                             HandOver, HandOverAhead, HandOverCancel, HandOverDone, KVConfirm, KVHandedOver, KVOffer,
-                             KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest, TokenDeltas)
+                             HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
+                             KVHandedOver, KVOffer, KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest,
+                             TokenDeltas)
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
 from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
@@ -55,6 +56,7 @@ class SchedulerActor(Actor):
         # that names a decode engine is served whole here.
         self.transfer: ActorRef | None = None
         self.block_layout = ""
+        self.layer_stream = False   # prompts' blocks go layer by layer (the transfer reads the cache mid-forward)
         self.handoffs = _HandoffCounters()
         # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
         # soon: no step until one of them ends.
@@ -201,6 +203,7 @@ class SchedulerActor(Actor):
 
     async def _forward(self, plan: StepPlan) -> StepResult:
         """The worker computes the step; if it fails or times out, the step fails for all."""
+        self._stream_layers(plan)
         if plan.burst:   # no message was handled since the plan: a pull from now on ends the burst
             plan.report_to = self.context.self_ref
             if self.brake is not None:
@@ -247,6 +250,20 @@ class SchedulerActor(Actor):
                                              seq.request.handoff_to))
         for seq in handoffs:
             self.transfer.tell(HandOver(seq.seq_id, tables[seq.seq_id], self._offer(seq), seq.request.handoff_to))
+
+    def _stream_layers(self, plan: StepPlan) -> None:
+        """Prompts the step computes for decode engines go layer by layer: the transfer actor hears
+        which blocks the step fills, and the worker tells it of each layer it has written."""
+        if not self.layer_stream:
+            return
+        self._cancel_ahead()   # a preempted sequence's cancel goes before its recompute's blocks
+        layered = self.scheduler.take_layered()
+        tables = {s.seq_id: s.block_table for s in plan.seqs}
+        for seq, first, end in layered:
+            self.transfer.tell(HandOverLayers(seq.seq_id, plan.step_id, tables[seq.seq_id], first, end,
+                                              self._offer(seq), seq.request.handoff_to))
+        if layered:
+            plan.layers_to = self.transfer
 
     def _cancel_ahead(self) -> None:
         """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
@@ -313,7 +330,7 @@ class SchedulerActor(Actor):
             kv_handoffs_sent=self.handoffs.ok, kv_handoffs_received=self.handoffs.received,
             kv_handoffs_failed=self.handoffs.failed, kv_handoffs_refused=self.handoffs.refused,
             kv_transfer_blocks=self.handoffs.blocks, kv_transfer_blocks_ahead=self.handoffs.blocks_ahead,
-            kv_transfer_bytes=self.handoffs.bytes,
+            kv_transfer_bytes=self.handoffs.bytes, kv_transfer_bytes_ahead=self.handoffs.bytes_ahead,
             kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
             ttft_prefill_s=c.ttft_prefill_s,
             queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
@@ -329,6 +346,7 @@ class _HandoffCounters:
 
     def __init__(self) -> None:
         self.ok = self.failed = self.received = self.refused = self.blocks = self.blocks_ahead = self.bytes = 0
+        self.bytes_ahead = 0
         self.seconds = 0.0
 
     def sent(self, done: HandOverDone) -> None:
@@ -337,6 +355,7 @@ class _HandoffCounters:
             self.blocks += done.num_blocks
             self.blocks_ahead += done.num_blocks_ahead
             self.bytes += done.num_bytes
+            self.bytes_ahead += done.num_bytes_ahead
             self.seconds += done.seconds
         else:
             self.failed += 1

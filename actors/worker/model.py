@@ -7,6 +7,7 @@ each, because fewer, bigger matmuls run faster. It never imports transformers.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -184,11 +185,13 @@ class DecoderModel:
                 raise ModelLoadError(f"tensor {name} has shape {tuple(got)}, the config implies {want}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[LayerKV], logits_indices: torch.Tensor) -> torch.Tensor:
+                kv_caches: list[LayerKV], logits_indices: torch.Tensor,
+                layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype.
 
         Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
-        caches gives the self-speculative (layer-skip) draft on the same weights.
+        caches gives the self-speculative (layer-skip) draft on the same weights. `layer_written(i)`
+        is called as soon as layer i's KV is in its cache.
         """
         cfg, ops = self.config, self.ops
         if not 0 < len(kv_caches) <= cfg.num_layers:
@@ -198,10 +201,11 @@ class DecoderModel:
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
         hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
         residual = None
-        fused = ops.decode_layers(self, hidden, positions, meta, kv_caches) if ops.decode_layers else None
+        fused = (ops.decode_layers(self, hidden, positions, meta, kv_caches, layer_written=layer_written)
+                 if ops.decode_layers else None)
         if fused is not None:   # the loop below in one kernel call, bit for bit
             hidden, residual = fused
-        for layer, kv in zip(self.layers if fused is None else [], kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers if fused is None else [], kv_caches)):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)
@@ -219,6 +223,8 @@ class DecoderModel:
             q, k = ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
             k_cache, v_cache, k_scales, v_scales = LayerKV(*kv)   # a plain (K, V) pair too
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
+            if layer_written is not None:
+                layer_written(i)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
                                        k_scales=k_scales, v_scales=v_scales)

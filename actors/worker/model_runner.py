@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -126,6 +127,9 @@ class ModelRunner:
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
         self._cursor: DecodeCursor | None = None   # the last step, when it was decodes alone: execute_next
+        # Called with each layer's index once the forward wrote its KV (model.forward's layer_written),
+        # while the worker runs a step whose prompts go layer by layer to a decode engine.
+        self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKV]:
@@ -212,7 +216,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
                                  max_query_len=flat.max_query_len, max_seq_len=flat.max_seq_len)
         with torch.inference_mode():
-            logits = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices)
+            logits = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices,
+                                        layer_written=self.layer_written)
             return logits.float()
 
     def _on_device(self, flat: FlatBatch) -> list[torch.Tensor]:

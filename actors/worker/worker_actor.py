@@ -10,6 +10,7 @@ A structured output's grammar is compiled on a thread before the step that start
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import traceback
 from collections.abc import Callable
@@ -18,15 +19,15 @@ from typing import Any
 
 import torch
 
-from actors.messages import (GetWorkerInfo, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress, StepResult,
-                             TokenLogprobs, WorkerInfo)
+from actors.messages import (GetWorkerInfo, LayerWritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress,
+                             StepResult, TokenLogprobs, WorkerInfo)
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
-from runtime import Actor
+from runtime import Actor, ActorRef
 
 
 def compute_thread() -> ThreadPoolExecutor:
@@ -93,6 +94,8 @@ class WorkerActor(Actor):
         seqs = [s for s in plan.seqs if s.seq_id not in refused]
         rng = self._rng_snapshot(seqs)
         failed: dict[int, str] = {}
+        if plan.layers_to is not None:   # prompts handed over layer by layer: each layer's KV is announced
+            self.runner.layer_written = functools.partial(self._layer_written, plan.layers_to, plan.step_id)
         try:
             tokens = self._run(seqs) if seqs else {}
         except Exception:
@@ -102,10 +105,19 @@ class WorkerActor(Actor):
                 raise  # not one sequence runs: the step itself is broken
             # Running the others again rewrites the same KV slots with the same values.
             tokens = self._run(rest) if rest else {}
+        finally:
+            self.runner.layer_written = None
         failed.update(refused)
         result = StepResult(plan.step_id, self._outputs(plan.seqs, tokens, failed), self.runner.last_forward_s,
                             time.perf_counter() - t0)
         return self._burst(plan, result, t0) if plan.burst else result
+
+    def _layer_written(self, to: ActorRef, step_id: int, layer: int) -> None:
+        """On the compute thread, mid-forward: the event loop tells `to`."""
+        try:
+            self._loop.call_soon_threadsafe(to.tell, LayerWritten(step_id, layer))
+        except RuntimeError:   # the event loop closed (shutdown)
+            pass
 
     def _outputs(self, seqs: list[ScheduledSeq], tokens: dict, failed: dict[int, str]) -> list[SeqOutput]:
         """Each sequence's SeqOutput; its tokens go into its sampling state."""

@@ -35,8 +35,8 @@ def fused_calls(monkeypatch):
     calls = []
     real = decode_layers.run
 
-    def counting(*args):
-        out = real(*args)
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
         calls.append(out is not None)
         return out
     monkeypatch.setattr(decode_layers, "run", counting)
@@ -150,3 +150,32 @@ def test_amx_projections_in_the_c_loop(tiny_model_dir, tmp_path, fused_calls):
     step = ForwardBatch([SequenceInput([9], 3, [0, 1], 1)])
     assert not torch.equal(amx.execute(step), int8.execute(step))
     assert fused_calls[-1] is True
+
+
+def test_each_layer_is_announced_once_its_kv_is_in_the_cache(tiny_model_dir, tmp_path, fused_calls):
+    """What a handoff sent layer by layer relies on: each layer is announced in order, once its KV is
+    written and before the next layer's is, by the C loop (a prompt's and a decode's steps) as by the
+    layer loop."""
+    runner = _runner(hf_folder_to_gguf(tiny_model_dir("llama"), str(tmp_path / "model.gguf"), MIXES["q8_0"]),
+                     "float32")
+    n = runner.model_config.num_layers
+    seen = []
+
+    def announcing(block):
+        before = [layer[0][block].clone() for layer in runner.kv_caches]   # each layer's K of that block
+
+        def written(i):
+            assert not torch.equal(runner.kv_caches[i][0][block], before[i])
+            assert i + 1 == n or torch.equal(runner.kv_caches[i + 1][0][block], before[i + 1])
+            seen.append(i)
+        return written
+    runner.layer_written = announcing(0)
+    runner.execute(ForwardBatch([SequenceInput(list(range(5, 17)), 0, [0, 1], 1)]))   # a 12-token prompt
+    assert seen == list(range(n)) and fused_calls == [True]
+    for position, loop in ((12, False), (13, True)):   # decodes into block 1, in the C call, then the loop
+        seen.clear()
+        if loop:
+            _looping(runner)
+        runner.layer_written = announcing(1)
+        runner.execute(ForwardBatch([SequenceInput([8], position, [0, 1], 1)]))
+        assert seen == list(range(n)) and fused_calls == [True, True]

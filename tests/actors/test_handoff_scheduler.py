@@ -1,7 +1,8 @@
 """A prefill engine's scheduler sends a long prompt's KV ahead: after each chunk, the full blocks it
 has computed go to the decode engine while the next chunk runs; the HandOver after the first token
 sends the rest. A sequence sent ahead that is preempted, aborted or ends at its first token
-cancels what went ahead (the decode engine lets the blocks go).
+cancels what went ahead (the decode engine lets the blocks go). Where the blocks go layer by layer,
+each planned step names the blocks it fills, and a sequence so named cancels as one sent ahead does.
 
 The scheduler with the real KV manager and the paged fake model (tests/actors/test_scheduler.py);
 the harness plays the scheduler actor and the transfer actor: it records what goes ahead, what is
@@ -13,9 +14,21 @@ from tests.actors.test_scheduler import Harness, reference
 
 
 class HandoffHarness(Harness):
-    def __init__(self, **kw):
+    def __init__(self, layers: bool = False, **kw):
         super().__init__(**kw)
-        self.events: list[tuple[str, int, int]] = []   # ("ahead", seq, blocks) / ("cancel", seq, 0) / ("handover", seq, tokens)
+        # ("ahead", seq, blocks) / ("cancel", seq, 0) / ("handover", seq, tokens) / ("layers", seq, (first, end))
+        self.events: list[tuple[str, int, object]] = []
+        if layers:   # as the scheduler actor does with a host cache: each planned step names its blocks
+            plan = self.scheduler.plan
+
+            def planned():
+                out = plan()
+                for seq_id in self.scheduler.take_cancelled_ahead():   # before a recompute's blocks
+                    self.events.append(("cancel", seq_id, 0))
+                for seq, first, end in self.scheduler.take_layered():
+                    self.events.append(("layers", seq.seq_id, (first, end)))
+                return out
+            self.scheduler.plan = planned
 
     def submit_handoff(self, rid, prompt, **params):
         params.setdefault("max_tokens", 8)
@@ -92,5 +105,49 @@ def test_a_preempted_prompt_cancels_what_went_ahead_and_sends_it_again_when_reco
         else:
             run = []
     assert h.outputs[("decoding", 0)] == reference([1] * 8, 30)
+    assert h.outputs[("prefilling", 0)] == reference(prompt, 1)
+    h.assert_all_free()
+
+
+def test_each_planned_step_names_the_blocks_it_fills_the_last_one_with_the_prompts_partial_block():
+    h = HandoffHarness(block_size=4, budget=16, layers=True)
+    prompt = list(range(3, 53))   # 50 tokens: chunks of 16, 16, 16 and 2
+    h.submit_handoff("long", prompt)
+    h.run()
+    long_id = next(seq for kind, seq, n in h.events if kind == "handover")
+    assert [e for e in h.events if e[0] == "layers"] == [
+        ("layers", long_id, (0, 4)), ("layers", long_id, (4, 8)), ("layers", long_id, (8, 12)),
+        ("layers", long_id, (12, 13))]   # positions 48-49: block 12, partly
+    assert [kind for kind, _, _ in h.events if kind != "layers"] == ["ahead", "ahead", "ahead", "handover"]
+    assert h.outputs[("long", 0)] == reference(prompt, 1)
+    h.assert_all_free()
+
+
+def test_a_one_chunk_prompt_named_by_its_step_cancels_when_it_ends_at_its_first_token():
+    h = HandoffHarness(block_size=4, budget=16, layers=True)
+    h.submit_handoff("one", [7, 8, 9, 10, 11], max_tokens=1)
+    h.run()
+    assert [(kind, data) for kind, _, data in h.events] == [("layers", (0, 2)), ("cancel", 0)]
+    h.assert_all_free()
+
+
+def test_a_preempted_prompt_named_by_its_steps_is_cancelled_before_its_recompute_names_them_again():
+    h = HandoffHarness(num_blocks=12, block_size=4, budget=4, max_model_len=48, layers=True)
+    h.submit("decoding", [1] * 8, max_tokens=30)
+    prompt = list(range(100, 130))
+    h.submit_handoff("prefilling", prompt)
+    h.run()
+    assert h.scheduler.counters.preemptions > 0
+    named = [(kind, data) for kind, _, data in h.events if kind in ("layers", "cancel")]
+    last_end, cancelled, restarts = 0, False, 0
+    for kind, data in named:
+        if kind == "cancel":
+            cancelled = True
+            continue
+        if data[0] < last_end - 1:   # blocks named again: a recompute, whose cancel came first
+            assert cancelled
+            restarts += 1
+        last_end, cancelled = data[1], False
+    assert restarts
     assert h.outputs[("prefilling", 0)] == reference(prompt, 1)
     h.assert_all_free()

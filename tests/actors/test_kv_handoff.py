@@ -16,9 +16,9 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
-from actors.messages import (GetKVStats, GetStats, HandOver, HandOverAhead, HandOverCancel, HandOverDone, KVCancel,
-                             KVChunk, KVCommit, KVHandedOver, KVHandoffFailed, KVOffer, KVOfferReply, SamplingParams,
-                             SubmitRequest, TokenDeltas)
+from actors.messages import (GetKVStats, GetStats, HandOver, HandOverAhead, HandOverCancel, HandOverDone,
+                             HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed, KVOffer,
+                             KVOfferReply, LayerWritten, SamplingParams, SubmitRequest, TokenDeltas)
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
@@ -291,7 +291,7 @@ class RecordingReceiver(Actor):
                     return KVOfferReply(False, reason="full", no_room=True)
                 return KVOfferReply(True)
             case KVChunk():
-                self.heard.append(("chunk", msg.first_block, msg.num_blocks))
+                self.heard.append(("chunk", msg.first_block, msg.num_blocks, msg.first_layer, msg.num_layers))
                 return msg.num_blocks
             case KVCommit():
                 self.heard.append(("commit", msg.output_token_ids))
@@ -301,6 +301,11 @@ class RecordingReceiver(Actor):
 
     def blocks(self) -> list[int]:
         return [b for e in self.heard if e[0] == "chunk" for b in range(e[1], e[1] + e[2])]
+
+    def layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """(block, layer) of every chunk heard, in order (num_layers 0: a chunk of every layer)."""
+        return [(b, layer) for e in self.heard if e[0] == "chunk" for b in range(e[1], e[1] + e[2])
+                for layer in (range(e[3], e[3] + e[4]) if e[4] else range(num_layers))]
 
 
 async def _ahead_pair(system: ActorSystem, receiver_actor: Actor):
@@ -332,6 +337,36 @@ async def test_blocks_sent_ahead_go_as_they_are_ready_and_the_commit_brings_the_
     assert rec.heard[0] == ("offer", []) and rec.heard[-1] == ("commit", [42])
     assert rec.blocks() == list(range(10)) and sum(e[0] == "offer" for e in rec.heard) == 1
     assert dones[0].ok and dones[0].num_blocks == 10 and dones[0].num_blocks_ahead == 7
+    await system.shutdown()
+
+
+async def test_a_prompts_blocks_go_layer_by_layer_as_the_worker_writes_them_and_each_goes_once():
+    """Two steps fill a 40-token prompt's 10 blocks (2 layers): the first blocks 0-3, the second 4-9 (the
+    last partly). Each layer goes once written; the step's outcome sends only what is left."""
+    system = ActorSystem("layers-test")
+    rec = RecordingReceiver()
+    tx, receiver, offer, dones = await _ahead_pair(system, rec)
+    table = list(range(2, 12))
+    tx.tell(HandOverLayers(7, 1, table, 0, 4, offer, receiver))
+    tx.tell(LayerWritten(1, 0))
+    await _heard(rec, lambda: rec.layers(2) == [(b, 0) for b in range(4)])
+    tx.tell(LayerWritten(1, 1))
+    await _heard(rec, lambda: len(rec.layers(2)) == 8)
+    tx.tell(HandOverAhead(7, table, 4, offer, receiver))    # step 1 is over: blocks 0-3 are whole, and went
+    tx.tell(HandOverLayers(7, 2, table, 4, 10, offer, receiver))
+    tx.tell(LayerWritten(9, 0))                              # another step's: nothing of this handoff
+    tx.tell(LayerWritten(2, 0))
+    await _heard(rec, lambda: len(rec.layers(2)) == 14)
+    assert sorted(rec.layers(2)[8:]) == [(b, 0) for b in range(4, 10)] and not dones
+    tx.tell(HandOver(7, table, msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42]), receiver))
+    done = await _first_done(dones)
+    sent = rec.layers(2)
+    assert sorted(sent) == [(b, layer) for b in range(10) for layer in range(2)]   # every one, once
+    assert set(sent[14:]) == {(b, 1) for b in range(4, 10)}   # after the first token: what layer 1 wrote
+    assert sum(e[0] == "offer" for e in rec.heard) == 1 and rec.heard[-1] == ("commit", [42])
+    tx_bytes = 10 * KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8))] * 2).bytes_per_block
+    assert done.ok and done.num_blocks == 10 and done.num_blocks_ahead == 4 and done.num_bytes == tx_bytes
+    assert done.num_bytes_ahead == 4 * tx_bytes // 10 + 6 * tx_bytes // 20   # blocks 0-3 whole, 4-9's layer 0
     await system.shutdown()
 
 
@@ -415,18 +450,22 @@ async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair)
     assert stats.requests_running + stats.requests_waiting == 0 and stats.kv_handoffs_received == 0
 
 
-@pytest.mark.parametrize("offered, committed, problem", [
-    ([], None, "without exactly one"), ([], [5, 6], "without exactly one"), ([7], [5], "tokens its offer already had")])
-async def test_a_commit_that_does_not_match_its_offers_tokens_is_refused(pair, offered, committed, problem):
+@pytest.mark.parametrize("offered, committed, problem, last_layer", [
+    ([], None, "without exactly one", 0), ([], [5, 6], "without exactly one", 0),
+    ([7], [5], "tokens its offer already had", 0), ([], [5], "with 0 of 2 blocks written", -1)])
+async def test_a_commit_that_does_not_match_its_offers_tokens_or_blocks_is_refused(pair, offered, committed, problem,
+                                                                                  last_layer):
     """Offered ahead, the blocks hold the prompt alone: the commit brings exactly the first token;
-    offered whole, it brings none."""
+    offered whole, it brings none; and every layer of every block must be in (`last_layer` -1: the
+    chunk lacks the last one)."""
     system, prefill, decode, dec_tx, front, front_ref = pair
     io = decode.kv_blocks
     prompt = [random.Random(9).randrange(4, 300) for _ in range(32)]   # 2 full blocks
     free = (await decode.kv.ask(GetKVStats())).num_free_blocks
     assert (await dec_tx.ask(KVOffer("odd", dec_tx, "odd", prompt, offered, GREEDY, front_ref, 0, None, 0,
                                      io.layout))).accepted
-    assert await dec_tx.ask(KVChunk("odd", 0, 2, bytes(2 * io.bytes_per_block))) == 2
+    layers = range(io.num_layers + last_layer)
+    assert await dec_tx.ask(KVChunk("odd", 0, 2, bytes(io.nbytes(2, layers)), 0, len(layers))) == 2
     with pytest.raises(Exception, match=problem):
         await dec_tx.ask(KVCommit("odd", committed))
     for _ in range(100):
@@ -524,3 +563,28 @@ def test_reserved_blocks_reuse_the_prefix_cache_and_are_hashed_only_once_confirm
     assert kv.num_computed_tokens("1") == 15
     assert apply_kv_reserve(kv, KVReserve(2, list(range(200, 240)), 39)).block_table is None   # no room
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("host", [None, False], ids=["numpy", "torch"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+def test_blocks_go_layer_by_layer_and_make_up_the_whole(host, quantized):
+    def cache(num_blocks, fill):
+        make = (lambda *shape: torch.randint(-127, 128, shape, dtype=torch.int8)) if quantized else torch.randn
+        if not fill:
+            make = (lambda *shape: torch.zeros(shape, dtype=torch.int8 if quantized else torch.float32))
+        scales = (lambda: torch.rand(num_blocks, 2) if fill else torch.zeros(num_blocks, 2))
+        return [LayerKV(make(num_blocks, 4, 2, 8), make(num_blocks, 4, 2, 8), *((scales(), scales()) if quantized
+                                                                                else (None, None)))
+                for _ in range(3)]
+    src, dst = cache(6, True), cache(9, False)
+    a, b = KVBlockIO(src, host), KVBlockIO(dst, host)
+    first = a.read([4, 1], range(0, 1))
+    assert len(first) == a.nbytes(2, range(0, 1)) == 2 * a.bytes_per_block // 3
+    b.write([0, 7], bytes(first), range(0, 1))
+    assert not b.read([0, 7], range(1, 3)).tobytes().strip(b"\0")   # the other layers untouched
+    b.write([0, 7], bytes(a.read([4, 1], range(1, 3))), range(1, 3))
+    assert bytes(b.read([0, 7])) == bytes(a.read([4, 1]))   # the layers make up the whole blocks
+    with pytest.raises(ValueError, match="outside"):
+        a.read([0], range(2, 4))
+    with pytest.raises(ValueError, match="expected"):
+        b.write([0], bytes(first), range(0, 1))   # two blocks' bytes for one

@@ -103,7 +103,9 @@ def cluster(model, tmp_path_factory):
         c.wait_engines(1)
         c.expected = [c.complete(p) for p in c.prompts]   # the colocated engine's, alone
         c.nodes.pop("engine").kill()
-        c.start_engine("prefill")
+        # Whole blocks after the prompt: the cuts below land after the first token (the last test's
+        # prefill engine sends layer by layer, as by default).
+        c.start_engine("prefill", "--no-kv-transfer-by-layer")
         port = c.start_engine("decode", "--num-blocks", str(DECODE_BLOCKS),
                               "--advertise", f"127.0.0.1:{c.relay.port}")
         c.relay.relay.upstream = ("127.0.0.1", port)
@@ -164,8 +166,8 @@ def test_a_prefill_engine_dying_halfway_through_the_kv_leaves_the_decode_engine_
 
 
 def test_a_connection_cut_while_the_blocks_go_ahead_is_handed_over_whole_with_the_same_text(cluster):
-    """A prefill engine of 8 tokens a step sends a 100-token prompt's blocks ahead from its second step;
-    the cut lands on the first of those frames. The handoff sent ahead fails quietly, and once the
+    """A prefill engine of 8 tokens a step sends a 100-token prompt's blocks ahead, layer by layer; the
+    cut lands on the first frame of a block's size. The handoff sent ahead fails quietly, and once the
     prompt is prefilled it is handed over whole on a new connection: nothing fails, no prefill runs
     twice, and the decode engine gets the cut reservation's blocks back."""
     cluster.nodes.pop("prefill").kill()   # the last test's is dead already
