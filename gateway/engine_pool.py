@@ -259,9 +259,9 @@ class EnginePool:
     async def _choose(self, prompt: list[int], cache_salt: str | None,
                       params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to).
-        With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1 or prompt
-        logprobs they run whole on the prefill engine, with a short prompt whole on the decode
-        engine); otherwise colocated engines serve them whole, or any engine left."""
+        With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1
+        or prompt logprobs they run whole on the prefill engine, with a short prompt whole on the
+        decode engine); otherwise colocated engines serve them whole, or any engine left."""
         routable = [e for e in self.engines.values() if e.routable]
         prefill = [e for e in routable if e.info.role == "prefill"]
         # A handoff needs one KV layout (dtype, layers, heads) at both ends: `--dtype auto` can
