@@ -105,7 +105,6 @@ class KVTransfer(Actor):
         self.config = config or KVTransferConfig()
         self._incoming: dict[str, _Incoming] = {}
         self._outgoing: dict[int, _Outgoing] = {}   # by the sending engine's seq_id
-        self._filling: dict[int, list[int]] = {}    # step id -> the seq ids whose blocks it fills
         self._watched: set[ActorRef] = set()
         self._sends: set[asyncio.Task] = set()
         self.peak_in_flight_bytes = 0     # the most a handoff ever had unacknowledged (<= the window)
@@ -164,14 +163,10 @@ class KVTransfer(Actor):
             self._start(msg.seq_id, out)
         out.block_table = msg.block_table
         out.filling[msg.step_id] = [msg.first_block, msg.end_block, 0]
-        for step_id in [s for s in self._filling if s < msg.step_id]:   # steps run (or failed) since
-            del self._filling[step_id]
-        self._filling.setdefault(msg.step_id, []).append(msg.seq_id)
 
     def _layer_written(self, step_id: int, layer: int) -> None:
-        for seq_id in self._filling.get(step_id, ()):
-            out = self._outgoing.get(seq_id)
-            span = out.filling.get(step_id) if out is not None else None
+        for out in self._outgoing.values():   # a few handoffs at a time: the ones this step fills have its span
+            span = out.filling.get(step_id)
             if span is not None and layer + 1 > span[2]:
                 span[2] = layer + 1
                 out.changed.set()

@@ -258,12 +258,13 @@ class SchedulerActor(Actor):
             return
         self._cancel_ahead()   # a preempted sequence's cancel goes before its recompute's blocks
         layered = self.scheduler.take_layered()
+        if not layered:   # most steps: nothing more on the way to the worker
+            return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
         for seq, first, end in layered:
             self.transfer.tell(HandOverLayers(seq.seq_id, plan.step_id, tables[seq.seq_id], first, end,
                                               self._offer(seq), seq.request.handoff_to))
-        if layered:
-            plan.layers_to = self.transfer
+        plan.layers_to = self.transfer
 
     def _cancel_ahead(self) -> None:
         """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
