@@ -49,9 +49,12 @@ class ChatFormat:
         text, finish, calls = cd.text, cd.finish_reason, None
         if self.tool_streams is not None:
             text, finish, calls = self._tool_delta(cd)
-        if not text and finish is None and not lp and prompt_lps is None:
+        # A token whose text is held back (half a character, a possible stop string) is a chunk of its
+        # own, as vLLM streams it: a client sees each token as it comes. Not where a tool parser holds it.
+        token = bool(cd.token_ids) and self.tool_streams is None
+        if not text and not token and finish is None and not lp and prompt_lps is None:
             return None
-        delta = {"content": text} if text else {}
+        delta = {"content": text} if text or token else {}
         if calls:
             delta["tool_calls"] = calls
         chunk = self.env.chat_chunk([chat_delta(cd.index, delta, finish, lp)])
@@ -144,7 +147,8 @@ class CompletionFormat:
 
     def chunk(self, cd: ChoiceDelta) -> dict | None:
         text, lp, prompt_lps = self._piece(cd)
-        if not text and cd.finish_reason is None and not lp and prompt_lps is None:
+        # A token whose text is held back is a chunk of its own, as in ChatFormat.chunk.
+        if not text and not cd.token_ids and cd.finish_reason is None and not lp and prompt_lps is None:
             return None
         return self.env.completion([completion_choice(cd.index, text, cd.finish_reason, lp, prompt_lps)])
 
