@@ -149,6 +149,7 @@ def _cluster(args, roles: list[str], label: str) -> dict:
                               "--save", "", "--appendonly", "no"])
         for i, role in enumerate(roles):
             procs.start(f"{role}-{i}", [*serve, "--role", role, *model, "--dtype", args.dtype,
+                                        "--kv-cache-dtype", args.kv_cache_dtype,
                                         "--metrics-port", str(metrics_ports[i]),
                                         "--num-threads", "1", "--num-blocks", str(args.num_blocks),
                                         "--max-num-batched-tokens", str(args.step_tokens),
@@ -171,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--vocab", type=int, default=49152, help="prompt token ids are drawn below this")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", help="both setups' engines (auto: the model's dtype)")
     p.add_argument("--streams", type=int, default=6, help="background decode streams, kept running")
     p.add_argument("--stream-prompt", type=int, default=24)
     p.add_argument("--stream-tokens", type=int, default=96)
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "transfer_wait_ms_per_handoff": 1000 * seconds / handed if handed else float("nan"),
         "workload": {k: getattr(args, k) for k in ("streams", "stream_prompt", "stream_tokens", "long_prompt",
                                                     "long_tokens", "rate", "duration", "ttft_slo", "itl_slo",
-                                                    "num_blocks", "step_tokens", "dtype", "local_prefill_tokens")},
+                                                    "num_blocks", "step_tokens", "dtype", "kv_cache_dtype",
+                                                    "local_prefill_tokens")},
         "cpu": os.cpu_count()}
     failed = m.get("matinee_kv_handoffs_failed_total", 0.0)
     if failed:   # each was prefilled again elsewhere: the pair's figures are not the pair's alone
