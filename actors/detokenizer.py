@@ -71,11 +71,13 @@ class StopMatcher:
     """Finds stop strings in streamed text, across any split of the text into deltas.
 
     Text that might be the beginning of a stop string is held back until it is decided; a
-    matched stop string is not part of the output and nothing after it is ever released.
+    matched stop string is not part of the output (unless `include_stop`, vLLM's
+    include_stop_str_in_output) and nothing after it is ever released.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         self._stops = [s for s in stop if s]
+        self._include = include_stop
         self._held = ""
         self.matched: str | None = None
 
@@ -100,7 +102,7 @@ class StopMatcher:
         if best is not None:
             self.matched = best[2]
             self._held = ""
-            return buf[:best[1]]
+            return buf[:best[0] if self._include else best[1]]
         hold = 0
         for s in self._stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -122,9 +124,10 @@ class SampleText:
     """One generated sample's text: detokenizer followed by stop matcher."""
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (),
-                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.stop = StopMatcher(stop)
+        self.stop = StopMatcher(stop, include_stop)
         self.text = ""
 
     @property

@@ -167,7 +167,8 @@ class LLM:
         for (text, token_ids), sp in zip(items, params):
             rid = f"llm-{next(self._ids)}"
             n = sp.n
-            texts = [SampleText(self.tokenizer, token_ids, sp.stop) if sp.stop else None for _ in range(n)]
+            texts = [SampleText(self.tokenizer, token_ids, sp.stop, include_stop=sp.include_stop_str_in_output)
+                     if sp.stop else None for _ in range(n)]
             pending = _Pending(text, token_ids, sp, loop.create_future(), texts, [[] for _ in range(n)],
                                [[] if sp.logprobs is not None else None for _ in range(n)],
                                [None] * n, [None] * n, [None] * n)

@@ -51,6 +51,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # at prefill. Such a request reads nothing from the prefix cache: cached positions have no logits.
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None   # constrained decoding; it ends at the grammar's end
+    # vLLM's: only these tokens may be sampled (empty: any).
+    allowed_token_ids: list[int] = []
+    # vLLM's bad_words as token sequences: a sequence's last token is masked wherever the output
+    # ends with the rest of it (a one-token word, everywhere).
+    bad_words_token_ids: list[list[int]] = []
+    include_stop_str_in_output: bool = False   # a matched stop string stays in the text
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -79,6 +85,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("logit_bias values must be in [-100, 100]")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        if any(not w for w in self.bad_words_token_ids):
+            raise ValueError("a bad word must be at least one token")
         if self.structured is not None and (self.ignore_eos or self.min_tokens):
             raise ValueError("a structured output ends where its grammar ends: it cannot be combined "
                              "with ignore_eos or min_tokens")

@@ -173,9 +173,10 @@ class EnginePool:
         return len(self._requests)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue, priority: int = 0, cache_salt: str | None = None) -> None:
-        if cache_salt is None:   # the tenant of the HTTP request being handled
-            cache_salt = current_cache_salt(self.salts)
+               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None) -> None:
+        """As EngineClient.submit: the prompt's blocks salted for the tenant of the HTTP request
+        being handled, and with the request's own `request_salt` (vLLM's cache_salt)."""
+        cache_salt = current_cache_salt(self.salts, request_salt)
         req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))

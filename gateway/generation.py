@@ -60,8 +60,11 @@ class _Sub:
 class Generation:
     def __init__(self, client: EngineClient, tokenizer, request_id: str,
                  prompts: list[list[int]], params: SamplingParams, stop: list[str],
-                 priority: int, metrics: GatewayMetrics, arrival: float) -> None:
+                 priority: int, metrics: GatewayMetrics, arrival: float,
+                 cache_salt: str | None = None) -> None:
+        """`cache_salt`: the request's own prefix-cache salt (vLLM's), on top of its tenant's."""
         self.request_id = request_id
+        self._cache_salt = cache_salt
         self._client = client
         self._params = params
         self._priority = priority
@@ -70,8 +73,8 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._subs: dict[str, _Sub] = {}
         for p, ids in enumerate(prompts):
-            choices = [_Choice(SampleText(tokenizer, ids, stop, params.skip_special_tokens))
-                       for _ in range(params.n)]
+            choices = [_Choice(SampleText(tokenizer, ids, stop, params.skip_special_tokens,
+                                          params.include_stop_str_in_output)) for _ in range(params.n)]
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             self._subs[rid] = _Sub(rid, p * params.n, choices, len(ids))
         self._prompts = prompts
@@ -86,7 +89,8 @@ class Generation:
     def start(self) -> None:
         self._metrics.queue.observe(time.monotonic() - self._arrival)
         for sub, ids in zip(self._subs.values(), self._prompts):
-            self._client.submit(sub.request_id, ids, self._params, self._queue, self._priority)
+            self._client.submit(sub.request_id, ids, self._params, self._queue, self._priority,
+                                request_salt=self._cache_salt)
         self.num_waiting = len(self._subs) * self._params.n
 
     async def next(self, timeout: float | None = None) -> list[ChoiceDelta] | None:
@@ -193,10 +197,18 @@ class Generation:
         if self._open == 0:
             self._metrics.e2e.observe(time.monotonic() - self._arrival)
 
-    def usage(self) -> dict:
-        prompt = sum(s.num_prompt_tokens for s in self._subs.values())
-        completion = sum(c.num_tokens for s in self._subs.values() for c in s.choices)
-        cached = sum(s.num_cached_tokens for s in self._subs.values())
+    def usage(self, index: int | None = None) -> dict:
+        """The whole request's usage so far, or (`index`) one choice's: its prompt and its tokens,
+        as vLLM's continuous usage stats count them."""
+        subs = list(self._subs.values())
+        if index is not None:
+            sub = next(s for s in subs if s.first <= index < s.first + len(s.choices))
+            prompt, cached = sub.num_prompt_tokens, sub.num_cached_tokens
+            completion = sub.choices[index - sub.first].num_tokens
+        else:
+            prompt = sum(s.num_prompt_tokens for s in subs)
+            completion = sum(c.num_tokens for s in subs for c in s.choices)
+            cached = sum(s.num_cached_tokens for s in subs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

@@ -19,9 +19,9 @@ from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.fill_in_middle import fim_prompt
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
-from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, truncated
 from gateway.request_log import CLIENT_REQUEST_ID, request_id
-from gateway.responses import Envelope
+from gateway.responses import Envelope, token_id_strings
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
 from gateway.structured import structured_output
@@ -65,24 +65,37 @@ async def _accept(request: web.Request, type_: type, validate):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
-    # The template sees reasoning_effort; one that has no use for it renders as before.
-    kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
     tools = chat_tools(req, state.config.tool_call_parser)
-    if tools is not None:
-        kwargs["tools"] = tools.template
-    prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
+    prompt = await render_chat(engine.tokenizer, req.messages, add_special_tokens=bool(req.add_special_tokens),
+                               **_template_kwargs(req, tools))
+    prompt = truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
                              prompt_logprobs=req.prompt_logprobs,
                              structured=await structured_output(req, tools and tools.forced))
     state.check_capacity(params.n)
-    rid = _engine_request_id(request)
-    fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top,
-                     req.prompt_logprobs, tools.parser if tools is not None else None)
+    rid, shown = _request_ids(request, req)
+    fmt = ChatFormat(Envelope("chatcmpl", shown, state.model_name), _token_strings(state, req), params.n,
+                     top, req.prompt_logprobs, tools.parser if tools is not None else None)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
-                     req.priority or 0, state.metrics, arrival)
-    return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
+                     req.priority or 0, state.metrics, arrival, req.cache_salt)
+    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+
+
+def _template_kwargs(req: protocol.ChatRequest, tools) -> dict:
+    """What the chat template sees beside the messages; vLLM's `chat_template_kwargs` last, so
+    they may set any of them (enable_thinking, say) as vLLM lets them."""
+    kwargs = {"add_generation_prompt": req.add_generation_prompt is not False,
+              "continue_final_message": bool(req.continue_final_message)}
+    if req.reasoning_effort:   # a template that has no use for it renders as before
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    if tools is not None:
+        kwargs["tools"] = tools.template
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    kwargs.update(req.chat_template_kwargs or {})
+    return kwargs
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -94,7 +107,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.suffix is not None:
         prompts = [await off_loop(len(p) + len(req.suffix), fim_prompt, tok, p, req.suffix) for p in given]
     else:
-        prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p) for p in given]
+        special = req.add_special_tokens is not False
+        prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p, special) for p in given]
+    prompts = [truncated(p, req.truncate_prompt_tokens, engine.max_model_len) for p in prompts]
     # The engine computes the prompt's logprobs for `prompt_logprobs`, and for `echo` with `logprobs`.
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
@@ -102,25 +117,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
                              prompt_logprobs=max(wanted) if wanted else None,
                              structured=await structured_output(req))
     state.check_capacity(params.n * len(prompts))
-    rid = _engine_request_id(request)
+    rid, shown = _request_ids(request, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None
-    fmt = CompletionFormat(Envelope("cmpl", rid, state.model_name), state.token_strings,
+    fmt = CompletionFormat(Envelope("cmpl", shown, state.model_name), _token_strings(state, req),
                            params.n * len(prompts), req.logprobs, echo,
                            [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
-                     state.metrics, arrival)
-    return await _respond(request, state, gen, fmt, bool(req.stream), _include_usage(req))
+                     state.metrics, arrival, req.cache_salt)
+    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
 
 
-async def render_chat(tokenizer, messages: list[protocol.ChatMessage],
-                      add_generation_prompt: bool, **template_kwargs) -> list[int]:
-    """The conversation through the model's chat template, as token ids (off the loop when long)."""
+async def render_chat(tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool = True,
+                      add_special_tokens: bool = False, **template_kwargs) -> list[int]:
+    """The conversation through the model's chat template, as token ids (off the loop when long).
+    `add_special_tokens` (vLLM's, off by default: templates write their own BOS) tokenizes the
+    rendered text with the tokenizer's special tokens added as well."""
     msgs = [template_message(m, i) for i, m in enumerate(messages)]
+
+    def render() -> list[int]:
+        if add_special_tokens:
+            return tokenizer.encode(tokenizer.render_chat(msgs, add_generation_prompt, **template_kwargs))
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt, **template_kwargs)
+
     try:
-        return await off_loop(sum(len(m["content"]) for m in msgs),
-                              tokenizer.apply_chat_template, msgs, add_generation_prompt,
-                              **template_kwargs)
+        return await off_loop(sum(len(m["content"]) for m in msgs), render)
     except Exception as e:   # a template that rejects this conversation (e.g. role order)
         raise invalid(f"The chat template cannot render these messages: {e}", param="messages")
 
@@ -132,23 +153,39 @@ async def off_loop(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _engine_request_id(request: web.Request) -> str:
-    """The HTTP request's id, unless the client chose it: the engine's ids must be unique."""
-    return uuid.uuid4().hex if request[CLIENT_REQUEST_ID] else request_id(request)
+def _request_ids(request: web.Request, req: protocol._Common) -> tuple[str, str]:
+    """The engine's id for this request and the id its response shows. The engine's is the HTTP
+    request's unless the client chose that (its `X-Request-Id`, or vLLM's `request_id` field):
+    engine ids must be unique. The response shows the client's choice, the header first as vLLM."""
+    if request[CLIENT_REQUEST_ID]:
+        return uuid.uuid4().hex, request_id(request)
+    if req.request_id is not None:
+        return uuid.uuid4().hex, req.request_id
+    return request_id(request), request_id(request)
 
 
-def _include_usage(req: protocol._Common) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+def _token_strings(state: GatewayState, req: protocol._Common):
+    """How logprobs name tokens: their text, or (vLLM's `return_tokens_as_token_ids`) their ids."""
+    return token_id_strings if req.return_tokens_as_token_ids else state.token_strings
+
+
+def _stream_usage(req: protocol._Common) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage so far in every chunk). As vLLM: `stream_options` given means
+    usage unless `include_usage` is false; `continuous_usage_stats` adds it to every chunk."""
+    options = req.stream_options
+    if options is None or options.include_usage is False:
+        return False, False
+    return True, bool(options.continuous_usage_stats)
 
 
 async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
-                   include_usage: bool) -> web.StreamResponse:
+                   usage: tuple[bool, bool]) -> web.StreamResponse:
     state.generations.add(gen)
     with bound(engine_request_id=gen.request_id):   # beside the HTTP request's id on its log lines
         try:
             gen.start()
             if stream:
-                return await _stream(request, state, gen, fmt, include_usage)
+                return await _stream(request, state, gen, fmt, *usage)
             while not gen.done:
                 for cd in await gen.next():
                     fmt.add(cd)
@@ -164,13 +201,16 @@ async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: b
             state.generations.discard(gen)
 
 
-async def _stream(request, state: GatewayState, gen: Generation, fmt,
-                  include_usage: bool) -> web.StreamResponse:
+async def _stream(request, state: GatewayState, gen: Generation, fmt, include_usage: bool,
+                  continuous_usage: bool) -> web.StreamResponse:
     sse = SSEWriter()
     await sse.open(request)
     interval = state.config.ping_interval_s
     try:
         if first := fmt.first_events():
+            if continuous_usage:
+                for event in first:
+                    event["usage"] = gen.usage(0)
             await sse.send(*first)
         while not gen.done:
             batch = await gen.next(timeout=interval)
@@ -178,6 +218,9 @@ async def _stream(request, state: GatewayState, gen: Generation, fmt,
                 await sse.ping()
                 continue
             events = [c for cd in batch if (c := fmt.chunk(cd)) is not None]
+            if continuous_usage:   # each chunk carries one choice: that choice's usage so far
+                for event in events:
+                    event["usage"] = gen.usage(event["choices"][0]["index"])
             if events:
                 await sse.send(*events)
         if include_usage:

@@ -2,7 +2,9 @@
 the context length, `top_k` against the vocabulary, `priority` only where the engine honours it,
 and the number of sequences one request may add to the queue.
 
-`max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions.
+`max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions. vLLM's
+sampling extensions (allowed_token_ids, bad_words, include_stop_str_in_output) and its prompt
+truncation are turned into the engine's terms here too.
 """
 from __future__ import annotations
 
@@ -11,6 +13,31 @@ from gateway.errors import invalid
 from gateway.protocol import MAX_SEQUENCES, _Common, stop_list, token_ids_checked
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last `keep` tokens (-1: the context)."""
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = max_model_len
+    elif keep > max_model_len:
+        raise invalid(f"`truncate_prompt_tokens` ({keep}) is larger than this model's maximum context "
+                      f"length ({max_model_len}).", param="truncate_prompt_tokens")
+    return prompt[-keep:]
+
+
+def bad_words_token_ids(tokenizer, words) -> list[list[int]]:
+    """Each bad word as the token sequences that spell it: alone, and after a space where that
+    makes other tokens of the same count (a word-initial token), as vLLM tokenizes them."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
@@ -45,6 +72,7 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
     bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
     token_ids_checked(bias, vocab, "logit_bias")
     token_ids_checked(req.stop_token_ids or (), vocab, "stop_token_ids")
+    token_ids_checked(req.allowed_token_ids or (), vocab, "allowed_token_ids")
     if req.min_tokens and req.min_tokens > max_tokens:
         raise invalid(f"`min_tokens` ({req.min_tokens}) must be at most max_tokens ({max_tokens}).",
                       param="min_tokens")
@@ -72,6 +100,9 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
             skip_special_tokens=req.skip_special_tokens is not False,
             prompt_logprobs=prompt_logprobs,
             structured=structured,
+            allowed_token_ids=list(req.allowed_token_ids or ()),
+            bad_words_token_ids=bad_words_token_ids(engine.tokenizer, req.bad_words or ()),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
         )
     except ValueError as e:   # the engine's own checks, should a range here be missed
         raise invalid(str(e)) from None

@@ -97,7 +97,9 @@ class StructuredOutputs(_Body, kw_only=True):
 
 
 class StreamOptions(_Body):
+    # vLLM's default: with `stream_options` given, usage comes in a last chunk unless turned off.
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None   # vLLM's: usage so far in every chunk as well
     include_obfuscation: bool | None = None   # accepted: our chunks carry no obfuscation padding
 
 
@@ -132,6 +134,25 @@ class _Common(_Body, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None    # only "xgrammar" (or "auto"): the one engine here
+    # vLLM's extensions (the README's table says what each does here).
+    cache_salt: str | None = None             # salts this request's prefix-cache blocks
+    truncate_prompt_tokens: int | None = None     # keep only the prompt's last k tokens (-1: the context)
+    allowed_token_ids: list[int] | None = None    # sample only among these
+    bad_words: list[str] | None = None            # never generate these words
+    include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None   # accepted: fast tokenizers add no spaces
+    request_id: str | None = None                 # the response's id (an X-Request-Id header wins)
+    return_tokens_as_token_ids: bool | None = None    # logprobs name tokens "token_id:<id>"
+    add_special_tokens: bool | None = None
+    # Refused with the alternative named (REFUSED below): declared so the 400 says why.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    guided_whitespace_pattern: str | None = None
+    mm_processor_kwargs: Any = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -145,6 +166,12 @@ class ChatRequest(_Common, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat-template extensions.
+    add_generation_prompt: bool | None = None     # default true
+    continue_final_message: bool | None = None    # the last (assistant) message left open
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None   # for templates that render RAG documents
+    chat_template: str | None = None   # refused: a template per request runs client code here
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -155,6 +182,7 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None   # accepted only where it asks for nothing more than `n`
     echo: bool | None = None     # the prompt before each completion (and its logprobs with `logprobs`)
     suffix: str | None = None    # fill in the middle, before this text (models with FIM tokens)
+    prompt_embeds: Any = None    # refused: prompts are token ids or text here
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -216,7 +244,42 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
+# vLLM's fields that this server cannot honour, refused with the alternative it offers; each
+# with the values that ask for nothing (vLLM's defaults), which are accepted.
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((False,), "Beam search is not supported; ask for `n` samples (with "
+                                  "`logprobs` to rank them)."),
+    "length_penalty": ((1.0,), "`length_penalty` applies to beam search, which is not supported."),
+    "logits_processors": (([],), "Custom logits processors are not supported; use `logit_bias`, "
+                                 "`allowed_token_ids`, `bad_words` or a structured output."),
+    "vllm_xargs": (({},), "No custom request extensions are installed, so `vllm_xargs` has nothing "
+                          "to reach."),
+    "kv_transfer_params": (({},), "KV transfer is internal here: run engines with `--role prefill` "
+                                  "and `--role decode` and the gateway hands requests over."),
+    "guided_whitespace_pattern": ((), "JSON is generated without free-running whitespace; for "
+                                      "another layout give a grammar in `structured_outputs.grammar`."),
+    "mm_processor_kwargs": (({},), "Only text models are served; there is no multimodal processor."),
+    "prompt_embeds": ((), "Prompts are text or token ids here; `prompt_embeds` is not supported."),
+    "chat_template": ((), "A per-request chat template is not accepted (it would run client code); "
+                          "start the server with `--chat-template`."),
+}
+GUIDED_BACKENDS = ("auto", "xgrammar")
+MAX_BAD_WORDS = 64
+MAX_WORD_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")   # as an X-Request-Id header
+
+
+def _refused(req) -> None:
+    for name, (off, why) in REFUSED.items():
+        value = getattr(req, name, None)
+        if value is None or any(type(value) is type(o) and value == o for o in off):
+            continue
+        raise invalid(f"`{name}` is not supported: {why}", param=name)
+
+
 def validate_common(req: _Common) -> None:
+    _refused(req)
     _range(req.temperature, "temperature", 0.0, 2.0)
     _range(req.top_p, "top_p", 0.0, 1.0, lo_open=True)
     if req.top_k is not None and req.top_k < -1:
@@ -245,6 +308,32 @@ def validate_common(req: _Common) -> None:
             if not re.fullmatch(r"\d{1,10}", key):
                 raise invalid(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
             _range(bias, f"logit_bias.{key}", -100.0, 100.0)
+    _validate_extensions(req)
+
+
+def _validate_extensions(req: _Common) -> None:
+    if req.guided_decoding_backend is not None and req.guided_decoding_backend not in GUIDED_BACKENDS:
+        raise invalid(f"`guided_decoding_backend` {req.guided_decoding_backend!r} is not available; "
+                      "structured outputs use xgrammar here.", param="guided_decoding_backend")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid(f"`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                      "characters.", param="cache_salt")
+    t = req.truncate_prompt_tokens
+    if t is not None and t != -1 and t < 1:
+        raise invalid(f"`truncate_prompt_tokens` must be -1 (the context length) or at least 1, got {t}.",
+                      param="truncate_prompt_tokens")
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise invalid("`allowed_token_ids` must not be empty.", param="allowed_token_ids")
+    if req.bad_words is not None:
+        if len(req.bad_words) > MAX_BAD_WORDS:
+            raise invalid(f"At most {MAX_BAD_WORDS} bad_words are allowed, got {len(req.bad_words)}.",
+                          param="bad_words")
+        for i, w in enumerate(req.bad_words):
+            if not w.strip() or len(w) > MAX_WORD_CHARS:
+                raise invalid(f"Each bad word must be non-blank and at most {MAX_WORD_CHARS} characters.",
+                              param=f"bad_words[{i}]")
+    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
+        raise invalid("`request_id` must be 1-128 printable characters without spaces.", param="request_id")
 
 
 def token_ids_checked(ids, vocab_size: int, param: str) -> None:
@@ -255,8 +344,20 @@ def token_ids_checked(ids, vocab_size: int, param: str) -> None:
                           param=param)
 
 
+# apply_chat_template's own parameters: `chat_template_kwargs` may not reach them.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "chat_template", "tokenize", "padding",
+                            "truncation", "max_length", "return_tensors", "return_dict",
+                            "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens")
+
+
 def validate_chat(req: ChatRequest) -> None:
     validate_common(req)
+    if req.continue_final_message and req.add_generation_prompt is not False:   # vLLM: default true
+        raise invalid("`continue_final_message` leaves the last message open; it cannot be combined "
+                      "with `add_generation_prompt`, set it to false.", param="continue_final_message")
+    for key in req.chat_template_kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise invalid(f"`chat_template_kwargs` may not set {key!r}.", param=f"chat_template_kwargs.{key}")
     _range(req.max_completion_tokens, "max_completion_tokens", 1)
     if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
         raise invalid(f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORTS)}.",

@@ -28,6 +28,12 @@ class TokenStrings:
         return s
 
 
+def token_id_strings(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids`: a token named by its id, which any token can be (a
+    token that is half a character has no text of its own)."""
+    return f"token_id:{token_id}"
+
+
 def _lp(x: float) -> float:
     return max(float(x), _MIN_LOGPROB)
 

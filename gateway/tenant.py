@@ -26,6 +26,11 @@ async def tenant_middleware(request: web.Request, handler):
         current_api_key.reset(token)
 
 
-def current_cache_salt(salts: TenantSalts | None) -> str | None:
-    """The cache salt of the request being handled; None without a bearer token."""
-    return salts.salt_for(current_api_key.get()) if salts is not None else None
+def current_cache_salt(salts: TenantSalts | None, request_salt: str | None = None) -> str | None:
+    """The cache salt of the request being handled: its tenant's (None without a bearer token),
+    joined with the request's own `cache_salt` when it sends one. A tenant's salt is hex, so the
+    '/' keeps every (tenant, request salt) pair apart from every other and from a tenant alone."""
+    tenant = salts.salt_for(current_api_key.get()) if salts is not None else None
+    if request_salt is None:
+        return tenant
+    return f"{tenant or ''}/{request_salt}"

@@ -1,8 +1,9 @@
 """Token sampling from a batch of logits, with vLLM's semantics and order of operations.
 
 penalties (repetition over prompt+output, frequency and presence over output) -> logit_bias ->
-min_tokens (EOS and stop ids masked while the output is shorter) -> the structured output's
-grammar mask (tokens it refuses get -inf, constrained rows only) -> greedy argmax,
+min_tokens (EOS and stop ids masked while the output is shorter) -> allowed_token_ids (every other
+token masked) -> bad words (a word's last token masked where the output ends with the rest of
+it) -> the structured output's grammar mask (tokens it refuses get -inf, constrained rows only) -> greedy argmax,
 or temperature -> min-p -> top-k -> top-p -> one draw. Logprobs are vLLM's default `raw_logprobs`:
 log_softmax of the model's unmodified logits. `processed_probs` returns the exact distribution a
 row is drawn from, so speculative decoding computes p and q with this same code.
@@ -55,13 +56,17 @@ class SamplingState:
         held = set(params.stop_token_ids) | set(params.eos_token_ids)
         self.min_tokens_ids = torch.tensor(sorted(held), dtype=torch.long, device=device) \
             if self.min_tokens and held else None
+        allowed = getattr(params, "allowed_token_ids", None)
+        self.allowed_ids = torch.tensor(sorted(set(allowed)), dtype=torch.long, device=device) if allowed else None
+        self.bad_words: list[list[int]] = [list(w) for w in getattr(params, "bad_words_token_ids", ())]
         # Prompt logprobs: top-k wanted at each prompt position; those computed so far, in order
         # (entry j for prompt token j + 1), until sent with the first sampled token.
         self.num_prompt_logprobs: int | None = getattr(params, "prompt_logprobs", None)
         self.prompt_logprobs: list[PromptLogprob] | None = [] if self.num_prompt_logprobs is not None else None
         # The argmax of the model's logits and nothing else: the sampler's shortest path.
         self.plain_greedy = (self.greedy and not self.uses_penalties and self.num_logprobs is None
-                             and self.bias_ids is None and self.min_tokens_ids is None and grammar is None)
+                             and self.bias_ids is None and self.min_tokens_ids is None and grammar is None
+                             and self.allowed_ids is None and not self.bad_words)
 
     def take_prompt_logprobs(self) -> list[PromptLogprob] | None:
         """The prompt's logprobs once all are computed (then never again), else None."""
@@ -74,6 +79,18 @@ class SamplingState:
     def holds_off_stops(self, num_extra: int = 0) -> bool:
         """Whether EOS and stop ids are masked at the next position (`num_extra` drafted before it)."""
         return self.min_tokens_ids is not None and len(self.output_token_ids) + num_extra < self.min_tokens
+
+    def banned_ids(self, extra: Sequence[int] = ()) -> list[int]:
+        """The bad words' tokens masked at the next position (`extra`: drafted tokens before it)."""
+        if not self.bad_words:
+            return []
+        history = self.output_token_ids + list(extra) if extra else self.output_token_ids
+        banned = []
+        for word in self.bad_words:
+            head = len(word) - 1
+            if head == 0 or (len(history) >= head and history[-head:] == word[:-1]):
+                banned.append(word[-1])
+        return banned
 
     def append(self, token_ids: Sequence[int]) -> None:
         self.output_token_ids.extend(token_ids)
@@ -173,7 +190,10 @@ class Sampler:
         biased = [i for i, s in enumerate(states) if s.bias_ids is not None]
         held = [i for i, s in enumerate(states) if s.holds_off_stops(extra[i])]
         constrained = [i for i, s in enumerate(states) if s.grammar is not None]
-        if not any(s.uses_penalties for s in states) and not biased and not held and not constrained:
+        allowed = [i for i, s in enumerate(states) if s.allowed_ids is not None]
+        drafted = extra_output_ids if extra_output_ids is not None else [()] * len(states)
+        banned = [(i, b) for i, s in enumerate(states) if (b := s.banned_ids(drafted[i]))]
+        if not any(s.uses_penalties for s in states) and not (biased or held or constrained or allowed or banned):
             return logits
         work = self._buffer(0, logits.shape, logits.device)
         work.copy_(logits)
@@ -182,12 +202,17 @@ class Sampler:
             work[i].index_add_(0, states[i].bias_ids, states[i].bias_values)
         for i in held:
             work[i, states[i].min_tokens_ids] = float("-inf")
+        for i in allowed:
+            keep = work[i, states[i].allowed_ids]
+            work[i].fill_(float("-inf"))
+            work[i, states[i].allowed_ids] = keep
+        for i, ids in banned:
+            work[i, ids] = float("-inf")
         if constrained:
             if self._masks is None:
                 from actors.worker.grammar_state import TokenMasks   # deferred: imports xgrammar
 
                 self._masks = TokenMasks()
-            drafted = extra_output_ids if extra_output_ids is not None else [()] * len(states)
             self._masks.apply_(work, [(i, states[i].grammar, drafted[i]) for i in constrained])
         return work
 

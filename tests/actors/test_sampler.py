@@ -310,6 +310,37 @@ def test_logit_bias_and_min_tokens_shape_the_draw():
     assert all(s.sample(logits, [random]).token_ids != [1] for _ in range(50))
 
 
+def test_allowed_token_ids_limit_the_draw_to_them():
+    """vLLM's allowed_token_ids: greedy picks the best allowed token, sampling never leaves them,
+    and processed_probs (speculative verification) sees the same support."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 4.0]])
+    only = state(temperature=0, allowed_token_ids=[0, 2, 3])
+    assert sample(logits, [only]).token_ids == [3]
+    assert processed_probs(logits, [only])[0].argmax() == 3
+    sampled = state(temperature=1.0, seed=1, allowed_token_ids=[0, 2])
+    assert {sample(logits, [sampled]).token_ids[0] for _ in range(100)} == {0, 2}
+    probs = processed_probs(logits, [state(temperature=1.0, allowed_token_ids=[0, 2])])[0]
+    assert probs[[1, 3, 4]].sum() == 0 and torch.allclose(probs[[0, 2]], torch.softmax(torch.tensor([0.0, 1.0]), 0))
+    # The other rows of the batch are untouched.
+    assert sample(logits.repeat(2, 1), [only, state(temperature=0)]).token_ids == [3, 1]
+
+
+def test_bad_words_mask_a_words_last_token_after_the_rest_of_it():
+    """A one-token bad word is never drawn; a longer one's last token is masked only where the
+    output ends with the word's other tokens (drafted tokens count), as vLLM's bad_words."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 4.0]])
+    assert sample(logits, [state(temperature=0, bad_words_token_ids=[[1]])]).token_ids == [4]
+    word = state(temperature=0, bad_words_token_ids=[[2, 1]])
+    assert sample(logits, [word]).token_ids == [1]        # not after 2: allowed
+    word.append([2])
+    assert sample(logits, [word]).token_ids == [4]        # after 2: masked
+    assert processed_probs(logits, [word])[0][1] == 0
+    fresh = state(temperature=0, bad_words_token_ids=[[3, 2, 1]])
+    assert processed_probs(logits, [fresh], [[3, 2]])[0].argmax() == 4
+    assert processed_probs(logits, [fresh], [[2, 2]])[0].argmax() == 1
+    assert not word.plain_greedy and not state(temperature=0, allowed_token_ids=[1]).plain_greedy
+
+
 def test_row_argmax_is_torchs_argmax_first_maximum_and_nan_included():
     from actors.worker.sampler import argmax_list, row_argmax
 

@@ -53,6 +53,12 @@ def test_stop_string_across_deltas():
     assert m.flush() == ""
 
 
+def test_include_stop_keeps_the_stop_string_and_nothing_after_it():
+    m = StopMatcher(["o W"], include_stop=True)
+    out = [m.push("Hel"), m.push("lo "), m.push("Wor"), m.push("ld")]
+    assert "".join(out) == "Hello W" and m.matched == "o W"
+
+
 def test_stop_prefix_held_then_released():
     m = StopMatcher(["STOP"])
     assert m.push("abc ST") == "abc "

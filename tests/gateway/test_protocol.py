@@ -100,13 +100,67 @@ def test_unsupported_completion_fields_are_a_400_naming_them(field):
                                                          "x": 1}]}]}, "messages[0].tool_calls[0].x"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
      "messages[0].content[0].x"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"include_usage": True, "zz": True}}, "stream_options.zz"),
 ])
 def test_unknown_nested_fields_name_their_path(body, param):
     with pytest.raises(APIError) as e:
         chat(**body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_vllm_stream_options_are_accepted():
+    req = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert req.stream_options.continuous_usage_stats is True
+
+
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", True), ("length_penalty", 0.5), ("logits_processors", ["my.Proc"]),
+    ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_decode": True}),
+    ("guided_whitespace_pattern", " "), ("mm_processor_kwargs", {"a": 1}), ("chat_template", "{{x}}"),
+])
+def test_refused_vllm_fields_name_the_alternative(field, value):
+    with pytest.raises(APIError) as e:
+        chat(**{field: value})
+    assert e.value.status == 400 and e.value.param == field
+    assert protocol.REFUSED[field][1] in e.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", False), ("length_penalty", 1.0), ("logits_processors", []), ("vllm_xargs", {}),
+    ("kv_transfer_params", None), ("mm_processor_kwargs", {}), ("guided_decoding_backend", "xgrammar"),
+])
+def test_refused_vllm_fields_at_their_off_values_are_accepted(field, value):
+    assert getattr(chat(**{field: value}), field) == value
+
+
+def test_prompt_embeds_refused_on_completions():
+    with pytest.raises(APIError) as e:
+        completion(prompt_embeds="AAAA")
+    assert e.value.param == "prompt_embeds" and "text or token ids" in e.value.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "x" * (protocol.MAX_CACHE_SALT_CHARS + 1)}, "cache_salt"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["  "]}, "bad_words[0]"),
+    ({"bad_words": ["a"] * (protocol.MAX_BAD_WORDS + 1)}, "bad_words"),
+    ({"request_id": "has space"}, "request_id"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"continue_final_message": True}, "continue_final_message"),   # add_generation_prompt defaults true
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
+])
+def test_vllm_extension_values_out_of_range_name_the_param(fields, param):
+    with pytest.raises(APIError) as e:
+        chat(**fields)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_continue_final_message_with_the_generation_prompt_off_is_accepted():
+    req = chat(continue_final_message=True, add_generation_prompt=False)
+    assert req.continue_final_message and req.add_generation_prompt is False
 
 
 def test_tokenize_and_detokenize_reject_unknown_fields():
