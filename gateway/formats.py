@@ -21,11 +21,14 @@ class _Collected:
 
 
 class ChatFormat:
-    """`tool_parser` (gateway/tool_parsers.py): the output is parsed for tool calls."""
+    """`tool_parser` (gateway/tool_parsers.py): the output is parsed for tool calls. `echo` (vLLM's):
+    text each reply starts with, the open assistant message it continues."""
 
     def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
-                 top_logprobs: int | None, prompt_top: int | None = None, tool_parser=None) -> None:
+                 top_logprobs: int | None, prompt_top: int | None = None, tool_parser=None,
+                 echo: str | None = None) -> None:
         self.env, self.strings, self.top = env, strings, top_logprobs
+        self.echo = echo
         self.num_choices = num_choices
         self.acc = _Collected(num_choices)
         self.prompt_top = prompt_top
@@ -40,8 +43,12 @@ class ChatFormat:
         return self._prompt_lps
 
     def first_events(self) -> list[dict]:
-        return [self.env.chat_chunk([chat_delta(i, {"role": "assistant", "content": ""}, None, None)
-                                     for i in range(self.num_choices)])]
+        events = [self.env.chat_chunk([chat_delta(i, {"role": "assistant", "content": ""}, None, None)
+                                       for i in range(self.num_choices)])]
+        if self.echo:
+            events.append(self.env.chat_chunk([chat_delta(i, {"content": self.echo}, None, None)
+                                               for i in range(self.num_choices)]))
+        return events
 
     def chunk(self, cd: ChoiceDelta) -> dict | None:
         lp = chat_logprobs(cd.logprobs, self.strings, self.top) if self.top is not None else None
@@ -88,7 +95,7 @@ class ChatFormat:
         a = self.acc
         choices = []
         for i in range(self.num_choices):
-            text, finish, calls = a.texts[i], a.finish[i], None
+            text, finish, calls = (self.echo or "") + a.texts[i], a.finish[i], None
             if self.tool_parser is not None:
                 content, found = self.tool_parser.parse(text)
                 if found:

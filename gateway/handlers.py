@@ -77,10 +77,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_capacity(params.n)
     rid, shown = _request_ids(request, req)
     fmt = ChatFormat(Envelope("chatcmpl", shown, state.model_name), _token_strings(state, req), params.n,
-                     top, req.prompt_logprobs, tools.parser if tools is not None else None)
+                     top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req))
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival, req.cache_salt)
     return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+
+
+def _echo(req: protocol.ChatRequest) -> str | None:
+    """vLLM's chat `echo`: the last message's text, when it is the assistant's the reply continues."""
+    last = req.messages[-1]
+    return protocol.message_text(last) if req.echo and last.role == "assistant" else None
 
 
 def _template_kwargs(req: protocol.ChatRequest, tools) -> dict:

@@ -167,6 +167,7 @@ class ChatRequest(_Common, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's chat-template extensions.
+    echo: bool | None = None   # the last message's text before the reply, when it is the assistant's
     add_generation_prompt: bool | None = None     # default true
     continue_final_message: bool | None = None    # the last (assistant) message left open
     chat_template_kwargs: dict[str, Any] | None = None
