@@ -6,6 +6,7 @@ an error travels inside the stream as `data: {"error": ...}`, followed by `data:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -65,6 +66,15 @@ async def _accept(request: web.Request, type_: type, validate):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
+    gen, fmt = await chat_generation(request, state, req, client, engine, arrival)
+    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+
+
+async def chat_generation(request: web.Request, state: GatewayState, req: protocol.ChatRequest, client, engine,
+                          arrival: float, id_prefix: str = "chatcmpl") -> tuple[Generation, ChatFormat]:
+    """A validated chat request's Generation (not started) and the ChatFormat of its output, every
+    check that needs the engine done. Chat Completions and the APIs translated into a chat request
+    share it, so a conversation becomes tokens and sampling parameters in one place."""
     tools = chat_tools(req, state.config.tool_call_parser)
     prompt = await render_chat(engine.tokenizer, req.messages, add_special_tokens=bool(req.add_special_tokens),
                                **_template_kwargs(req, tools))
@@ -76,11 +86,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              structured=await structured_output(req, tools and tools.forced))
     state.check_capacity(params.n)
     rid, shown = _request_ids(request, req)
-    fmt = ChatFormat(Envelope("chatcmpl", shown, state.model_name), _token_strings(state, req), params.n,
+    fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req))
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival, req.cache_salt)
-    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+    return gen, fmt
 
 
 def _echo(req: protocol.ChatRequest) -> str | None:
@@ -184,27 +194,34 @@ def _stream_usage(req: protocol._Common) -> tuple[bool, bool]:
     return True, bool(options.continuous_usage_stats)
 
 
-async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
-                   usage: tuple[bool, bool]) -> web.StreamResponse:
+@contextlib.contextmanager
+def running(state: GatewayState, gen: Generation):
+    """`gen` started and tracked while the block runs; always closed after it (also when the
+    client went away: the engine request is aborted and its KV freed). An engine lost or a failed
+    request before the response starts becomes a 503 or a 500."""
     state.generations.add(gen)
     with bound(engine_request_id=gen.request_id):   # beside the HTTP request's id on its log lines
         try:
             gen.start()
-            if stream:
-                return await _stream(request, state, gen, fmt, *usage)
-            while not gen.done:
-                for cd in await gen.next():
-                    fmt.add(cd)
-            return web.Response(body=_encode(fmt.whole(gen.usage())),
-                                content_type="application/json")
+            yield gen
         except EngineLost as e:
             raise unavailable(str(e)) from None
         except RequestFailed as e:
             raise internal(str(e)) from None
         finally:
-            # Also on cancellation (the client went away): aborts the engine request, frees its KV.
             gen.close()
             state.generations.discard(gen)
+
+
+async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
+                   usage: tuple[bool, bool]) -> web.StreamResponse:
+    with running(state, gen):
+        if stream:
+            return await _stream(request, state, gen, fmt, *usage)
+        while not gen.done:
+            for cd in await gen.next():
+                fmt.add(cd)
+        return web.Response(body=_encode(fmt.whole(gen.usage())), content_type="application/json")
 
 
 async def _stream(request, state: GatewayState, gen: Generation, fmt, include_usage: bool,
