@@ -50,6 +50,9 @@ class GatewayConfig:
     tool_call_parser: str = field(default="hermes", metadata={
         "help": "the model's tool-call format, parsed into tool_calls (vLLM's names)",
         "choices": ("hermes", "llama3_json")})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "a reasoning model's format: its thinking goes to reasoning_content, its answer to "
+                "content (vLLM's names)", "choices": ("qwen3", "deepseek_r1")})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 

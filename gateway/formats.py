@@ -8,6 +8,7 @@ from gateway.generation import ChoiceDelta
 from gateway.responses import (Envelope, TokenStrings, chat_choice, chat_delta, chat_logprobs,
                                completion_choice, completion_logprobs, echoed_logprobs,
                                merge_completion_logprobs, prompt_logprobs)
+from gateway.reasoning import ReasoningStream, split
 from gateway.tool_parsers import ToolCallStream
 
 
@@ -22,13 +23,18 @@ class _Collected:
 
 class ChatFormat:
     """`tool_parser` (gateway/tool_parsers.py): the output is parsed for tool calls. `echo` (vLLM's):
-    text each reply starts with, the open assistant message it continues."""
+    text each reply starts with, the open assistant message it continues. `thinking` (with a
+    reasoning parser, gateway/reasoning.py): the output starts inside the model's thinking, which
+    goes to `reasoning_content`; None: no reasoning parser. Tool calls are parsed in the answer."""
 
     def __init__(self, env: Envelope, strings: TokenStrings, num_choices: int,
                  top_logprobs: int | None, prompt_top: int | None = None, tool_parser=None,
-                 echo: str | None = None) -> None:
+                 echo: str | None = None, thinking: bool | None = None) -> None:
         self.env, self.strings, self.top = env, strings, top_logprobs
         self.echo = echo
+        self.thinking = thinking
+        self.reasoning_streams = [ReasoningStream(thinking) for _ in range(num_choices)] \
+            if thinking is not None else None
         self.num_choices = num_choices
         self.acc = _Collected(num_choices)
         self.prompt_top = prompt_top
@@ -53,15 +59,18 @@ class ChatFormat:
     def chunk(self, cd: ChoiceDelta) -> dict | None:
         lp = chat_logprobs(cd.logprobs, self.strings, self.top) if self.top is not None else None
         prompt_lps = self._take_prompt_lps(cd)
-        text, finish, calls = cd.text, cd.finish_reason, None
+        reasoning, text = self._reasoning_delta(cd)
+        finish, calls = cd.finish_reason, None
         if self.tool_streams is not None:
-            text, finish, calls = self._tool_delta(cd)
+            text, finish, calls = self._tool_delta(cd, text)
         # A token whose text is held back (half a character, a possible stop string) is a chunk of its
         # own, as vLLM streams it: a client sees each token as it comes. Not where a tool parser holds it.
         token = bool(cd.token_ids) and self.tool_streams is None
-        if not text and not token and finish is None and not lp and prompt_lps is None:
+        if not text and not reasoning and not token and finish is None and not lp and prompt_lps is None:
             return None
-        delta = {"content": text} if text or token else {}
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if text or (token and not reasoning):
+            delta["content"] = text
         if calls:
             delta["tool_calls"] = calls
         chunk = self.env.chat_chunk([chat_delta(cd.index, delta, finish, lp)])
@@ -69,9 +78,20 @@ class ChatFormat:
             chunk["prompt_logprobs"] = prompt_lps
         return chunk
 
-    def _tool_delta(self, cd: ChoiceDelta) -> tuple[str, str | None, list[dict] | None]:
+    def _reasoning_delta(self, cd: ChoiceDelta) -> tuple[str, str]:
+        """This delta's (thinking, answer) text; all answer without a reasoning parser."""
+        if self.reasoning_streams is None:
+            return "", cd.text
+        stream = self.reasoning_streams[cd.index]
+        reasoning, text = stream.push(cd.text)
+        if cd.finish_reason is not None:
+            more_reasoning, more_text = stream.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        return reasoning, text
+
+    def _tool_delta(self, cd: ChoiceDelta, text: str) -> tuple[str, str | None, list[dict] | None]:
         stream = self.tool_streams[cd.index]
-        text = stream.push(cd.text)
+        text = stream.push(text)
         if cd.finish_reason is None:
             return text, None, None
         text += stream.finish()
@@ -95,14 +115,18 @@ class ChatFormat:
         a = self.acc
         choices = []
         for i in range(self.num_choices):
-            text, finish, calls = (self.echo or "") + a.texts[i], a.finish[i], None
+            text, finish, calls, reasoning = a.texts[i], a.finish[i], None, None
+            if self.thinking is not None:
+                reasoning, text = split(text, self.thinking)
+            text = (self.echo or "") + text
             if self.tool_parser is not None:
                 content, found = self.tool_parser.parse(text)
                 if found:
                     text, calls = content, [c.as_api() for c in found]
                     finish = "tool_calls" if finish == "stop" else finish
             choices.append(chat_choice(i, text, finish,
-                                       {"content": a.logprobs[i]} if self.top is not None else None, calls))
+                                       {"content": a.logprobs[i]} if self.top is not None else None, calls,
+                                       reasoning))
         body = self.env.chat(choices, usage)
         if self.prompt_top is not None:
             body["prompt_logprobs"] = self._prompt_lps

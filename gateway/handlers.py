@@ -13,7 +13,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from gateway import protocol
+from gateway import protocol, reasoning
 from gateway.app_keys import STATE
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.errors import APIError, internal, invalid, unavailable
@@ -25,7 +25,7 @@ from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope, token_id_strings
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
-from gateway.structured import structured_output
+from gateway.structured import checked, structured_output
 from gateway.tools import chat_tools, template_message
 from runtime import bound, get_logger
 
@@ -81,16 +81,30 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
     prompt = truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
     top = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    thinking = _thinking(state, req, engine.tokenizer, prompt)
+    structured = await structured_output(req, tools and tools.forced)
+    if structured is not None and thinking:   # the grammar is the answer's, after the thinking
+        # Only a legacy structural tag can fail here: it cannot be put after the thinking.
+        structured = reasoning.after_thinking(structured, "structured_outputs.structural_tag")
+        await checked(structured, "structured_outputs.structural_tag")
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
-                             prompt_logprobs=req.prompt_logprobs,
-                             structured=await structured_output(req, tools and tools.forced))
+                             prompt_logprobs=req.prompt_logprobs, structured=structured)
     state.check_capacity(params.n)
     rid, shown = _request_ids(request, req)
     fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
-                     top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req))
+                     top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
+                     thinking)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
                      req.priority or 0, state.metrics, arrival, req.cache_salt)
     return gen, fmt
+
+
+def _thinking(state: GatewayState, req: protocol.ChatRequest, tokenizer, prompt: list[int]) -> bool | None:
+    """Whether the output starts inside the model's thinking; None without a reasoning parser."""
+    if state.config.reasoning_parser is None:
+        return None
+    parser = reasoning.PARSERS[state.config.reasoning_parser]
+    return parser.thinks(req.chat_template_kwargs, reasoning.prompt_tail(tokenizer, prompt))
 
 
 def _echo(req: protocol.ChatRequest) -> str | None:

@@ -134,8 +134,11 @@ class Envelope:
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    """`reasoning`: a reasoning model's thinking (None: no reasoning parser); "" means none."""
     message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning or None
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
