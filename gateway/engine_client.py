@@ -84,10 +84,6 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    @property
-    def num_open(self) -> int:
-        return len(self._queues)
-
     async def stats(self, timeout: float = 2.0) -> EngineStats:
         return await self.scheduler.ask(GetStats(), timeout=timeout)
 
