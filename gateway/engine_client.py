@@ -48,7 +48,8 @@ class DeltaReceiver(Actor):
 
 
 class EngineClient:
-    """Submits requests to one scheduler and hands back a queue of TokenDeltas per request."""
+    """Submits requests to one scheduler and hands back a queue of TokenDeltas per request: the
+    gateway's `EngineConnection` to an engine of its own process (or one remote scheduler)."""
 
     def __init__(self, scheduler: ActorRef, receiver: ActorRef,
                  queues: dict[str, asyncio.Queue], salts: TenantSalts | None = None) -> None:
