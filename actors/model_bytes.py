@@ -1,5 +1,5 @@
 """What a model's values take in memory: a weight value by GGUF type as the CPU kernels hold it, and
-K and V by the token and the pool block.
+K and V by the token and by the KV pool's block.
 
 The engine sizes its KV pool with these, a model's shape (actors/model_shape.py) sizes a GGUF file's
 packed weights with them, and the planner (actors/memory_plan.py) sizes a deployment with them, so
@@ -30,8 +30,3 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     cache) the scales beside them (kernels/kv_quant.py)."""
     scales = num_layers * num_kv_heads * 2 * KV_SCALE_BYTES if scaled else 0
     return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_size) * block_size) + scales
-
-
-def blocks_that_fit(budget: int, bytes_per_token: int, block_size: int) -> int:
-    """KV pool blocks of `block_size` tokens that `budget` bytes hold (the engine's pool size)."""
-    return int(budget // (bytes_per_token * block_size))

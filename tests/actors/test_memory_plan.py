@@ -4,9 +4,15 @@ from __future__ import annotations
 import pytest
 
 from actors.memory_plan import GB, GIB, MemoryPlan, parse_size
-from actors.model_bytes import GGUF_WEIGHT_BYTES, blocks_that_fit
+from actors.model_bytes import GGUF_WEIGHT_BYTES
 from actors.model_shape import PRESETS, ModelShape
 from actors.worker.model_runner import ModelRunner
+
+
+def blocks_that_fit(budget: int, bytes_per_token: float, block_size: int) -> int:
+    """KV pool blocks of `block_size` tokens that `budget` bytes hold, by the plan's bytes a token."""
+    return int(budget // (bytes_per_token * block_size))
+
 
 CHAPTER = MemoryPlan(PRESETS["70b-gqa"], context_len=128 * 1024, concurrency=8, weight_dtype="bf16", kv_dtype="bf16")
 
