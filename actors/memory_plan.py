@@ -1,8 +1,8 @@
 """Where a deployment's GPU memory goes: weights, KV cache, activation headroom; how many GPUs.
 
-Pure arithmetic on a model's shape (actors/model_shape.py), imported by the engine to size its KV
-pool and by `matinee plan` to answer "does it fit". The engine and the planner share
-`kv_bytes_per_token` and `blocks_that_fit`, so the two cannot disagree.
+Pure arithmetic on a model's shape (actors/model_shape.py), for `matinee plan` to answer "does it
+fit". The KV bytes a token and a block come from actors/model_bytes.py, which the engine sizes its KV
+pool with, so the two cannot disagree.
 
 Units: GB is 10^9 bytes, as in the serving chapter's figure (a 70B-class GQA model, 80 layers,
 8 KV heads, head dim 128, at 128K context, 8 requests, 16-bit: weights 140 GB, KV 343.6 GB,
@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from actors.model_bytes import GGUF_WEIGHT_BYTES, kv_bytes_per_block
+
 if TYPE_CHECKING:
     from actors.model_shape import ModelShape
 
@@ -25,13 +27,7 @@ GIB = 1 << 30
 # A shape whose tensors are known sizes int8 / int4 weights as the engine holds them instead (held_int_bytes).
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "int8": 1, "fp8": 1, "int4": 0.5}
-# A GGUF weight type as the CPU kernels hold it (--quantization auto), scales included: the 32-value blocks
-# as the file stores them (Q4_1: 20 bytes, 5 bits a weight), the K-quants' 256-value super-blocks with a
-# byte per sub-block scale (kernels/kquant.py: Q4_K 148 bytes, 4.625 bits, against the file's 144).
-# The kernels' own tables (quant_linear.BLOCK_BYTES, kquant.ROW_BYTES) import torch, which planning
-# does without: a test holds this copy to them.
-GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
-                     "q4_k": 148 / 256, "q5_k": 180 / 256, "q6_k": 210 / 256}
+# GGUF types by the bytes a value as the CPU kernels hold them: model_bytes.GGUF_WEIGHT_BYTES.
 WEIGHT_BYTES = DTYPE_BYTES | GGUF_WEIGHT_BYTES
 AUTO = "auto"   # a GGUF file's own types: its packed matmul weights as held, the rest at the activation size
 KV_SCALED = ("int8", "fp8")   # caches with a float32 scale per block and KV head
@@ -101,27 +97,6 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (try 80GB or 80GiB)")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: float) -> float:
-    """K and V of one token over all layers: layers x KV heads x head dim x 2 x bytes."""
-    return num_layers * num_kv_heads * head_dim * 2 * dtype_size
-
-
-KV_SCALE_BYTES = 4   # an int8 or fp8 cache's float32 scale per (block, KV head), for K and for V
-
-
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: float, block_size: int,
-                       scaled: bool = False) -> int:
-    """One pool block over all layers: block_size tokens' K and V, and with `scaled` (an int8 or fp8
-    cache) the scales beside them (kernels/kv_quant.py)."""
-    scales = num_layers * num_kv_heads * 2 * KV_SCALE_BYTES if scaled else 0
-    return int(kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_size) * block_size) + scales
-
-
-def blocks_that_fit(budget: int, bytes_per_token: int, block_size: int) -> int:
-    """KV pool blocks of `block_size` tokens that `budget` bytes hold (the engine's pool size)."""
-    return int(budget // (bytes_per_token * block_size))
 
 
 @dataclass(frozen=True)

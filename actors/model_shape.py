@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from actors.model_bytes import GGUF_WEIGHT_BYTES
 from actors.worker.model_config import ModelConfig, read_hf_config
 
 
@@ -26,7 +27,7 @@ class ModelShape:
     num_params: int
     max_context: int
     # A GGUF file's matmul weights that the CPU kernels keep packed (--quantization auto): their
-    # parameters, and their bytes as held (memory_plan.GGUF_WEIGHT_BYTES). 0 for other sources.
+    # parameters, and their bytes as held (model_bytes.GGUF_WEIGHT_BYTES). 0 for other sources.
     quantized_params: int = 0
     quantized_bytes: int = 0
     # The tensors beside the matmuls, where the shape's source names them (a config.json, a GGUF file,
@@ -90,8 +91,6 @@ def packed_weights(tensors: dict) -> tuple[int, int]:
     """(parameters, bytes) of the GGUF tensors the CPU kernels keep packed, by the loader's rule: a 2-D
     weight of a type they read, where every tensor it is fused with (q, k, v; gate, up) is one too."""
     from gguf.constants import GGMLQuantizationType
-
-    from actors.memory_plan import GGUF_WEIGHT_BYTES
 
     def per_value(t) -> float | None:
         try:

@@ -1,7 +1,9 @@
 """The API's response bodies as msgspec Structs: what /openapi.json documents.
 
-The handlers build these bodies as dicts (gateway/responses.py); these structs are their schema,
-and the schemathesis test checks every real response against it, so the two cannot drift apart.
+The handlers build these bodies as dicts (gateway/responses.py); these structs are their schema.
+The schemathesis test (tests/gateway/test_openapi.py) checks every whole response against it, and
+tests/gateway/test_live_api.py every streamed event (ChatCompletionChunk, Completion), so the two
+cannot drift apart.
 """
 from __future__ import annotations
 

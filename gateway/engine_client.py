@@ -48,7 +48,8 @@ class DeltaReceiver(Actor):
 
 
 class EngineClient:
-    """Submits requests to one scheduler and hands back a queue of TokenDeltas per request."""
+    """Submits requests to one scheduler and hands back a queue of TokenDeltas per request: the
+    gateway's `EngineConnection` to an engine of its own process (or one remote scheduler)."""
 
     def __init__(self, scheduler: ActorRef, receiver: ActorRef,
                  queues: dict[str, asyncio.Queue], salts: TenantSalts | None = None) -> None:
@@ -84,10 +85,6 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-
-    @property
-    def num_open(self) -> int:
-        return len(self._queues)
 
     async def stats(self, timeout: float = 2.0) -> EngineStats:
         return await self.scheduler.ask(GetStats(), timeout=timeout)

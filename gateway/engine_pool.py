@@ -7,7 +7,7 @@ streams the first token and hands the KV over; a prompt of at most `local_prefil
 whole on the decode engine. A handoff that fails, or an engine of the pair
 that dies before it, continues the request from its tokens so far, as a migration does.
 
-`EnginePool` offers the same calls as `EngineClient` (submit, abort, release, stats), so the
+`EnginePool` is an `EngineConnection` as `EngineClient` is (gateway/engine_connection.py), so the
 HTTP side does not care whether one embedded engine or many remote ones serve it.
 """
 
@@ -163,7 +163,7 @@ class EnginePool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ---- the EngineClient interface ---------------------------------------------------------
+    # ---- the EngineConnection interface -----------------------------------------------------
     @property
     def alive(self) -> bool:
         return any(e.routable for e in self.engines.values())

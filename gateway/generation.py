@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from actors.detokenizer import SampleText
 from actors.messages import SamplingParams, TokenDelta, TokenLogprobs
-from gateway.engine_client import EngineClient, EngineLost, RequestFailed
+from gateway.engine_client import EngineLost, RequestFailed
+from gateway.engine_connection import EngineConnection
 from gateway.metrics import GatewayMetrics
 
 
@@ -58,7 +59,7 @@ class _Sub:
 
 
 class Generation:
-    def __init__(self, client: EngineClient, tokenizer, request_id: str,
+    def __init__(self, client: EngineConnection, tokenizer, request_id: str,
                  prompts: list[list[int]], params: SamplingParams, stop: list[str],
                  priority: int, metrics: GatewayMetrics, arrival: float,
                  cache_salt: str | None = None) -> None:

@@ -69,12 +69,6 @@ class InflightRequest:
         part.engine_id, part.decode = part.decode, None
         return True
 
-    def handoff_peers(self, engine_id: str) -> list[tuple[str, str]]:
-        """(the other engine, engine request id) of each part being handed over from or to
-        `engine_id`: when it dies, the other one drops the part."""
-        return [(p.decode if p.engine_id == engine_id else p.engine_id, rid) for rid, p in self.parts.items()
-                if p.decode is not None and engine_id in (p.engine_id, p.decode)]
-
     def on_delta(self, engine_request_id: str, d: TokenDelta) -> TokenDelta | None:
         """The delta as the client sees it (its sample index, the original prompt's length),
         or None for a delta of a part this request no longer has."""

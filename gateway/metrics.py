@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 
 from actors.engine_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineCollector
 from actors.recent import RecentSamples
+from gateway.engine_connection import EngineConnection
 
 disable_created_metrics()   # no `_created` series: Matinee's and vLLM's dashboards read none
 
@@ -74,12 +75,13 @@ class GatewayMetrics:
         if self.engine is not None:
             self.engine.update(stats)
 
-    async def refresh(self, client) -> None:
+    async def refresh(self, client: EngineConnection | None) -> None:
         """Before a scrape: the in-process engine's latest stats (a slow or gone engine keeps the last)."""
         if self.engine is None or client is None or not client.alive:
             return
         try:
-            self.update_engine(await client.stats(timeout=2.0))
+            for stats in (await client.engine_stats(timeout=2.0)).values():   # the one engine's
+                self.update_engine(stats)
         except Exception:   # a slow or gone engine must not break scraping of the rest
             pass
 

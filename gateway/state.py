@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 from actors.engine_metrics import model_name_from_path
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
+from gateway.engine_connection import EngineConnection
 from gateway.errors import APIError, not_found, unavailable
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
@@ -31,7 +32,7 @@ class EngineHandle:
     max_model_len: int
     model_path: str = ""
     close: Callable[[], Awaitable[None]] | None = None
-    client: Any = None                   # a ready client (a cluster's EnginePool); None: one for `scheduler`
+    client: EngineConnection | None = None   # a ready one (a cluster's EnginePool); None: one for `scheduler`
     priority_scheduling: bool = False    # the engine orders requests by `priority`
 
 
@@ -45,7 +46,7 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     system: ActorSystem | None = None
     engine: EngineHandle | None = None
-    client: EngineClient | None = None
+    client: EngineConnection | None = None   # an EngineClient, or a cluster's EnginePool
     token_strings: TokenStrings | None = None
     model_name: str = ""                 # the name responses report: the first of model_names
     model_names: list[str] = field(default_factory=list)   # every name `model` may give
@@ -75,7 +76,7 @@ class GatewayState:
     def ready(self) -> bool:
         return self.client is not None and self.client.alive and not self.draining
 
-    def require_engine(self) -> tuple[EngineClient, EngineHandle]:
+    def require_engine(self) -> tuple[EngineConnection, EngineHandle]:
         if self.draining:
             raise unavailable("The server is shutting down.")
         if not self.ready:

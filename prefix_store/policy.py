@@ -29,12 +29,6 @@ class EngineLoad(msgspec.Struct, frozen=True):
             return 0.0
         return 1.0 - self.kv_blocks_free / self.kv_blocks_total
 
-    @classmethod
-    def from_stats(cls, engine_id: str, stats) -> EngineLoad:
-        """From an `actors.messages.EngineStats` (or anything with its field names)."""
-        return cls(engine_id, stats.requests_running, stats.requests_waiting,
-                   stats.kv_blocks_total, stats.kv_blocks_free)
-
 
 class RouteDecision(msgspec.Struct, frozen=True):
     engine_id: str

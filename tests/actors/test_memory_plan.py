@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from actors.memory_plan import GB, GIB, MemoryPlan, blocks_that_fit, parse_size
+from actors.memory_plan import GB, GIB, MemoryPlan, parse_size
+from actors.model_bytes import GGUF_WEIGHT_BYTES
 from actors.model_shape import PRESETS, ModelShape
 from actors.worker.model_runner import ModelRunner
+
+
+def blocks_that_fit(budget: int, bytes_per_token: float, block_size: int) -> int:
+    """KV pool blocks of `block_size` tokens that `budget` bytes hold, by the plan's bytes a token."""
+    return int(budget // (bytes_per_token * block_size))
+
 
 CHAPTER = MemoryPlan(PRESETS["70b-gqa"], context_len=128 * 1024, concurrency=8, weight_dtype="bf16", kv_dtype="bf16")
 
@@ -41,7 +48,6 @@ def test_precision_shrinks_both():
 def test_gguf_types_are_sized_as_the_kernels_hold_them():
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-    from actors.memory_plan import GGUF_WEIGHT_BYTES
     from kernels import kquant
 
     for name, per_value in GGUF_WEIGHT_BYTES.items():
@@ -111,9 +117,8 @@ def test_engine_weights_and_int8_pool_are_the_plans_arithmetic_k_quants(tiny_mod
 
 
 def test_the_plans_gguf_types_are_every_type_the_kernels_keep_packed():
-    """memory_plan stays free of torch, so it keeps its own table: it must name each type the CPU kernels
+    """model_bytes stays free of torch, so it keeps its own table: it must name each type the CPU kernels
     read, at the bytes they hold it in (a new kernel type without a planner entry fails here)."""
-    from actors.memory_plan import GGUF_WEIGHT_BYTES
     from kernels import kquant, quant_linear
 
     held = {name.lower(): quant_linear.BLOCK_BYTES[t] / 32 for t, name in quant_linear.NAMES.items()

@@ -5,12 +5,15 @@ reproducibility and stop handling rather than meaning (the SmolLM2 tests check m
 """
 import asyncio
 import itertools
+import json
 import re
 import time
 
+import msgspec
 import openai
 import pytest
 
+from gateway import api_types
 from tests.gateway import http_util as http
 from tests.gateway.conftest import API_KEY
 
@@ -59,6 +62,56 @@ def test_chat_streamed_equals_non_streamed_for_same_seed(client):
     assert usage.choices == [] and usage.usage.completion_tokens == 12
     assert "".join(c.choices[0].delta.content or "" for c in content) == whole.choices[0].message.content
     assert len({c.id for c in chunks}) == 1
+
+
+def conforms(body: bytes, schema: type) -> None:
+    """`body` is an instance of the documented struct: its fields have their types, the required ones
+    are there, and it carries no field the struct does not name."""
+    documented = msgspec.to_builtins(msgspec.json.decode(body, type=schema))
+
+    def within(sent, known, where):
+        if isinstance(sent, dict):
+            assert isinstance(known, dict), where
+            for k, v in sent.items():
+                assert k in known, f"{where}.{k} is not in {schema.__name__}"
+                within(v, known[k], f"{where}.{k}")
+        elif isinstance(sent, list):
+            assert isinstance(known, list) and len(sent) == len(known), where
+            for i, (a, b) in enumerate(zip(sent, known)):
+                within(a, b, f"{where}[{i}]")
+        else:
+            assert sent == known, where
+
+    within(json.loads(body), documented, schema.__name__)
+
+
+def sse_events(base: str, path: str, body: dict) -> list[bytes]:
+    r = http.post(base + path, json_body=body, headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    data = [line[len(b"data: "):] for line in r.content.split(b"\n") if line.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]"
+    return data[:-1]
+
+
+def test_streamed_events_are_the_documented_chunks(tiny_servers):
+    """/openapi.json documents a stream as text; its events are api_types' chunk structs, checked here
+    as schemathesis checks the whole bodies."""
+    common = dict(model="tiny", max_tokens=4, temperature=0, ignore_eos=True, stream=True,
+                  stream_options={"include_usage": True})
+    chat = sse_events(tiny_servers.main, "/v1/chat/completions",
+                      dict(common, messages=MSG, logprobs=True, top_logprobs=2, n=2, prompt_logprobs=1))
+    completion = sse_events(tiny_servers.main, "/v1/completions",
+                            dict(common, prompt="Hello world", logprobs=2, echo=True, prompt_logprobs=1))
+    for events, schema, kind in ((chat, api_types.ChatCompletionChunk, "chat.completion.chunk"),
+                                 (completion, api_types.Completion, "text_completion")):
+        assert len(events) >= 4 + 1   # an event a token at least, and the usage
+        for event in events:
+            conforms(event, schema)
+            assert json.loads(event)["object"] == kind
+    whole = http.post(tiny_servers.main + "/v1/chat/completions", headers=AUTH,
+                      json_body=dict(model="tiny", max_tokens=4, messages=MSG, logprobs=True, top_logprobs=2))
+    assert whole.status_code == 200
+    conforms(whole.content, api_types.ChatCompletion)
 
 
 def test_seed_reproducible_and_seeds_differ(client):

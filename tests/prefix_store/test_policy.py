@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import EngineStats
 from prefix_store import EngineLoad, RoutingConfig, RoutingPolicy
 
 
@@ -65,12 +64,10 @@ def test_engines_unknown_to_the_index_count_as_holding_nothing():
     assert (decision.engine_id, decision.matched_blocks, decision.reason) == ("new", 0, "load")
 
 
-def test_load_comes_from_engine_stats_and_bad_config_is_refused():
-    stats = EngineStats(requests_running=2, requests_waiting=1, kv_blocks_total=200, kv_blocks_free=50,
-                        prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, prompt_tokens=0,
-                        generation_tokens=0, preemptions=0)
-    load = EngineLoad.from_stats("e", stats)
-    assert (load.requests_running, load.requests_waiting, load.kv_usage) == (2, 1, 0.75)
+def test_kv_usage_is_the_share_of_blocks_in_use_and_bad_config_is_refused():
+    load = EngineLoad("e", requests_running=2, requests_waiting=1, kv_blocks_total=200, kv_blocks_free=50)
+    assert load.kv_usage == 0.75
+    assert EngineLoad("new").kv_usage == 0.0   # no stats yet: nothing in use
     with pytest.raises(ValueError):
         RoutingPolicy().choose([], {}, 1)
     for bad in ({"max_waiting": 0}, {"max_kv_usage": 0.0}, {"running_cost_blocks": -1.0}):
