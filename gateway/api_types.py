@@ -60,6 +60,7 @@ class PromptLogprob(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: str
     content: str | None
+    reasoning_content: str | None = None   # with --reasoning-parser: the model's thinking
 
 
 class ChatChoice(msgspec.Struct):
@@ -83,6 +84,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None   # with --reasoning-parser: the model's thinking
 
 
 class ChatChunkChoice(msgspec.Struct):

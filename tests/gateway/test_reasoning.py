@@ -148,6 +148,23 @@ def test_the_end_of_thinking_splits_the_stream_and_the_whole_alike(thinking_serv
     assert not any(d.model_extra.get("reasoning_content") for d in chunks)
 
 
+def test_streamed_thinking_is_documented_chunks_joining_into_the_whole_message(thinking_servers):
+    from gateway import api_types
+    from tests.gateway.test_live_api import conforms
+
+    parsed, _, _ = thinking_servers
+    kw = dict(GREEDY, max_tokens=6)
+    whole = parsed.chat.completions.create(**kw).choices[0].message
+    from tests.gateway import http_util as http
+    stream = http.post(str(parsed.base_url) + "chat/completions", json_body=dict(kw, stream=True))
+    events = [line[len("data: "):] for line in stream.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    for event in events:
+        conforms(event.encode(), api_types.ChatCompletionChunk)
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events if json.loads(e)["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.model_extra["reasoning_content"]
+
+
 def test_a_structured_output_constrains_the_answer_after_the_thinking(thinking_servers):
     """`</think>` (favoured by its bias) is the first token: a grammar over the whole output would
     refuse it; after it the answer validates against the schema."""

@@ -6,9 +6,11 @@ and the rendered prompt rather than meaning.
 import openai
 import pytest
 
+from gateway import api_types
 from gateway.config import GatewayConfig
 from tests.gateway import http_util as http
 from tests.gateway.conftest import API_KEY
+from tests.gateway.test_live_api import conforms
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = dict(model="tiny", temperature=0)
@@ -63,6 +65,9 @@ def test_continuous_usage_stats_puts_usage_so_far_in_every_chunk(client):
         assert counts == sorted(counts) and counts[-1] == 6
         assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        schema = api_types.Completion if "prompt" in kw else api_types.ChatCompletionChunk
+        for c in chunks:
+            conforms(c.model_dump_json(exclude_unset=True).encode(), schema)
 
 
 def test_stream_options_include_usage_defaults_to_true_as_in_vllm(client):
