@@ -47,6 +47,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
     # logprob and the top k (token id -> logprob), as vLLM's.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None   # with SamplingParams(embed=True): the pooled prompt
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Pending:
     errors: list[str | None] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None
 
 
 class _Collector(Actor):
@@ -82,6 +84,8 @@ class _Collector(Actor):
             if p is None or p.finish[d.index] is not None:
                 continue  # a sample already ended by its stop string
             p.num_cached_tokens = d.num_cached_tokens
+            if d.embedding is not None:
+                p.embedding = d.embedding
             if d.prompt_logprobs is not None:
                 p.prompt_logprobs = [None] + [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.prompt_logprobs]
             p.tokens[d.index].extend(d.token_ids)
@@ -141,6 +145,14 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
         return self._call(self._generate(items, params, use_tqdm))
 
+    def embed(self, prompts: Any) -> list[list[float]]:
+        """Each prompt's embedding, pooled as the model pools (actors/worker/pooling.py), in order."""
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0, embed=True))
+        failed = [o.outputs[0].error for o in outs if o.embedding is None]
+        if failed:
+            raise RuntimeError(f"an embedding failed: {failed[0]}")
+        return [o.embedding for o in outs]
+
     def stats(self) -> EngineStats:
         return self._call(self.engine.scheduler.ask(GetStats()))
 
@@ -196,7 +208,7 @@ class LLM:
             outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative,
                                             p.errors[i]))
         return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens,
-                             prompt_logprobs=p.prompt_logprobs)
+                             prompt_logprobs=p.prompt_logprobs, embedding=p.embedding)
 
     # --- helpers ---------------------------------------------------------------------------------
 

@@ -57,6 +57,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # ends with the rest of it (a one-token word, everywhere).
     bad_words_token_ids: list[list[int]] = []
     include_stop_str_in_output: bool = False   # a matched stop string stays in the text
+    # An embedding: the prompt's hidden states pooled as the model pools them (actors/worker/pooling.py)
+    # come with the first token. Like prompt logprobs, such a prompt reads nothing from the prefix cache.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -87,6 +90,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if any(not w for w in self.bad_words_token_ids):
             raise ValueError("a bad word must be at least one token")
+        if self.embed and self.n != 1:
+            raise ValueError("an embedding is one sample (n = 1)")
         if self.structured is not None and (self.ignore_eos or self.min_tokens):
             raise ValueError("a structured output ends where its grammar ends: it cannot be combined "
                              "with ignore_eos or min_tokens")
@@ -129,6 +134,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None          # with "error": a short message for the client (no traceback)
     # With SamplingParams.prompt_logprobs, on sample 0's first delta: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None   # with SamplingParams.embed, on the first delta
 
 
 class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -242,6 +248,7 @@ class SeqOutput(msgspec.Struct, array_like=True, gc=False):
     num_drafted: int = 0              # drafted tokens verified (token_ids holds the accepted ones + 1)
     error: str | None = None          # this sequence failed (the traceback); token_ids is then empty
     prompt_logprobs: list[TokenLogprobs] | None = None   # with its first token, when params ask for them
+    embedding: list[float] | None = None   # with its first token, when params ask for one
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -132,6 +132,24 @@ class Completion(msgspec.Struct):
     usage: Usage | None = None
 
 
+class Embedding(msgspec.Struct):
+    object: str
+    index: int
+    embedding: list[float] | str   # floats, or base64 of little-endian float32 with encoding_format base64
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    object: str
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ModelCard(msgspec.Struct):
     id: str
     object: str

@@ -26,6 +26,7 @@ class ChoiceDelta:
     finish_reason: str | None
     # On each choice's first delta when the request asked for them: its prompt's logprobs.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None   # an embedding request's pooled prompt
 
 
 class _Choice:
@@ -167,7 +168,8 @@ class Generation:
             if not ch.engine_done:   # a stop string matched: this sample need not go on
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
-        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps)
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps,
+                           d.embedding)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0

@@ -52,7 +52,7 @@ async def read_body(request: web.Request) -> bytes:
                        code="request_timeout", headers={"Connection": "close"}) from None
 
 
-async def _accept(request: web.Request, type_: type, validate):
+async def accept(request: web.Request, type_: type, validate):
     """The body decoded and checked, and the engine that will serve it: the generation routes'
     common start, before anything is tokenized."""
     state = request.app[STATE]
@@ -65,7 +65,7 @@ async def _accept(request: web.Request, type_: type, validate):
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state, req, client, engine = await _accept(request, protocol.ChatRequest, protocol.validate_chat)
+    state, req, client, engine = await accept(request, protocol.ChatRequest, protocol.validate_chat)
     gen, fmt = await chat_generation(request, state, req, client, engine, arrival)
     return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
 
@@ -90,7 +90,7 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
     params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
                              prompt_logprobs=req.prompt_logprobs, structured=structured)
     state.check_capacity(params.n)
-    rid, shown = _request_ids(request, req)
+    rid, shown = request_ids(request, req)
     fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
                      thinking)
@@ -130,7 +130,7 @@ def _template_kwargs(req: protocol.ChatRequest, tools) -> dict:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
-    state, req, client, engine = await _accept(request, protocol.CompletionRequest,
+    state, req, client, engine = await accept(request, protocol.CompletionRequest,
                                                protocol.validate_completion)
     tok = engine.tokenizer
     given = protocol.completion_prompts(req.prompt, tok.vocab_size)
@@ -147,7 +147,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                              prompt_logprobs=max(wanted) if wanted else None,
                              structured=await structured_output(req))
     state.check_capacity(params.n * len(prompts))
-    rid, shown = _request_ids(request, req)
+    rid, shown = request_ids(request, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None
     fmt = CompletionFormat(Envelope("cmpl", shown, state.model_name), _token_strings(state, req),
@@ -183,7 +183,7 @@ async def off_loop(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _request_ids(request: web.Request, req: protocol._Common) -> tuple[str, str]:
+def request_ids(request: web.Request, req: protocol._Common) -> tuple[str, str]:
     """The engine's id for this request and the id its response shows. The engine's is the HTTP
     request's unless the client chose that (its `X-Request-Id`, or vLLM's `request_id` field):
     engine ids must be unique. The response shows the client's choice, the header first as vLLM."""

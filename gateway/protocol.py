@@ -186,6 +186,32 @@ class CompletionRequest(_Common, kw_only=True):
     prompt_embeds: Any = None    # refused: prompts are token ids or text here
 
 
+class EmbeddingRequest(_Body, kw_only=True):
+    """OpenAI's /v1/embeddings body (and vLLM's truncate_prompt_tokens)."""
+    input: Any   # a string, strings, token ids, or lists of token ids: checked as a completion's prompt
+    model: str | None = None
+    encoding_format: str | None = None   # "float" (default) or "base64" (little-endian float32)
+    dimensions: int | None = None        # only the model's own: no Matryoshka truncation here
+    user: str | None = None              # accepted: an end-user id, not used
+    truncate_prompt_tokens: int | None = None
+    priority: int | None = None
+    request_id: str | None = None        # vLLM's: the id the request is logged under
+
+
+def validate_embedding(req: EmbeddingRequest) -> None:
+    if req.encoding_format not in (None, "float", "base64"):
+        raise invalid(f"`encoding_format` must be float or base64, got {req.encoding_format!r}.",
+                      param="encoding_format")
+    _range(req.dimensions, "dimensions", 1)
+    _range(req.priority, "priority", *PRIORITY_RANGE)
+    t = req.truncate_prompt_tokens
+    if t is not None and t != -1 and t < 1:
+        raise invalid(f"`truncate_prompt_tokens` must be -1 (the context length) or at least 1, got {t}.",
+                      param="truncate_prompt_tokens")
+    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
+        raise invalid("`request_id` must be 1-128 printable characters without spaces.", param="request_id")
+
+
 class TokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     prompt: str | None = None
@@ -403,8 +429,8 @@ def validate_completion(req: CompletionRequest) -> None:
         raise invalid("`echo` cannot be combined with `suffix`.", param="echo")
 
 
-def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """Normalise `prompt` into a list of strings and token-id lists, checking each."""
+def completion_prompts(prompt: Any, vocab_size: int, param: str = "prompt") -> list[str | list[int]]:
+    """Normalise `prompt` (the body's `param`) into a list of strings and token-id lists, checking each."""
     def ids_ok(xs: list) -> bool:
         return all(type(x) is int for x in xs)
 
@@ -416,13 +442,13 @@ def completion_prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
             isinstance(p, str) or (isinstance(p, list) and ids_ok(p)) for p in prompt):
         prompts = list(prompt)
     else:
-        raise invalid("`prompt` must be a string, a list of strings, a list of token ids, "
-                      "or a list of token-id lists, and not empty.", param="prompt")
+        raise invalid(f"`{param}` must be a string, a list of strings, a list of token ids, "
+                      "or a list of token-id lists, and not empty.", param=param)
     if len(prompts) > MAX_PROMPTS:
-        raise invalid(f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}.", param="prompt")
+        raise invalid(f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}.", param=param)
     for p in prompts:
         if len(p) == 0:
-            raise invalid("`prompt` must not be empty.", param="prompt")
+            raise invalid(f"`{param}` must not be empty.", param=param)
         if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
-            raise invalid(f"Token ids in `prompt` must be in [0, {vocab_size}).", param="prompt")
+            raise invalid(f"Token ids in `{param}` must be in [0, {vocab_size}).", param=param)
     return prompts

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, dashboard, handlers, openapi, planner, protocol
+from gateway import api_types, dashboard, embeddings, handlers, openapi, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 from gateway.openapi import Endpoint
@@ -104,6 +104,9 @@ ENDPOINTS = [
     Endpoint("POST", "/v1/completions", handlers.completions, "A text completion",
              protocol.CompletionRequest, api_types.Completion, streams=True,
              example={"prompt": "The capital of France is", "max_tokens": 8}),
+    Endpoint("POST", "/v1/embeddings", embeddings.embeddings, "Embeddings of texts or token ids",
+             protocol.EmbeddingRequest, api_types.EmbeddingList,
+             example={"input": ["The capital of France is Paris."]}),
     Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
     Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
     Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,

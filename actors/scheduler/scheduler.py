@@ -152,7 +152,7 @@ class Scheduler:
         req.arrived_s = self.clock()
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
         # forward: such a request stays whole.
-        if params.n == 1 and params.prompt_logprobs is None:
+        if params.n == 1 and params.prompt_logprobs is None and not params.embed:
             req.handoff_to = msg.handoff_to
         if not msg.prompt_token_ids:  # bad input the front end should have refused
             self._end_unstarted(req, "error", EMPTY_PROMPT)
@@ -435,7 +435,8 @@ class Scheduler:
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
                 self._first_token(seq.request, now)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
-            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
+            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs,
+                              embedding=out.embedding)
             if reason is not None:
                 self._retire(seq)
             elif seq.request.handoff_to is not None:
@@ -560,9 +561,11 @@ class Scheduler:
         return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k + self._step.burst)
 
     def _admit_msg(self, seq: Sequence) -> KVAdmit:
-        # Prompt logprobs need logits at every prompt position: a cached one has none. Once the first
-        # token is out they have been sent, and a resumed sequence reads the cache again.
-        wants_logits = seq.request.params.prompt_logprobs is not None and seq.index == 0 \
+        # Prompt logprobs need logits at every prompt position, an embedding hidden states: a cached
+        # one has neither. Once the first token is out they have been sent, and a resumed sequence
+        # reads the cache again.
+        params = seq.request.params
+        wants_logits = (params.prompt_logprobs is not None or params.embed) and seq.index == 0 \
             and seq.num_output_tokens == 0
         return KVAdmit(seq.seq_id, seq.token_ids, seq.request.cache_salt, not wants_logits)
 
@@ -668,11 +671,12 @@ class Scheduler:
                                                          len(req.prompt_token_ids), req.num_cached_tokens, error))
 
     def _queue_delta(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
-                     error: str | None = None, prompt_logprobs: list | None = None) -> None:
+                     error: str | None = None, prompt_logprobs: list | None = None,
+                     embedding: list[float] | None = None) -> None:
         req = seq.request
         self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
                                                      reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                                     error, prompt_logprobs))
+                                                     error, prompt_logprobs, embedding))
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:

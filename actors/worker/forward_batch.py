@@ -23,6 +23,7 @@ class SequenceInput:
     block_table: list[int]        # physical block ids covering at least num_computed + len(token_ids)
     num_logits: int = 1           # trailing new positions that need logits: k+1 when verifying a draft,
                                   # 0 for a prefill chunk that does not reach the prompt's end
+    pool: tuple[int, int] = (0, 0)   # new positions [a, b) whose hidden states an embedding pools
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class FlatBatch:
     logits_indices: torch.Tensor   # [num_logits] int64, rows of the flat batch whose logits are returned
     max_query_len: int
     max_seq_len: int
+    # Rows of the flat batch whose hidden states (after the final norm) are returned for pooling.
+    pool_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
 SMALL_DECODE_BATCH = 16  # up to this many decodes: flattened in Python (measured: see the module doc)
@@ -58,7 +61,8 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: i
     """Validates and flattens; raises ValueError on a batch the KV cache cannot hold."""
     seqs = batch.seqs
     n = len(seqs)
-    if 0 < n <= SMALL_DECODE_BATCH and all(len(s.token_ids) == 1 and s.num_logits == 1 for s in seqs):
+    if 0 < n <= SMALL_DECODE_BATCH and all(len(s.token_ids) == 1 and s.num_logits == 1 and s.pool[0] == s.pool[1]
+                                           for s in seqs):
         return _flatten_decodes(seqs, block_size, num_blocks, vocab_size)
     # One pass over the sequences for every per-sequence number (this runs every step).
     per_seq = np.fromiter(chain.from_iterable((len(s.token_ids), s.num_computed, s.num_logits, len(s.block_table))
@@ -95,6 +99,12 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: i
     ends = query_start_loc[1:]
     logits_indices = np.repeat(ends - n_logits, n_logits) + (
         np.arange(int(n_logits.sum())) - np.repeat(np.cumsum(n_logits) - n_logits, n_logits))
+    pool_rows = []
+    for b, (a, e) in ((b, s.pool) for b, s in enumerate(seqs) if s.pool[0] != s.pool[1]):
+        if not 0 <= a < e <= q_lens[b]:
+            raise ValueError("a sequence's pooled positions must lie among its new tokens")
+        pool_rows.extend(range(int(query_start_loc[b]) + a, int(query_start_loc[b]) + e))
+    pool_indices = torch.tensor(pool_rows, dtype=torch.int64)
     return FlatBatch(
         input_ids=torch.from_numpy(input_ids),
         positions=torch.from_numpy(positions),
@@ -105,6 +115,7 @@ def flatten(batch: ForwardBatch, block_size: int, num_blocks: int, vocab_size: i
         logits_indices=torch.from_numpy(logits_indices.astype(np.int64)),
         max_query_len=int(q_lens.max()) if n else 0,
         max_seq_len=max_seq_len,
+        pool_indices=pool_indices,
     )
 
 

@@ -186,8 +186,10 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV], logits_indices: torch.Tensor,
-                layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype.
+                layer_written: Callable[[int], None] | None = None,
+                pool_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype; with
+        `pool_indices`, (logits, hidden states after the final norm [len(pool_indices), hidden]).
 
         Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
         caches gives the self-speculative (layer-skip) draft on the same weights. `layer_written(i)`
@@ -231,12 +233,18 @@ class DecoderModel:
             hidden = ops.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, layer.gate_up_weight)), layer.down_weight)
-        # Only the rows that need logits go through the final norm and the (large) LM head.
-        if logits_indices.shape[0] != num_tokens:
-            hidden = hidden.index_select(0, logits_indices)
-            residual = residual.index_select(0, logits_indices)
+        # Only the rows that need logits go through the final norm and the (large) LM head; the rows
+        # an embedding pools go through the norm alone.
+        pooled = pool_indices is not None and pool_indices.shape[0] > 0
+        rows = torch.cat([pool_indices, logits_indices]) if pooled else logits_indices
+        if rows.shape[0] != num_tokens or pooled:
+            hidden = hidden.index_select(0, rows)
+            residual = residual.index_select(0, rows)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
-        return ops.linear(hidden, self.lm_head)
+        if pool_indices is None:
+            return ops.linear(hidden, self.lm_head)
+        num_pooled = pool_indices.shape[0]
+        return ops.linear(hidden[num_pooled:], self.lm_head), hidden[:num_pooled]
 
 
 def _resident(weight: Weight) -> list[tuple[str, int]]:

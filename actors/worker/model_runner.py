@@ -16,6 +16,7 @@ from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.decode_graphs import DecodeGraphs
 from actors.worker.pinned_batch import PinnedBatch
+from actors.worker.pooling import read_pooling
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
@@ -131,6 +132,8 @@ class ModelRunner:
         # while the worker runs a step whose prompts go layer by layer to a decode engine.
         self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
+        self.pooling = read_pooling(self.source.path if self.source.kind == "hf" else None)
+        self.last_pooled: torch.Tensor | None = None   # the last forward's pooled rows (FlatBatch.pool_indices)
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int) -> list[LayerKV]:
         """Paged K and V caches, one contiguous [num_blocks, block_size, Hk, D] pair per layer (with
@@ -208,17 +211,23 @@ class ModelRunner:
         return logits
 
     def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
+        """The step's logits; the hidden states its embeddings pool go to `last_pooled`."""
+        self.last_pooled = None
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
-        if self.decode_graphs is not None and self.decode_graphs.fits(flat, kv_caches):
+        pool = flat.pool_indices if flat.pool_indices.shape[0] else None
+        if pool is None and self.decode_graphs is not None and self.decode_graphs.fits(flat, kv_caches):
             return self.decode_graphs.run(flat)
         input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._on_device(flat)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
                                  max_query_len=flat.max_query_len, max_seq_len=flat.max_seq_len)
         with torch.inference_mode():
-            logits = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices,
-                                        layer_written=self.layer_written)
-            return logits.float()
+            out = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices,
+                                     layer_written=self.layer_written,
+                                     pool_indices=None if pool is None else pool.to(self.device))
+            if pool is not None:
+                out, self.last_pooled = out[0], out[1].float().cpu()
+            return out.float()
 
     def _on_device(self, flat: FlatBatch) -> list[torch.Tensor]:
         """The batch's arrays where the forward runs: on a GPU, in one copy from pinned memory."""

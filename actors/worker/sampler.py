@@ -59,6 +59,7 @@ class SamplingState:
         allowed = getattr(params, "allowed_token_ids", None)
         self.allowed_ids = torch.tensor(sorted(set(allowed)), dtype=torch.long, device=device) if allowed else None
         self.bad_words: list[list[int]] = [list(w) for w in getattr(params, "bad_words_token_ids", ())]
+        self.pool = None   # an embedding's PoolState (actors/worker/pooling.py), set by the worker
         # Prompt logprobs: top-k wanted at each prompt position; those computed so far, in order
         # (entry j for prompt token j + 1), until sent with the first sampled token.
         self.num_prompt_logprobs: int | None = getattr(params, "prompt_logprobs", None)

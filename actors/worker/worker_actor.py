@@ -26,6 +26,7 @@ from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
+from actors.worker.pooling import PoolState
 from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
 from runtime import Actor, ActorRef
 
@@ -131,9 +132,11 @@ class WorkerActor(Actor):
             if error is not None:
                 outputs.append(SeqOutput(s.seq_id, [], None, len(s.spec_token_ids), error))
             elif s.sample:
-                prompt_lps = self.states[s.seq_id].take_prompt_logprobs()
+                state = self.states[s.seq_id]
+                prompt_lps = state.take_prompt_logprobs()
                 outputs.append(SeqOutput(s.seq_id, out, logprobs, len(s.spec_token_ids), None,
-                                         None if prompt_lps is None else [TokenLogprobs(*p) for p in prompt_lps]))
+                                         None if prompt_lps is None else [TokenLogprobs(*p) for p in prompt_lps],
+                                         state.pool.take() if state.pool is not None else None))
         return outputs
 
     def _burst(self, plan: StepPlan, result: StepResult, t0: float) -> StepResult:
@@ -190,17 +193,24 @@ class WorkerActor(Actor):
     def _new_state(self, new: NewSequence) -> SamplingState:
         spec = new.params.structured
         grammar = self._grammars.state(spec) if spec is not None else None
-        return SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device, grammar)
+        state = SamplingState(new.params, new.prompt_token_ids, new.seed, self.runner.device, grammar)
+        if new.params.embed:
+            state.pool = PoolState(self.runner.pooling, len(new.prompt_token_ids))
+        return state
 
     def _run(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
         """One forward over `seqs`, then sampling or verification: the tokens of those that sample."""
         # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts;
         # before them, the prompt positions whose logprobs are wanted.
         prompt_rows = [self._prompt_positions(s) for s in seqs]
+        pool_rows = [self._pool_positions(s) for s in seqs]
         batch = ForwardBatch([SequenceInput(s.token_ids + s.spec_token_ids, s.start_pos, s.block_table,
-                                            len(p) + (len(s.spec_token_ids) + 1 if s.sample else 0))
-                              for s, p in zip(seqs, prompt_rows)])
+                                            len(p) + (len(s.spec_token_ids) + 1 if s.sample else 0),
+                                            (q.start - s.start_pos, q.stop - s.start_pos) if q else (0, 0))
+                              for s, p, q in zip(seqs, prompt_rows, pool_rows)])
         logits = self.runner.execute(batch)
+        if any(pool_rows):
+            self._pool(seqs, pool_rows, self.runner.last_pooled)
         sampled, starts, row = [], [], 0   # the sequences that sample, and each one's first sampling row
         for s, positions in zip(seqs, prompt_rows):
             if positions:
@@ -235,6 +245,20 @@ class WorkerActor(Actor):
         if first > done and first < end:   # the scheduler sends such a prompt from position 0
             raise RuntimeError(f"prompt logprobs from position {done} wanted, the chunk starts at {first}")
         return range(first, end)
+
+    def _pool_positions(self, s: ScheduledSeq) -> range:
+        """Positions of this chunk an embedding's pool still needs."""
+        state = self.states.get(s.seq_id)
+        if state is None or state.pool is None:
+            return range(0)
+        return state.pool.positions(s.start_pos, len(s.token_ids))
+
+    def _pool(self, seqs: list[ScheduledSeq], positions: list[range], hidden: torch.Tensor) -> None:
+        row = 0
+        for s, p in zip(seqs, positions):
+            if p:
+                self.states[s.seq_id].pool.add(hidden[row:row + len(p)])
+                row += len(p)
 
     def _prompt_logprobs(self, s: ScheduledSeq, positions: range, logits: torch.Tensor) -> None:
         state = self.states[s.seq_id]
