@@ -50,6 +50,12 @@ class GatewayConfig:
     tool_call_parser: str = field(default="hermes", metadata={
         "help": "the model's tool-call format, parsed into tool_calls (vLLM's names)",
         "choices": ("hermes", "llama3_json")})
+    max_tokens_default: int | None = field(default=None, metadata={
+        "help": "the max_tokens of a request that sends none, within what the context leaves and "
+                "--max-tokens-limit (unset: as vLLM, the rest of the context for chat, 16 for completions)"})
+    max_tokens_limit: int | None = field(default=None, metadata={
+        "help": "the most max_tokens (or max_completion_tokens) a request may ask for: more is a 400 "
+                "naming this limit, and a request that sends none gets at most this (unset: the context)"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -64,6 +70,13 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
+        for name in ("max_tokens_default", "max_tokens_limit"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if None not in (self.max_tokens_default, self.max_tokens_limit) and \
+                self.max_tokens_default > self.max_tokens_limit:
+            raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must be at most "
+                             f"max_tokens_limit ({self.max_tokens_limit})")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

@@ -19,7 +19,7 @@ from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.fill_in_middle import fim_prompt
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
-from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, MaxTokens, sampling_params
 from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
@@ -72,8 +72,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         kwargs["tools"] = tools.template
     prompt = await render_chat(engine.tokenizer, req.messages, True, **kwargs)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
+    config = state.config
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    budget = MaxTokens(getattr(req, param), param, config.max_tokens_default, config.max_tokens_limit)
+    params = sampling_params(req, [prompt], budget, engine, "messages", top,
                              prompt_logprobs=req.prompt_logprobs,
                              structured=await structured_output(req, tools and tools.forced))
     state.check_capacity(params.n)
@@ -97,8 +99,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts = [p if isinstance(p, list) else await off_loop(len(p), tok.encode, p) for p in given]
     # The engine computes the prompt's logprobs for `prompt_logprobs`, and for `echo` with `logprobs`.
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-    params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
-                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS,
+    config = state.config
+    default = COMPLETION_DEFAULT_MAX_TOKENS if config.max_tokens_default is None else config.max_tokens_default
+    budget = MaxTokens(req.max_tokens, "max_tokens", default, config.max_tokens_limit)
+    params = sampling_params(req, prompts, budget, engine, "prompt", req.logprobs,
                              prompt_logprobs=max(wanted) if wanted else None,
                              structured=await structured_output(req))
     state.check_capacity(params.n * len(prompts))
