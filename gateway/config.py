@@ -56,6 +56,12 @@ class GatewayConfig:
     max_tokens_limit: int | None = field(default=None, metadata={
         "help": "the most max_tokens (or max_completion_tokens) a request may ask for: more is a 400 "
                 "naming this limit, and a request that sends none gets at most this (unset: the context)"})
+    max_grammar_chars: int = field(default=65536, metadata={
+        "help": "the longest structured output a request may give (JSON schema, regex, grammar, choices, "
+                "forced tool calls), in characters; longer is a 400"})
+    grammar_timeout_s: float = field(default=5.0, metadata={
+        "help": "seconds a structured output may take to compile at the gateway; longer is a 400",
+        "flag": "grammar-timeout"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -70,6 +76,10 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
+        if self.max_grammar_chars < 1:
+            raise ValueError(f"max_grammar_chars must be at least 1, got {self.max_grammar_chars}")
+        if self.grammar_timeout_s <= 0:
+            raise ValueError(f"grammar_timeout_s must be positive, got {self.grammar_timeout_s}")
         for name in ("max_tokens_default", "max_tokens_limit"):
             if (value := getattr(self, name)) is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

@@ -24,7 +24,7 @@ from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
-from gateway.structured import structured_output
+from gateway.structured import compiled, structured_output
 from gateway.tools import chat_tools, template_message
 from runtime import bound, get_logger
 
@@ -75,10 +75,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     config = state.config
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = MaxTokens(getattr(req, param), param, config.max_tokens_default, config.max_tokens_limit)
+    structured = structured_output(req, tools and tools.forced, config.max_grammar_chars)
     params = sampling_params(req, [prompt], budget, engine, "messages", top,
                              prompt_logprobs=req.prompt_logprobs,
-                             structured=await structured_output(req, tools and tools.forced))
-    state.check_capacity(params.n)
+                             structured=structured and structured.spec)
+    state.check_capacity(params.n)   # before compiling: a full queue refuses at once
+    await compiled(structured, config.grammar_timeout_s)
     rid = _engine_request_id(request)
     fmt = ChatFormat(Envelope("chatcmpl", rid, state.model_name), state.token_strings, params.n, top,
                      req.prompt_logprobs, tools.parser if tools is not None else None)
@@ -102,10 +104,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     config = state.config
     default = COMPLETION_DEFAULT_MAX_TOKENS if config.max_tokens_default is None else config.max_tokens_default
     budget = MaxTokens(req.max_tokens, "max_tokens", default, config.max_tokens_limit)
+    structured = structured_output(req, max_chars=config.max_grammar_chars)
     params = sampling_params(req, prompts, budget, engine, "prompt", req.logprobs,
                              prompt_logprobs=max(wanted) if wanted else None,
-                             structured=await structured_output(req))
-    state.check_capacity(params.n * len(prompts))
+                             structured=structured and structured.spec)
+    state.check_capacity(params.n * len(prompts))   # before compiling: a full queue refuses at once
+    await compiled(structured, config.grammar_timeout_s)
     rid = _engine_request_id(request)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None

@@ -133,7 +133,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --no-kv-transfer-by-layer --index-timeout
 --routing --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
---tool-call-parser --max-tokens-default --max-tokens-limit
+--tool-call-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 
