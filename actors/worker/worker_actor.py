@@ -160,6 +160,9 @@ class WorkerActor(Actor):
             try:
                 tokens = self._run_next(seqs)
             except Exception:
+                # The next ordinary step meets the failure with its own handling; its cause is here.
+                log.exception("decode burst step failed; the burst ends before it", step_id=plan.step_id,
+                              burst_step=result.num_steps + 1, seq_ids=[s.seq_id for s in seqs])
                 for generator, state in rng:
                     generator.set_state(state)
                 return StepResult(plan.step_id, [], forward_s, time.perf_counter() - t0, result.num_steps)
