@@ -82,7 +82,8 @@ class EngineConfig:
         "choices": SCHEDULING_POLICIES})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
-        "help": "torch threads for the forward pass (unset: torch's own choice)"})
+        "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
+                "this process may run on, from its CPU affinity); use 1 on a busy shared machine"})
     step_timeout_s: float = 600.0         # a forward that takes longer fails its requests
     speculative: SpeculativeConfig | dict[str, Any] | None = None   # see actors.draft.config
     extra: dict[str, Any] = field(default_factory=dict)

@@ -53,6 +53,18 @@ class GatewayConfig:
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "a reasoning model's format: its thinking goes to reasoning_content, its answer to "
                 "content (vLLM's names)", "choices": ("qwen3", "deepseek_r1")})
+    max_tokens_default: int | None = field(default=None, metadata={
+        "help": "the max_tokens of a request that sends none, within what the context leaves and "
+                "--max-tokens-limit (unset: as vLLM, the rest of the context for chat, 16 for completions)"})
+    max_tokens_limit: int | None = field(default=None, metadata={
+        "help": "the most max_tokens (or max_completion_tokens) a request may ask for: more is a 400 "
+                "naming this limit, and a request that sends none gets at most this (unset: the context)"})
+    max_grammar_chars: int = field(default=65536, metadata={
+        "help": "the longest structured output a request may give (JSON schema, regex, grammar, choices, "
+                "forced tool calls), in characters; longer is a 400"})
+    grammar_timeout_s: float = field(default=5.0, metadata={
+        "help": "seconds a structured output may take to compile at the gateway; longer is a 400",
+        "flag": "grammar-timeout"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -67,6 +79,17 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
+        if self.max_grammar_chars < 1:
+            raise ValueError(f"max_grammar_chars must be at least 1, got {self.max_grammar_chars}")
+        if self.grammar_timeout_s <= 0:
+            raise ValueError(f"grammar_timeout_s must be positive, got {self.grammar_timeout_s}")
+        for name in ("max_tokens_default", "max_tokens_limit"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if None not in (self.max_tokens_default, self.max_tokens_limit) and \
+                self.max_tokens_default > self.max_tokens_limit:
+            raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must be at most "
+                             f"max_tokens_limit ({self.max_tokens_limit})")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

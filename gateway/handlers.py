@@ -20,12 +20,12 @@ from gateway.errors import APIError, internal, invalid, unavailable
 from gateway.fill_in_middle import fim_prompt
 from gateway.formats import ChatFormat, CompletionFormat
 from gateway.generation import Generation
-from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, truncated
+from gateway.params import COMPLETION_DEFAULT_MAX_TOKENS, MaxTokens, sampling_params, truncated
 from gateway.request_log import CLIENT_REQUEST_ID, request_id
 from gateway.responses import Envelope, token_id_strings
 from gateway.sse import SSEWriter
 from gateway.state import GatewayState
-from gateway.structured import checked, structured_output
+from gateway.structured import Structured, compiled, structured_output
 from gateway.tools import chat_tools, template_message
 from runtime import bound, get_logger
 
@@ -80,16 +80,18 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
                                **_template_kwargs(req, tools))
     prompt = truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    config = state.config
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    budget = MaxTokens(getattr(req, param), param, config.max_tokens_default, config.max_tokens_limit)
     thinking = _thinking(state, req, engine.tokenizer, prompt)
-    structured = await structured_output(req, tools and tools.forced)
+    structured = structured_output(req, tools and tools.forced, config.max_grammar_chars)
     if structured is not None and thinking:   # the grammar is the answer's, after the thinking
-        # Only a legacy structural tag can fail here: it cannot be put after the thinking.
-        structured = reasoning.after_thinking(structured, "structured_outputs.structural_tag")
-        await checked(structured, "structured_outputs.structural_tag")
-    params = sampling_params(req, [prompt], max_tokens, engine, "messages", top,
-                             prompt_logprobs=req.prompt_logprobs, structured=structured)
-    state.check_capacity(params.n)
+        structured = Structured(reasoning.after_thinking(structured.spec, structured.param), structured.param)
+    params = sampling_params(req, [prompt], budget, engine, "messages", top,
+                             prompt_logprobs=req.prompt_logprobs,
+                             structured=structured and structured.spec)
+    state.check_capacity(params.n)   # before compiling: a full queue refuses at once
+    await compiled(structured, config.grammar_timeout_s)
     rid, shown = request_ids(request, req)
     fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
@@ -142,11 +144,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [truncated(p, req.truncate_prompt_tokens, engine.max_model_len) for p in prompts]
     # The engine computes the prompt's logprobs for `prompt_logprobs`, and for `echo` with `logprobs`.
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
-    params = sampling_params(req, prompts, req.max_tokens, engine, "prompt",
-                             req.logprobs, COMPLETION_DEFAULT_MAX_TOKENS,
+    config = state.config
+    default = COMPLETION_DEFAULT_MAX_TOKENS if config.max_tokens_default is None else config.max_tokens_default
+    budget = MaxTokens(req.max_tokens, "max_tokens", default, config.max_tokens_limit)
+    structured = structured_output(req, max_chars=config.max_grammar_chars)
+    params = sampling_params(req, prompts, budget, engine, "prompt", req.logprobs,
                              prompt_logprobs=max(wanted) if wanted else None,
-                             structured=await structured_output(req))
-    state.check_capacity(params.n * len(prompts))
+                             structured=structured and structured.spec)
+    state.check_capacity(params.n * len(prompts))   # before compiling: a full queue refuses at once
+    await compiled(structured, config.grammar_timeout_s)
     rid, shown = request_ids(request, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None

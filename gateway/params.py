@@ -2,11 +2,14 @@
 the context length, `top_k` against the vocabulary, `priority` only where the engine honours it,
 and the number of sequences one request may add to the queue.
 
-`max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions. vLLM's
-sampling extensions (allowed_token_ids, bad_words, include_stop_str_in_output) and its prompt
-truncation are turned into the engine's terms here too.
+`max_tokens` defaults as vLLM does: the rest of the context for chat, 16 for completions, unless the
+operator set --max-tokens-default; --max-tokens-limit caps what a request may ask for (a 400 beyond
+it) and what it gets by default. vLLM's sampling extensions (allowed_token_ids, bad_words,
+include_stop_str_in_output) and its prompt truncation are turned into the engine's terms here too.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from actors.messages import SamplingParams, StructuredOutput
 from gateway.errors import invalid
@@ -40,12 +43,36 @@ def bad_words_token_ids(tokenizer, words) -> list[list[int]]:
     return out
 
 
-def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | None, engine,
+@dataclass(frozen=True)
+class MaxTokens:
+    """What a request asked for (`asked`, in its field `param`), what it gets when it asked for
+    nothing (`default`: None is the rest of the context), and the operator's cap (`limit`)."""
+    asked: int | None
+    param: str = "max_tokens"
+    default: int | None = None
+    limit: int | None = None
+
+    def checked(self) -> int | None:
+        if self.asked is not None and self.limit is not None and self.asked > self.limit:
+            raise invalid(f"`{self.param}` is {self.asked}, but this server allows at most {self.limit} "
+                          f"tokens per completion (--max-tokens-limit).", param=self.param,
+                          code="max_tokens_over_limit")
+        return self.asked
+
+    def resolved(self, room: int) -> int:
+        """The request's max_tokens, given the `room` its context leaves."""
+        if self.asked is not None:
+            return self.asked
+        wanted = room if self.default is None else min(self.default, room)
+        return wanted if self.limit is None else min(wanted, self.limit)
+
+
+def sampling_params(req: _Common, prompts: list[list[int]], budget: MaxTokens, engine,
                     prompt_param: str, logprobs: int | None,
-                    default_max_tokens: int | None = None,
                     prompt_logprobs: int | None = None,
                     structured: StructuredOutput | None = None) -> SamplingParams:
     """`engine` is the gateway's EngineHandle (max_model_len, tokenizer, priority_scheduling)."""
+    asked = budget.checked()
     max_model_len = engine.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= max_model_len:
@@ -53,9 +80,8 @@ def sampling_params(req: _Common, prompts: list[list[int]], max_tokens: int | No
                       f"prompt has {longest} tokens; no room is left for the completion.",
                       param=prompt_param, code="context_length_exceeded")
     room = max_model_len - longest
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif longest + max_tokens > max_model_len:
+    max_tokens = budget.resolved(room)
+    if asked is not None and longest + asked > max_model_len:
         raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, "
                       f"you requested {longest + max_tokens} tokens ({longest} in the "
                       f"{prompt_param}, {max_tokens} for the completion). Please reduce the length "

@@ -44,9 +44,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def curl_line(config: GatewayConfig, model: str) -> str:
+    """A command to paste. It names the key as `$MATINEE_API_KEY`, never its value: this line lands
+    in terminals, logs and bug reports."""
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {config.api_keys[0]}'" if config.api_keys else ""
+    auth = ' -H "Authorization: Bearer $MATINEE_API_KEY"' if config.api_keys else ""
     return (f"curl http://{host}:{config.port}/v1/chat/completions "
             f"-H 'Content-Type: application/json'{auth} -d '{body}'")
 
@@ -87,8 +89,9 @@ def _announce(config: GatewayConfig):
                       file=sys.stderr, flush=True)
                 return
             host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+            keyed = " (with MATINEE_API_KEY set to one of its keys)" if config.api_keys else ""
             print(f"\nMatinee is serving {state.model_name} at http://{host}:{config.port}/v1\n"
-                  f"Try it:\n  {curl_line(config, state.model_name)}\n", flush=True)
+                  f"Try it{keyed}:\n  {curl_line(config, state.model_name)}\n", flush=True)
 
         task = asyncio.create_task(when_ready())
         yield

@@ -2,24 +2,43 @@
 
 OpenAI's `response_format` (`text` asks for nothing, `json_object`, `json_schema`), vLLM's
 `structured_outputs` and its older `guided_json`, `guided_regex`, `guided_choice` and
-`guided_grammar` (GBNF-style EBNF with a `root` rule): one constraint per request. The grammar is
-checked on a thread (the first check imports the engine), and a bad one is a 400 naming the field
-and the problem; nothing that fails here reaches the engine.
+`guided_grammar` (GBNF-style EBNF with a `root` rule): one constraint per request. Nothing that
+fails here reaches the engine.
+
+Compiling is bounded: a constraint longer than `--max-grammar-chars` is refused before anything
+parses it, and the compile check runs on its own daemon thread (at most COMPILE_THREADS at once,
+so it never takes the threads that tokenize) for at most `--grammar-timeout` seconds. A thread
+cannot be stopped: one that overruns finishes on its own, but its request has its 400 at once and
+holds one of the few slots meanwhile. The handlers check the queue's capacity before compiling.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from dataclasses import dataclass
 
 from actors.grammar import check
 from actors.messages import StructuredOutput
-from gateway.errors import invalid
+from gateway.errors import invalid, unavailable
 from gateway.protocol import _Common
 
+COMPILE_THREADS = 4
+_slots = threading.BoundedSemaphore(COMPILE_THREADS)
 
-async def structured_output(req: _Common, tool_calls: StructuredOutput | None = None) -> StructuredOutput | None:
-    """The request's constraint, checked; None when it asks for none. `tool_calls`: the grammar
-    of the calls a `tool_choice` forces (gateway/tools.py), one constraint like the others."""
+
+@dataclass(frozen=True)
+class Structured:
+    """A request's constraint, and the field it came from (named in its errors)."""
+    spec: StructuredOutput
+    param: str
+
+
+def structured_output(req: _Common, tool_calls: StructuredOutput | None = None,
+                      max_chars: int | None = None) -> Structured | None:
+    """The request's constraint, checked in everything but whether it compiles (see `compiled`);
+    None when it asks for none. `tool_calls`: the grammar of the calls a `tool_choice` forces
+    (gateway/tools.py), one constraint like the others. `max_chars` bounds the constraint's text."""
     found = _requested(req) + ([(tool_calls, "tools")] if tool_calls is not None else [])
     if not found:
         return None
@@ -33,16 +52,57 @@ async def structured_output(req: _Common, tool_calls: StructuredOutput | None = 
     if req.min_tokens:
         raise invalid("`min_tokens` cannot be combined with a structured output: the grammar may end "
                       "before it.", param="min_tokens")
-    await checked(spec, param)
-    return spec
+    if max_chars is not None and len(spec.spec) > max_chars:
+        raise invalid(f"`{param}` is {len(spec.spec)} characters long; this server compiles at most "
+                      f"{max_chars} (--max-grammar-chars).", param=param, code="grammar_too_large")
+    return Structured(spec, param)
 
 
-async def checked(spec: StructuredOutput, param: str) -> None:
-    """A 400 naming `param` when `spec` does not compile."""
+async def compiled(structured: Structured | None, timeout_s: float) -> StructuredOutput | None:
+    """The constraint, once it is known to compile within `timeout_s` seconds; a 400 naming the
+    field when it does not, or naming the limit when it takes longer."""
+    if structured is None:
+        return None
     try:
-        await asyncio.to_thread(check, spec)
+        await _on_own_thread(check, structured.spec, timeout_s)
+    except TimeoutError:
+        raise invalid(f"`{structured.param}` did not compile within {timeout_s:g} s (--grammar-timeout).",
+                      param=structured.param, code="grammar_timeout") from None
     except ValueError as e:
-        raise invalid(f"Invalid `{param}`: {e}", param=param) from None
+        raise invalid(f"Invalid `{structured.param}`: {e}", param=structured.param) from None
+    return structured.spec
+
+
+async def _on_own_thread(fn, arg, timeout_s: float):
+    """`fn(arg)` on a new daemon thread, awaited for at most `timeout_s`: a daemon, so one that
+    never ends cannot hold up the process's exit, as a pool's thread would."""
+    if not _slots.acquire(blocking=False):
+        raise unavailable("Every grammar compiler is busy; retry later.")
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result, error) -> None:
+        if done.done():   # cancelled: the awaiting side gave up (timeout, client gone)
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(arg), None
+        except BaseException as e:   # handed to the awaiting side
+            result, error = None, e
+        finally:
+            _slots.release()
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:   # the loop has closed meanwhile
+            pass
+
+    threading.Thread(target=run, name="grammar-check", daemon=True).start()
+    return await asyncio.wait_for(done, timeout_s)
 
 
 def _requested(req: _Common) -> list[tuple[StructuredOutput, str]]:

@@ -6,7 +6,9 @@
   "arguments"), several separated by `;`, optionally after `<|python_tag|>`.
 
 Each parser also gives the output format a forced call must take (`call_format`), which the
-structured-output engine enforces for `tool_choice` required or named. `ToolCallStream` turns
+structured-output engine enforces for `tool_choice` required or named, and the format of calls the
+model may make (`triggered_format`: free text until the call's opening, then a valid call), which
+it enforces under `tool_choice` auto when a function is `strict`. `ToolCallStream` turns
 streamed text into content deltas and whole calls, holding back only what may begin a call.
 """
 from __future__ import annotations
@@ -76,12 +78,18 @@ class HermesParser:
     def begins(self, text: str) -> bool:
         return text.startswith(self.OPEN)
 
+    TRIGGER = OPEN
+
+    def tags(self, tools: list[dict]) -> list[dict]:
+        return [{"type": "tag", "begin": f'{self.OPEN}\n{{"name": {json.dumps(t["name"])}, "arguments": ',
+                 "content": _arguments(t), "end": f"}}\n{self.CLOSE}"} for t in tools]
+
     def call_format(self, tools: list[dict], parallel: bool) -> dict:
-        tags = [{"type": "tag", "begin": f'{self.OPEN}\n{{"name": {json.dumps(t["name"])}, "arguments": ',
-                 "content": _arguments(t),
-                 "end": f"}}\n{self.CLOSE}"} for t in tools]
-        return {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+        return {"type": "tags_with_separator", "tags": self.tags(tools), "separator": "\n", "at_least_one": True,
                 "stop_after_first": not parallel}
+
+    def triggered_format(self, tools: list[dict], parallel: bool) -> dict:
+        return _triggered(self.TRIGGER, self.tags(tools), parallel)
 
 
 class Llama3JsonParser:
@@ -116,12 +124,24 @@ class Llama3JsonParser:
         head = text.lstrip()
         return head.startswith("{") or head.startswith(self.PYTHON_TAG)
 
+    TRIGGER = '{"name": '
+
+    def tags(self, tools: list[dict]) -> list[dict]:
+        return [{"type": "tag", "begin": f'{{"name": {json.dumps(t["name"])}, "parameters": ',
+                 "content": _arguments(t), "end": "}"} for t in tools]
+
     def call_format(self, tools: list[dict], parallel: bool) -> dict:
-        tags = [{"type": "tag", "begin": f'{{"name": {json.dumps(t["name"])}, "parameters": ',
-                 "content": _arguments(t), "end": "}"}
-                for t in tools]
-        return {"type": "tags_with_separator", "tags": tags, "separator": "; ", "at_least_one": True,
+        return {"type": "tags_with_separator", "tags": self.tags(tools), "separator": "; ", "at_least_one": True,
                 "stop_after_first": not parallel}
+
+    def triggered_format(self, tools: list[dict], parallel: bool) -> dict:
+        return _triggered(self.TRIGGER, self.tags(tools), parallel)
+
+
+def _triggered(trigger: str, tags: list[dict], parallel: bool) -> dict:
+    """Free text, in which `trigger` may only open one of `tags` (a call), held to its schema."""
+    return {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False,
+            "stop_after_first": not parallel}
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

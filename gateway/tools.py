@@ -4,7 +4,13 @@
 parsed for calls in the `--tool-call-parser` format; none hides the tools and parses nothing;
 required, or a named function, constrains the output through the structured-output engine to
 calls in that format (exactly one when `parallel_tool_calls` is false), so it always parses into
-valid calls. A template that does not render tools (SmolLM2's) simply leaves them out of the prompt.
+valid calls. Under auto, a function with `strict: true` is enforced too: the text stays free, but
+once the model opens a call it must be a valid call (to a strict function, with arguments its
+`parameters` accept; a function that is not strict gets any JSON object), as OpenAI promises;
+vLLM by default ignores `strict` under auto. That constraint is the request's one structured
+output, so it cannot be combined with `response_format` or the like. A template that does not
+render tools (SmolLM2's) simply leaves them out of the prompt. A message's `name` reaches the
+template as the message's `name` key, as in vLLM.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 class ChatTools:
     parser: object                       # one of tool_parsers.PARSERS, for the output
     template: list[dict]                 # the tools as chat templates read them
-    forced: StructuredOutput | None      # required or named: the calls' grammar
+    forced: StructuredOutput | None      # required or named: the calls' grammar; auto: a strict one's
 
 
 def chat_tools(req: ChatRequest, parser_name: str) -> ChatTools | None:
@@ -48,6 +54,7 @@ def chat_tools(req: ChatRequest, parser_name: str) -> ChatTools | None:
             raise invalid(f"Two tools are named {t.function.name!r}.", param=f"tools[{i}].function.name")
         tools[t.function.name] = {"name": t.function.name, "description": t.function.description or "",
                                   "parameters": t.function.parameters or {"type": "object"}}
+    strict = {t.function.name for t in req.tools if t.function.strict}
     if choice == "none":
         return None
     parser = PARSERS[parser_name]()
@@ -61,14 +68,24 @@ def chat_tools(req: ChatRequest, parser_name: str) -> ChatTools | None:
         forced = list(tools.values())
     if forced is not None:
         parallel = choice == "required" and req.parallel_tool_calls is not False   # a named choice: one call
-        forced = StructuredOutput("structural_tag", json.dumps(
-            {"type": "structural_tag", "format": parser.call_format(forced, parallel)}, ensure_ascii=False))
+        forced = _structural_tag(parser.call_format(forced, parallel))
+    elif strict:   # auto: free text, but a call the model opens is a valid one
+        callable_ = [t if name in strict else {**t, "parameters": {"type": "object"}} for name, t in tools.items()]
+        forced = _structural_tag(parser.triggered_format(callable_, req.parallel_tool_calls is not False))
     return ChatTools(parser, [{"type": "function", "function": t} for t in tools.values()], forced)
 
 
+def _structural_tag(format_: dict) -> StructuredOutput:
+    return StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": format_},
+                                                         ensure_ascii=False))
+
+
 def template_message(m: ChatMessage, i: int) -> dict:
-    """A message as chat templates read it: a call's arguments as an object, not JSON text."""
+    """A message as chat templates read it: a call's arguments as an object, not JSON text; the
+    participant's `name` where the message has one."""
     out = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
+    if m.name is not None:
+        out["name"] = m.name
     if m.tool_calls:
         out["tool_calls"] = []
         for j, call in enumerate(m.tool_calls):

@@ -56,9 +56,43 @@ def linear(x: torch.Tensor, weight: QuantWeight | QuantStack, bias: torch.Tensor
 def prepare(tensor: QuantTensor, dtype: torch.dtype = torch.float32) -> QuantWeight:
     """quant_linear.pack, and for bf16 activations the row count from which AMX is faster."""
     weight = quant_linear.pack(tensor, dtype)
-    if dtype == torch.bfloat16 and weight.qtype in TYPES and available():
+    path, reason = matmul_path(dtype)
+    _say_once(path, reason)
+    if path == "amx" and weight.qtype in TYPES:
         weight.amx_from = from_rows(weight.qtype, weight.out_features, weight.in_features)
     return weight
+
+
+def matmul_path(dtype: torch.dtype) -> tuple[str, str]:
+    """Which kernel multiplies quantized weights by activations of `dtype`, and why: "amx" (from a
+    measured row count on; quant_gemm.c below it) or "int8" (quant_gemm.c only)."""
+    if dtype != torch.bfloat16:
+        return "int8", f"the activations are {str(dtype).removeprefix('torch.')}; AMX takes bfloat16 (--dtype bfloat16)"
+    if cpu_native.library() is None:
+        return "int8", "the CPU C kernels are off (see the log line above)"
+    if not available():
+        return "int8", _why_no_amx()
+    return "amx", "AMX tiles available; each weight shape measures from which row count they beat quant_gemm.c"
+
+
+def _why_no_amx() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            has_tiles = any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        has_tiles = False
+    if not has_tiles:
+        return "this CPU has no AMX tiles"
+    return "the CPU has AMX tiles but Linux refused them to this process (arch_prctl) or the build lacks them"
+
+
+_said: set[tuple[str, str]] = set()
+
+
+def _say_once(path: str, reason: str) -> None:
+    if (path, reason) not in _said:
+        _said.add((path, reason))
+        structlog.get_logger().info("quantized matmul path", path=path, reason=reason)
 
 
 _available: bool | None = None

@@ -28,6 +28,19 @@ Weight = torch.Tensor | PackedWeight | QuantWeight | QuantStack | Int8Weight | I
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
+def why_dequantized(quantization: str, device: torch.device, ops) -> str | None:
+    """None where a GGUF file's quantized blocks stay packed in memory; else why they are dequantized
+    at load (to the model dtype, or then requantized under int8 / int4)."""
+    if quantization != "auto":
+        return f"--quantization {quantization} asks for it"
+    if device.type != "cpu":
+        return (f"only the CPU's C kernels multiply GGUF blocks; on {device.type} the weights are held in "
+                f"the model dtype (--quantization int8 or int4 requantizes them for the GPU kernels)")
+    if ops.prepare_quantized is None:
+        return f"the {ops.backend} kernels do not multiply GGUF blocks; the CPU's C kernels (--kernels cpu) do"
+    return None
+
+
 @dataclass
 class AttentionMetadata:
     """The flattened batch layout that every layer's attention reads (see the kernels contract)."""
@@ -90,7 +103,7 @@ class DecoderModel:
             raise ModelLoadError(f"a {weights.method} checkpoint is served in its own int4 weights: use quantization "
                                  f"'auto', not {quantization!r}")
         progress = load_progress(cfg.num_layers + 1, label)
-        quantize = quantization == "auto" and self.ops.prepare_quantized is not None and self.device.type == "cpu"
+        quantize = why_dequantized(quantization, self.device, self.ops) is None
         prepare = self.ops.prepare_weight   # matmul weights in the layout the ops' linear reads fastest
 
         def at_load(names: tuple[str, ...], head: bool) -> Int8Weight | Int4Weight | None:

@@ -24,7 +24,7 @@ from actors.worker.awq_weights import AWQConfig, AWQWeights
 from actors.worker.gptq_weights import GPTQConfig, GPTQWeights
 from actors.worker.hf_weights import HFWeights
 from actors.worker.model_config import read_hf_config
-from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV
+from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV, why_dequantized
 from actors.worker.model_source import ModelSource, resolve_model_source
 from kernels import get_ops
 from kernels.kv_quant import QUANTIZED_DTYPES, is_quantized
@@ -89,6 +89,9 @@ class ModelRunner:
         config, weights = open_model(self.source)
         self.model_config: ModelConfig = config
         self.model = DecoderModel(config, self.ops, self.dtype, self.device)
+        if self.source.kind == "gguf" and (why := why_dequantized(quantization, self.device, self.ops)):
+            structlog.get_logger().info("GGUF weights dequantized at load", reason=why,
+                                        dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         try:
             self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}",
                                     quantization=quantization)

@@ -23,12 +23,15 @@ from actors.messages import (GetWorkerInfo, LayerWritten, NewSequence, Scheduled
                              StepResult, TokenLogprobs, WorkerInfo)
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker import grammar_compiler
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.pooling import PoolState
 from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
-from runtime import Actor, ActorRef
+from runtime import Actor, ActorRef, get_logger
+
+log = get_logger(component="worker")
 
 
 def compute_thread() -> ThreadPoolExecutor:
@@ -160,6 +163,9 @@ class WorkerActor(Actor):
             try:
                 tokens = self._run_next(seqs)
             except Exception:
+                # The next ordinary step meets the failure with its own handling; its cause is here.
+                log.exception("decode burst step failed; the burst ends before it", step_id=plan.step_id,
+                              burst_step=result.num_steps + 1, seq_ids=[s.seq_id for s in seqs])
                 for generator, state in rng:
                     generator.set_state(state)
                 return StepResult(plan.step_id, [], forward_s, time.perf_counter() - t0, result.num_steps)
@@ -188,7 +194,13 @@ class WorkerActor(Actor):
         loop = asyncio.get_running_loop()
         for spec in specs:
             if not self._grammars.is_compiled(spec):
-                await loop.run_in_executor(None, self._grammars.compile, spec)
+                job = loop.run_in_executor(None, self._grammars.compile, spec)
+                try:   # shielded: an overrunning compile goes on, and caches its grammar when done
+                    await asyncio.wait_for(asyncio.shield(job), grammar_compiler.COMPILE_TIMEOUT_S)
+                except TimeoutError:
+                    log.warning("grammar compile overran; its sequences fail", kind=spec.kind,
+                                chars=len(spec.spec), timeout_s=grammar_compiler.COMPILE_TIMEOUT_S)
+                    self._grammars.overran(spec, grammar_compiler.COMPILE_TIMEOUT_S)
 
     def _new_state(self, new: NewSequence) -> SamplingState:
         spec = new.params.structured

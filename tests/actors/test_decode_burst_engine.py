@@ -132,10 +132,10 @@ async def test_a_request_arriving_during_a_burst_starts_at_once(bursting):
     assert [t for _, ts in stream.deltas["long"] for t in ts][:NUM_NEW] == hf_greedy(folder, [first])[0]
 
 
-def test_a_step_failing_inside_a_burst_ends_the_burst_and_loses_nothing(tiny_model_dir, monkeypatch):
+def test_a_step_failing_inside_a_burst_ends_the_burst_and_loses_nothing(tiny_model_dir, monkeypatch, capsys):
     """The third step of the first burst fails once, after its tokens were drawn: the burst ends
     with the two steps before it, the draws are undone, and the next ordinary step draws that
-    token again, as if nothing had failed."""
+    token again, as if nothing had failed. The failure is logged once, with its traceback."""
     folder = tiny_model_dir("llama")
     batch = prompts(7, (9, 33))
     sample, burst, in_burst = Sampler.sample, WorkerActor._burst, []
@@ -162,6 +162,8 @@ def test_a_step_failing_inside_a_burst_ends_the_burst_and_loses_nothing(tiny_mod
     with LLM(folder, dtype="float32", num_threads=1, decode_burst=8) as llm:
         outs = llm.generate(batch, params)
     assert len(in_burst) >= 3 and (7, 2) in seen
+    logged = [line for line in capsys.readouterr().err.splitlines() if "decode burst step failed" in line]
+    assert len(logged) == 1 and "RuntimeError: a transient failure" in logged[0] and "Traceback" in logged[0]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     monkeypatch.setattr(Sampler, "sample", sample)
     assert [o.outputs[0].token_ids for o in outs] == generate(folder, batch, params, 1)

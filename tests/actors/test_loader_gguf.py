@@ -128,16 +128,17 @@ def test_gguf_of_a_tiny_model_matches_its_safetensors(arch, tiny_model_dir, tmp_
 def test_gguf_missing_tensor_and_unsupported_arch(tiny_model_dir, tmp_path):
     import gguf
 
-    path = str(tmp_path / "phi.gguf")
-    w = gguf.GGUFWriter(path, "phi2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.ones((4, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'phi2'"):
-        ModelRunner(path, kernels="torch", num_threads=1, num_blocks=4)
+    for arch in ("phi2", "qwen3"):   # Qwen3 loads from a folder only (the README says so)
+        path = str(tmp_path / f"{arch}.gguf")
+        w = gguf.GGUFWriter(path, arch)
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", np.ones((4, 4), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(ModelLoadError, match=f"unsupported GGUF architecture '{arch}'"):
+            ModelRunner(path, kernels="torch", num_threads=1, num_blocks=4)
 
     full = hf_folder_to_gguf(tiny_model_dir("qwen2"), str(tmp_path / "full.gguf"))
     reader = gguf.GGUFReader(full)

@@ -44,3 +44,27 @@ def test_a_grammar_that_does_not_compile_fails_alone(tiny_model_dir):
         outs = llm.generate(prompts(1, (12, 20)), [bad, good])
     assert outs[0].outputs[0].finish_reason == "error"   # its detail is logged, not sent
     assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].text in ("yes", "no")
+
+
+def test_a_grammar_that_compiles_too_slowly_fails_alone_and_is_served_once_compiled(tiny_model_dir, monkeypatch):
+    """The step waits COMPILE_TIMEOUT_S for a grammar: past it, that sequence fails and the rest of
+    the batch goes on; the compile finishes on its thread, and a later request for it is served."""
+    import time
+
+    from actors.worker import grammar_compiler
+
+    monkeypatch.setattr(grammar_compiler, "COMPILE_TIMEOUT_S", 0.01)
+    slow = StructuredOutput("regex", "(" + "|".join(f"x{i}y+" for i in range(5000)) + ")")
+    big = SamplingParams(max_tokens=4, structured=slow)
+    good = SamplingParams(temperature=0.0, max_tokens=8, structured=StructuredOutput("choice", '["yes", "no"]'))
+    with LLM(tiny_model_dir("llama"), dtype="float32", num_threads=1, num_blocks=64) as llm:
+        outs = llm.generate(prompts(1, (12, 20)), [big, good])
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[1].outputs[0].finish_reason == "stop" and outs[1].outputs[0].text in ("yes", "no")
+        deadline = time.monotonic() + 60
+        while True:   # the overrunning compile finishes on its own and replaces the error
+            again = llm.generate(prompts(1, (12,)), [big])[0].outputs[0]
+            if again.finish_reason != "error" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert again.finish_reason in ("stop", "length") and re.fullmatch(r"x\d*y*", again.text), again

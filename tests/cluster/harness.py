@@ -132,9 +132,9 @@ def http_json(method: str, url: str, body=None, timeout: float = 60,
         return status, raw
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, api_key: str | None = None) -> float:
     """Sum of a metric's samples (all label sets) from /metrics."""
-    _, text = http_json("GET", base + "/metrics")
+    _, text = http_json("GET", base + "/metrics", api_key=api_key)
     total, seen = 0.0, False
     for line in str(text).splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

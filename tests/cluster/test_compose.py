@@ -20,7 +20,8 @@ GPU = os.path.join(h.ROOT, "compose.gpu.yaml")
 DOCKERFILE = os.path.join(h.ROOT, "Dockerfile")
 MONITORING = os.path.join(h.ROOT, "gateway", "monitoring")
 REDIS_PASSWORD = "0123456789abcdef"
-ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET, "MATINEE_REDIS_PASSWORD": REDIS_PASSWORD}
+API_KEY = "compose-api-key"
+ENV = {"MATINEE_CLUSTER_SECRET": h.SECRET, "MATINEE_REDIS_PASSWORD": REDIS_PASSWORD, "MATINEE_API_KEY": API_KEY}
 
 
 def test_interpolation_follows_compose_rules():
@@ -47,10 +48,9 @@ def test_compose_file_is_valid_under_the_compose_specification():
 
 
 def test_compose_file_describes_the_cluster():
-    with pytest.raises(ValueError, match="MATINEE_CLUSTER_SECRET"):
-        cl.load(COMPOSE, {"MATINEE_REDIS_PASSWORD": REDIS_PASSWORD})   # the secret is required, never defaulted
-    with pytest.raises(ValueError, match="MATINEE_REDIS_PASSWORD"):
-        cl.load(COMPOSE, {"MATINEE_CLUSTER_SECRET": h.SECRET})        # and so is Redis's password
+    for needed in ("MATINEE_CLUSTER_SECRET", "MATINEE_REDIS_PASSWORD"):   # required, never defaulted
+        with pytest.raises(ValueError, match=needed):
+            cl.load(COMPOSE, {k: v for k, v in ENV.items() if k != needed})
     spec = cl.load(COMPOSE, ENV)
     s = spec["services"]
     assert s["gateway"]["deploy"]["replicas"] == 2
@@ -82,6 +82,42 @@ def test_compose_file_describes_the_cluster():
         assert svc["environment"]["MATINEE_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0"
         assert svc["environment"]["MATINEE_METRICS_PORT"] == str(cl.METRICS_PORTS[role])
         assert f"{cl.METRICS_PORTS[role]}/ready" in " ".join(svc["healthcheck"]["test"])
+
+
+def _published(svc: dict) -> list[tuple[str, str]]:
+    """(host address, host port) of each port a service publishes; "" is every interface."""
+    out = []
+    for p in svc.get("ports", []):
+        if isinstance(p, dict):
+            out.append((p.get("host_ip", ""), str(p.get("published", ""))))
+            continue
+        parts = str(p).rsplit(":", 2)
+        out.append((parts[0], parts[1]) if len(parts) == 3 else ("", parts[0] if len(parts) == 2 else ""))
+    return out
+
+
+def test_nothing_is_published_beyond_loopback_without_a_login():
+    """Compose's defaults expose nothing: the API (the load balancer, on every interface) needs a
+    key, which compose refuses to start without; Prometheus publishes no port; Grafana listens on
+    loopback only, and wants a login (no anonymous viewer)."""
+    with pytest.raises(ValueError, match="MATINEE_API_KEY"):
+        cl.load(COMPOSE, {k: v for k, v in ENV.items() if k != "MATINEE_API_KEY"})
+    for overrides in ((), (GPU,)):
+        s = cl.load(COMPOSE, ENV, profiles=("draft", "disagg", "monitoring"), overrides=overrides)["services"]
+        everywhere = {name for name, svc in s.items() for host, _ in _published(svc)
+                      if host not in ("127.0.0.1", "localhost", "[::1]")}
+        assert everywhere == {"lb"}, everywhere
+        assert s["gateway"]["environment"]["MATINEE_API_KEY"] == API_KEY
+        assert _published(s["prometheus"]) == [] and s["prometheus"]["expose"] == ["9090"]
+        assert _published(s["grafana"]) == [("127.0.0.1", "3000")]
+        grafana_env = s["grafana"]["environment"]
+        assert grafana_env.get("GF_AUTH_ANONYMOUS_ENABLED", "false") == "false"
+        assert not any(k.startswith("GF_AUTH_ANONYMOUS_ORG") or k == "GF_AUTH_DISABLE_LOGIN_FORM"
+                       for k in grafana_env)
+    s = cl.load(COMPOSE, {**ENV, "MATINEE_GRAFANA_PASSWORD": "pw"}, profiles=("monitoring",))["services"]
+    assert s["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "pw"
+    with open(os.path.join(MONITORING, "grafana", "provisioning", "datasources", "prometheus.yml")) as f:
+        assert "http://prometheus:9090" in f.read()   # Grafana reaches it over compose's network
 
 
 def test_monitoring_profile_scrapes_every_gateway_and_engine_and_provisions_grafana():
@@ -181,11 +217,11 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
         for i in range(4):   # nginx alternates between the two gateways
             status, body = h.http_json("POST", base + "/v1/completions",
                                        {"prompt": [5, 6, 7, 8 + i], "max_tokens": 4, "temperature": 0,
-                                        "ignore_eos": True})
+                                        "ignore_eos": True}, api_key=API_KEY)
             assert status == 200, body
             assert body["usage"]["completion_tokens"] == 4
         # A gateway that served nothing has no sample of the counter yet: it served 0.
-        served = [h.metric(f"http://127.0.0.1:{r.port}", "matinee_requests_total")
+        served = [h.metric(f"http://127.0.0.1:{r.port}", "matinee_requests_total", API_KEY)
                   for r in stack.replicas["gateway"]]
         served = [0.0 if math.isnan(n) else n for n in served]
         assert sum(served) == 4 and (front == "gateway" or all(n >= 1 for n in served)), served
@@ -195,7 +231,7 @@ def test_the_compose_stack_serves_a_request_through_every_service(tmp_path, mode
         scraped = set()
         ports = [r.port for r in stack.replicas["gateway"]] + [r.metrics_port for r in stack.replicas["engine"]]
         for port in ports:
-            status, text = h.http_json("GET", f"http://127.0.0.1:{port}/metrics")
+            status, text = h.http_json("GET", f"http://127.0.0.1:{port}/metrics", api_key=API_KEY)
             assert status == 200, text
             scraped |= {s.name for f in text_string_to_metric_families(str(text)) for s in f.samples}
         assert dashboard_metric_names() <= scraped, dashboard_metric_names() - scraped

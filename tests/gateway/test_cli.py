@@ -49,12 +49,14 @@ def test_bad_config_is_a_clear_error(capsys):
         GatewayConfig(max_waiting=0)
 
 
-def test_curl_line_has_key_and_body():
-    line = cli.curl_line(GatewayConfig(port=9, api_key="k"), "m")
+def test_curl_line_names_the_key_variable_never_the_key():
+    line = cli.curl_line(GatewayConfig(port=9, api_key=["sk-first", "sk-second"]), "m")
+    assert "sk-first" not in line and "sk-second" not in line
     parts = shlex.split(line)
     assert parts[:2] == ["curl", "http://127.0.0.1:9/v1/chat/completions"]
-    assert "Authorization: Bearer k" in parts
+    assert "Authorization: Bearer $MATINEE_API_KEY" in parts   # in double quotes: the shell expands it
     assert json.loads(parts[-1])["model"] == "m"
+    assert "Authorization" not in cli.curl_line(GatewayConfig(port=9), "m")
 
 
 def _free_port() -> int:
@@ -63,34 +65,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+KEY = "sk-never-print-7f3a9c"
+
+
 @pytest.mark.slow
-def test_serve_process_prints_working_curl_and_stops_on_sigterm(tiny_model_folder):
+def test_serve_process_prints_working_curl_without_the_key_and_stops_on_sigterm(tiny_model_folder):
+    """The curl line works when pasted into a shell that has $MATINEE_API_KEY, and nothing the
+    process writes (stdout, stderr: the log and the access log, at DEBUG) holds a configured key."""
     port = _free_port()
+    env = {**os.environ, "MATINEE_API_KEY": KEY}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--model", tiny_model_folder, "--port",
-         str(port), "--num-blocks", "64", "--max-num-seqs", "4", "--served-model-name", "tiny"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+         str(port), "--num-blocks", "64", "--max-num-seqs", "4", "--served-model-name", "tiny",
+         "--log-level", "DEBUG"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    output = []
     try:
         curl = None
         deadline = time.monotonic() + 240
         while curl is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "matinee serve exited early"
+            output.append(line)
             if line.strip().startswith("curl "):
-                curl = shlex.split(line.strip())
+                curl = line.strip()
         assert curl is not None
         assert http.get(f"http://127.0.0.1:{port}/ready").status_code == 200
-        body = json.loads(curl[-1])
-        body["max_tokens"] = 3
-        r = http.post(curl[1], json_body=body)
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        body = shlex.split(curl)[-1]
+        short = json.dumps({**json.loads(body), "max_tokens": 3})
+        pasted = curl.replace(f"'{body}'", f"'{short}'") + " -s -w '\\n%{http_code}'"
+        run = lambda environ: subprocess.run(["bash", "-c", pasted], env=environ, capture_output=True,
+                                             text=True, timeout=120).stdout.rsplit("\n", 1)
+        answer, status = run({**os.environ, "MATINEE_API_KEY": KEY})
+        assert status == "200" and json.loads(answer)["choices"][0]["message"]["role"] == "assistant"
+        _, status = run({k: v for k, v in os.environ.items() if k != "MATINEE_API_KEY"})
+        assert status == "401"   # the line really depends on the variable
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        rest, _ = proc.communicate(timeout=60)
+        output.append(rest)
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    text = "".join(output)
+    assert "GET" in text and "/ready" in text   # the access log is in what was read
+    assert KEY not in text
 
 
 def test_speculative_disable_batch_size_flag():
@@ -112,7 +133,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --no-kv-transfer-by-layer --index-timeout
 --routing --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
---tool-call-parser --reasoning-parser
+--tool-call-parser --reasoning-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 

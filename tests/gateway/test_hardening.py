@@ -95,6 +95,64 @@ def test_the_queue_limit_counts_sequences_not_requests(tiny_servers):
     assert _post(base, "/v1/completions", {"model": "tiny", "prompt": "e f", "max_tokens": 1}).status_code == 200
 
 
+def test_a_full_queue_refuses_before_any_grammar_is_compiled(tiny_servers):
+    """With the queue full, a request with a grammar gets its 429 at once: a broken grammar, which
+    compiling would turn into a 400, shows that nothing compiled it first."""
+    held = HoldingProxy.spawn(tiny_servers.live, name="holding-proxy-grammar")
+    base = tiny_servers.live.add_app(GatewayConfig(served_model_name="tiny", max_waiting=1), scheduler=held)
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(r=_post(base, "/v1/completions",
+                                                             {"model": "tiny", "prompt": "a b", "max_tokens": 2})))
+    t.start()
+    try:
+        _wait_for(lambda: tiny_servers.live.run(held_count(held)) == 1)
+        for path, body in (("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+                           ("/v1/chat/completions", CHAT)):
+            r = _post(base, path, {**body, "structured_outputs": {"grammar": "root ::= (unclosed"}})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    finally:
+        tiny_servers.live.run(release(held))
+        t.join(60)
+    assert first["r"].status_code == 200
+    r = _post(base, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                        "structured_outputs": {"grammar": "root ::= (unclosed"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.grammar", r.text
+
+
+@pytest.mark.parametrize("field", ["regex", "grammar", "json"])
+def test_a_grammar_longer_than_the_limit_is_a_400_naming_it(tiny_servers, field):
+    base = tiny_servers.live.add_app(GatewayConfig(served_model_name="tiny", max_grammar_chars=1000))
+    value = {"regex": "a" * 1001, "grammar": 'root ::= "' + "a" * 1000 + '"',
+             "json": {"type": "object", "description": "a" * 1000}}[field]
+    r = _post(base, "/v1/chat/completions", {**CHAT, "structured_outputs": {field: value}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"structured_outputs.{field}" and error["code"] == "grammar_too_large"
+    assert "at most 1000" in error["message"] and "--max-grammar-chars" in error["message"]
+    ok = {"regex": "a" * 1000, "grammar": 'root ::= "' + "a" * 900 + '"', "json": {"type": "object"}}[field]
+    r = _post(base, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                        "structured_outputs": {field: ok}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_grammar_that_compiles_too_slowly_is_a_400_naming_the_limit(tiny_servers, open_server):
+    """A 39 KB regex takes tens of milliseconds to compile; under a 5 ms limit it is refused in
+    about that time, and under the default limit the same regex is served."""
+    regex = "(" + "|".join(f"x{i}y+" for i in range(5000)) + f"){time.monotonic_ns()}"   # not cached
+    fast = tiny_servers.live.add_app(GatewayConfig(served_model_name="tiny", grammar_timeout_s=0.005))
+    start = time.monotonic()
+    r = _post(fast, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                        "structured_outputs": {"regex": regex}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs.regex" and error["code"] == "grammar_timeout"
+    assert "0.005 s" in error["message"] and "--grammar-timeout" in error["message"]
+    assert time.monotonic() - start < 1.0
+    r = _post(open_server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                               "structured_outputs": {"regex": regex + "z"}})
+    assert r.status_code == 200, r.text
+
+
 def test_tenants_do_not_share_the_prefix_cache(open_server):
     prompt = "tenant isolation " * 12   # several full blocks
 
@@ -255,8 +313,8 @@ class HoldingProxy(Actor):
         self.holding = True
 
     @classmethod
-    def spawn(cls, live):
-        return live.run(live.engine.system.spawn(cls(live.engine.scheduler), name="holding-proxy"))
+    def spawn(cls, live, name: str = "holding-proxy"):
+        return live.run(live.engine.system.spawn(cls(live.engine.scheduler), name=name))
 
     async def receive(self, msg):
         match msg:

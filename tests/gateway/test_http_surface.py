@@ -1,6 +1,7 @@
 """The HTTP surface around the API: several API keys, several model names, CORS, request ids and
 the access log, a chat template of the operator's, over real HTTP on loopback."""
 import json
+import os
 import re
 
 import openai
@@ -23,6 +24,40 @@ def keyed(tiny_servers, tmp_path_factory):
 
 def _auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
+
+
+SECURITY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "SECURITY.md")
+
+
+def _documented_open_routes() -> set[tuple[str, str]]:
+    """The routes SECURITY.md lists as answering without a key: `METHOD /path` in the bullets under
+    the sentence that says `--api-key` guards every route but these."""
+    text = open(SECURITY, encoding="utf-8").read()
+    start = text.index("`--api-key` guards every route but these")
+    block = text[start:].split("\n\n", 2)[1]   # the list, the paragraph after the sentence
+    assert block.startswith("- "), block
+    return set(re.findall(r"`(GET|POST|PUT|DELETE|PATCH) (/[^`]*)`", block))
+
+
+def test_the_open_routes_are_exactly_those_security_md_lists(tiny_servers):
+    """Every route of a real keyed app, asked without a key over HTTP: those that do not answer
+    401 are the open ones, and SECURITY.md must name exactly them."""
+    base = tiny_servers.live.add_app(GatewayConfig(api_key="k", served_model_name="tiny"))
+    app = tiny_servers.live.runners[-1].app
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+    assert len(routes) > 20 and ("POST", "/v1/chat/completions") in routes
+    open_routes = set()
+    for method, path in sorted(routes):
+        url = base + re.sub(r"\{[^}]*\}", "tiny", path)
+        conn, resp = http.open_request(method, url, content=b"" if method == "POST" else None)
+        try:
+            if resp.status != 401:
+                open_routes.add((method, path))
+        finally:
+            conn.close()   # an endless stream, were one open, is not read
+    assert ("GET", "/health") in open_routes and ("GET", "/v1/models") not in open_routes
+    assert open_routes == _documented_open_routes()
 
 
 def test_every_key_from_flags_and_file_is_accepted_and_no_other(keyed):
