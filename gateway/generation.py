@@ -25,6 +25,8 @@ class ChoiceDelta:
     finish_reason: str | None
     # On each choice's first delta when the request asked for them: its prompt's logprobs.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # On the delta that finishes a choice by a stop string: the string (Anthropic's stop_sequence).
+    stop_string: str | None = None
 
 
 class _Choice:
@@ -166,7 +168,8 @@ class Generation:
             if not ch.engine_done:   # a stop string matched: this sample need not go on
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
-        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps)
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps,
+                           ch.sample.stop.matched)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0
