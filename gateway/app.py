@@ -18,7 +18,7 @@ from gateway.errors import APIError, internal
 from gateway.request_log import request_log_middleware, send_request_id
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
-from gateway.tenant import tenant_middleware
+from gateway.tenant import api_key_of, tenant_middleware
 from runtime import ActorSystem, get_logger
 
 log = get_logger(component="gateway")
@@ -44,12 +44,12 @@ async def errors_middleware(request: web.Request, handler):
 
 
 def auth_middleware(api_keys: tuple[str, ...]):
-    expected = [f"Bearer {k}".encode() for k in api_keys]
+    expected = [k.encode() for k in api_keys]
 
     @web.middleware
     async def check_key(request: web.Request, handler):
         if request.path not in UNPROTECTED:
-            given = request.headers.get("Authorization", "").encode()
+            given = api_key_of(request).encode()
             # Every key compared, so the time taken tells nothing about which one came close.
             if sum(hmac.compare_digest(given, e) for e in expected) == 0:
                 return APIError(401, "Incorrect or missing API key.", code="invalid_api_key",

@@ -69,10 +69,11 @@ def document(endpoints: list[Endpoint], title: str, version: str, with_keys: boo
             op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
                                 for p in params]
         if with_keys and e.protected:
-            op["security"] = [{"bearer": []}]
+            op["security"] = [{"bearer": []}, {"apiKey": []}]   # either header carries the key
         paths.setdefault(e.openapi_path, {})[e.method.lower()] = op
     doc: dict[str, Any] = {"openapi": "3.1.0", "info": {"title": title, "version": version},
                            "paths": paths, "components": {"schemas": components}}
     if with_keys:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return doc
