@@ -8,6 +8,7 @@ take Anthropic's shape too (`anthropic_error_response`, called by the app's erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import msgspec
@@ -40,6 +41,20 @@ def anthropic_error_response(request: web.Request, e: APIError) -> web.Response:
                         headers={**e.headers, **({"request-id": rid} if rid else {})})
 
 
+# The chat request's fields that a Messages request names otherwise, for the errors that name them.
+_NAMES = {"response_format.json_schema.schema": "output_config.format.schema", "stop": "stop_sequences"}
+
+
+@contextlib.contextmanager
+def _anthropic_names():
+    try:
+        yield
+    except APIError as e:
+        if (name := _NAMES.get(e.param)) is not None:
+            e.message, e.param = e.message.replace(f"`{e.param}`", f"`{name}`"), name
+        raise
+
+
 def _json(request: web.Request, body: dict) -> web.Response:
     # Anthropic's SDK reads the request id from `request-id` (X-Request-Id is sent as on every route).
     return web.Response(body=_encode(body), content_type="application/json",
@@ -53,7 +68,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     chat = chat_request(req)
     client, engine = state.require_engine()
     state.check_model(chat.model)
-    gen, fmt = await handlers.chat_generation(request, state, chat, client, engine, arrival, id_prefix="msg")
+    with _anthropic_names():
+        gen, fmt = await handlers.chat_generation(request, state, chat, client, engine, arrival, id_prefix="msg")
     with handlers.running(state, gen):
         if req.stream:
             return await _stream(request, state, gen, fmt)

@@ -97,6 +97,16 @@ class MessagesMetadata(protocol._Body):
     user_id: str | None = None   # accepted, unused
 
 
+class OutputFormat(protocol._Body):
+    type: str   # json_schema
+    schema: dict[str, Any]
+
+
+class OutputConfig(protocol._Body, kw_only=True):
+    effort: str | None = None          # passed to the chat template as reasoning_effort
+    format: OutputFormat | None = None   # the reply's text is JSON valid against this schema
+
+
 class _Conversation(protocol._Body, kw_only=True):
     model: str | None = None   # Anthropic's SDK always sends one; left out, the served model, as on every route
     messages: list[MessageParam]
@@ -104,6 +114,7 @@ class _Conversation(protocol._Body, kw_only=True):
     tools: list[MessagesTool] | None = None
     tool_choice: MessagesToolChoice | None = None
     thinking: dict[str, Any] | None = None   # refused unless disabled
+    cache_control: CacheControl | None = None
 
 
 class MessagesRequest(_Conversation, kw_only=True):
@@ -114,6 +125,7 @@ class MessagesRequest(_Conversation, kw_only=True):
     top_k: int | None = None
     stream: bool | None = None
     metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(_Conversation, kw_only=True):
@@ -159,6 +171,10 @@ def validate(req: _Conversation) -> None:
             raise invalid(f"`temperature` must be between 0 and 1, got {req.temperature}.", param="temperature")
         if req.top_k is not None and req.top_k < 0:
             raise invalid(f"`top_k` must be >= 0, got {req.top_k}.", param="top_k")
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None and fmt.type != "json_schema":
+            raise invalid(f"`output_config.format.type` must be json_schema, got {fmt.type!r}.",
+                          param="output_config.format.type")
         if len(req.stop_sequences or ()) > MAX_STOP_SEQUENCES:
             raise invalid(f"At most {MAX_STOP_SEQUENCES} stop_sequences are allowed.", param="stop_sequences")
 
@@ -215,6 +231,17 @@ def _tool_choice(req: _Conversation) -> tuple[str | protocol.NamedToolChoice | N
     raise invalid(f"`tool_choice.type` must be auto, any, tool or none, got {c.type!r}.", param="tool_choice.type")
 
 
+def _output(config: OutputConfig | None) -> dict:
+    """Structured outputs (a JSON schema the text must satisfy) and effort, in the chat request's terms."""
+    out = {}
+    if config is not None and config.format is not None:
+        out["response_format"] = protocol.ResponseFormat(
+            "json_schema", protocol.JsonSchemaFormat(schema=config.format.schema))
+    if config is not None and config.effort is not None:
+        out["reasoning_effort"] = config.effort
+    return out
+
+
 def chat_request(req: _Conversation) -> protocol.ChatRequest:
     """The chat request that asks the engine for what `req` asks. A last assistant message is a
     prefill: the reply continues it (the template leaves it open)."""
@@ -226,7 +253,7 @@ def chat_request(req: _Conversation) -> protocol.ChatRequest:
     prefill = req.messages[-1].role == "assistant"
     if isinstance(req, MessagesRequest):
         sampling = dict(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                        top_k=req.top_k, stop=req.stop_sequences, stream=req.stream)
+                        top_k=req.top_k, stop=req.stop_sequences, stream=req.stream, **_output(req.output_config))
     else:   # counting: any budget that leaves the prompt alone
         sampling = dict(max_tokens=1)
     chat = protocol.ChatRequest(model=req.model, messages=messages, tools=tools, tool_choice=choice,

@@ -47,8 +47,9 @@ def test_a_message_is_the_chat_routes_reply_in_anthropics_shape(claude, client):
     assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.finish_reason]
     assert r.stop_sequence is None
     assert 0 < r.usage.output_tokens <= 8 and r.usage.input_tokens + r.usage.cache_read_input_tokens > 10
-    # System as text blocks renders as the string does.
-    blocks = claude.messages.create(max_tokens=8, system=[{"type": "text", "text": system}], messages=ASK, **T0)
+    # System as text blocks renders as the string does; cache markers change nothing.
+    blocks = claude.messages.create(max_tokens=8, messages=ASK, cache_control={"type": "ephemeral"}, **T0,
+                                    system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}])
     assert _text(blocks) == _text(r)
 
 
@@ -140,6 +141,19 @@ def test_a_named_tool_choice_calls_that_tool(claude):
                                tools=[clock, FORECAST], tool_choice={"type": "tool", "name": "get_forecast"},
                                **T0)
     assert r.stop_reason == "tool_use" and [b.name for b in r.content if b.type == "tool_use"] == ["get_forecast"]
+
+
+def test_output_config_format_constrains_the_text_to_the_schema(claude):
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}}}
+    r = claude.messages.create(max_tokens=60, messages=[{"role": "user", "content": "A colour?"}], **T0,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(_text(r)), schema)
+    with pytest.raises(anthropic.BadRequestError) as e:   # a schema the grammar engine refuses
+        claude.messages.create(max_tokens=4, messages=ASK, model="tiny",
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "nope"}}})
+    assert e.value.body["error"]["message"].startswith("Invalid `output_config.format.schema`: ")
 
 
 def test_count_tokens_is_the_prompt_that_usage_counts_cached_or_not(claude):
