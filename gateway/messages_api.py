@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 import msgspec
@@ -42,7 +43,8 @@ def anthropic_error_response(request: web.Request, e: APIError) -> web.Response:
 
 
 # The chat request's fields that a Messages request names otherwise, for the errors that name them.
-_NAMES = {"response_format.json_schema.schema": "output_config.format.schema", "stop": "stop_sequences"}
+_NAMES = [(re.compile(r"response_format\.json_schema\.schema"), "output_config.format.schema"),
+          (re.compile(r"^stop$"), "stop_sequences"), (re.compile(r"^tools\[(\d+)\]\.function\."), r"tools[\1].")]
 
 
 @contextlib.contextmanager
@@ -50,8 +52,11 @@ def _anthropic_names():
     try:
         yield
     except APIError as e:
-        if (name := _NAMES.get(e.param)) is not None:
-            e.message, e.param = e.message.replace(f"`{e.param}`", f"`{name}`"), name
+        for pattern, name in _NAMES if e.param is not None else ():
+            if pattern.search(e.param):
+                param = pattern.sub(name, e.param)
+                e.message, e.param = e.message.replace(f"`{e.param}`", f"`{param}`"), param
+                break
         raise
 
 
@@ -129,7 +134,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     chat = chat_request(req)
     _, engine = state.require_engine()
     state.check_model(chat.model)
-    ids = await handlers.chat_prompt(engine, chat, chat_tools(chat, state.config.tool_call_parser))
+    with _anthropic_names():
+        ids = await handlers.chat_prompt(engine, chat, chat_tools(chat, state.config.tool_call_parser))
     return _json(request, {"input_tokens": len(ids)})
 
 

@@ -132,7 +132,10 @@ def test_tool_choice_any_forces_a_valid_call_and_a_tool_result_gets_an_answer(cl
     counted = claude.messages.count_tokens(model="tiny", messages=turn, tools=[FORECAST]).input_tokens
     assert counted == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
     turn[-1]["content"][0]["content"][0]["text"] += " with a light breeze from the west"
-    assert claude.messages.count_tokens(model="tiny", messages=turn, tools=[FORECAST]).input_tokens > counted
+    longer = claude.messages.count_tokens(model="tiny", messages=turn, tools=[FORECAST]).input_tokens
+    assert longer > counted
+    turn[-1]["content"][0]["is_error"] = True   # the model is told the call failed
+    assert claude.messages.count_tokens(model="tiny", messages=turn, tools=[FORECAST]).input_tokens > longer
 
 
 def test_a_named_tool_choice_calls_that_tool(claude):
@@ -183,7 +186,7 @@ def test_a_last_assistant_message_is_continued(claude, client):
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -1}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"tools": [{"name": "f g", "input_schema": {"type": "object"}}]}, "tools[0].function.name"),
+    ({"tools": [{"name": "f g", "input_schema": {"type": "object"}}]}, "tools[0].name"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [FORECAST]}, "tool_choice"),
 ])
 def test_a_bad_request_is_a_400_in_anthropics_shape(claude, body, param):
