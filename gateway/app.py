@@ -15,10 +15,11 @@ from gateway.app_keys import STATE
 from gateway.config import GatewayConfig
 from gateway.cors import CorsPolicy
 from gateway.errors import APIError, internal
+from gateway.messages_api import anthropic_error_response, speaks_anthropic
 from gateway.request_log import request_log_middleware, send_request_id
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
-from gateway.tenant import tenant_middleware
+from gateway.tenant import api_key_of, tenant_middleware
 from runtime import ActorSystem, get_logger
 
 log = get_logger(component="gateway")
@@ -29,31 +30,36 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return _error_response(request, e)
     except web.HTTPException as e:   # no route, wrong method, body over client_max_size
         if e.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return APIError(e.status, e.reason, param=None, code=code,
-                        headers={k: v for k, v in e.headers.items() if k == "Allow"}).response()
+        return _error_response(request, APIError(e.status, e.reason, param=None, code=code,
+                                                 headers={k: v for k, v in e.headers.items() if k == "Allow"}))
     except (ConnectionResetError, asyncio.CancelledError):
         raise   # the client is gone: nothing to answer
     except Exception:
         log.exception("unhandled error", path=request.path)
-        return internal().response()
+        return _error_response(request, internal())
+
+
+def _error_response(request: web.Request, e: APIError) -> web.Response:
+    """OpenAI's error shape, but Anthropic's on its Messages API's paths."""
+    return anthropic_error_response(request, e) if speaks_anthropic(request.path) else e.response()
 
 
 def auth_middleware(api_keys: tuple[str, ...]):
-    expected = [f"Bearer {k}".encode() for k in api_keys]
+    expected = [k.encode() for k in api_keys]
 
     @web.middleware
     async def check_key(request: web.Request, handler):
         if request.path not in UNPROTECTED:
-            given = request.headers.get("Authorization", "").encode()
+            given = api_key_of(request).encode()
             # Every key compared, so the time taken tells nothing about which one came close.
             if sum(hmac.compare_digest(given, e) for e in expected) == 0:
-                return APIError(401, "Incorrect or missing API key.", code="invalid_api_key",
-                                headers={"WWW-Authenticate": "Bearer"}).response()
+                raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return check_key

@@ -27,6 +27,8 @@ class ChoiceDelta:
     # On each choice's first delta when the request asked for them: its prompt's logprobs.
     prompt_logprobs: list[TokenLogprobs] | None = None
     embedding: list[float] | None = None   # an embedding request's pooled prompt
+    # On the delta that finishes a choice by a stop string: the string (Anthropic's stop_sequence).
+    stop_string: str | None = None
 
 
 class _Choice:
@@ -169,7 +171,7 @@ class Generation:
                 ch.abort_pending = True
         self._send_pending_aborts(sub)
         return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps,
-                           d.embedding)
+                           d.embedding, ch.sample.stop.matched)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0

@@ -76,9 +76,7 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
     check that needs the engine done. Chat Completions and the APIs translated into a chat request
     share it, so a conversation becomes tokens and sampling parameters in one place."""
     tools = chat_tools(req, state.config.tool_call_parser)
-    prompt = await render_chat(engine.tokenizer, req.messages, add_special_tokens=bool(req.add_special_tokens),
-                               **_template_kwargs(req, tools))
-    prompt = truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
+    prompt = await chat_prompt(engine, req, tools)
     top = (req.top_logprobs or 0) if req.logprobs else None
     config = state.config
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -107,6 +105,13 @@ def _thinking(state: GatewayState, req: protocol.ChatRequest, tokenizer, prompt:
         return None
     parser = reasoning.PARSERS[state.config.reasoning_parser]
     return parser.thinks(req.chat_template_kwargs, reasoning.prompt_tail(tokenizer, prompt))
+
+
+async def chat_prompt(engine, req: protocol.ChatRequest, tools) -> list[int]:
+    """The prompt's token ids, as the engine will get them (also what a token count counts)."""
+    prompt = await render_chat(engine.tokenizer, req.messages, add_special_tokens=bool(req.add_special_tokens),
+                               **_template_kwargs(req, tools))
+    return truncated(prompt, req.truncate_prompt_tokens, engine.max_model_len)
 
 
 def _echo(req: protocol.ChatRequest) -> str | None:

@@ -30,6 +30,7 @@ class Endpoint:
     protected: bool = True               # needs an API key when the server has some
     example: dict | None = None          # a request body that works (documented, and tested so)
     endless: bool = False                # a stream that never ends on its own (the dashboard's)
+    error: type = ErrorResponse          # the error body's struct (Anthropic's on its Messages API)
 
     @property
     def openapi_path(self) -> str:
@@ -42,13 +43,13 @@ class Endpoint:
 
 
 def document(endpoints: list[Endpoint], title: str, version: str, with_keys: bool) -> dict[str, Any]:
-    types = [ErrorResponse] + [t for e in endpoints for t in (e.request, e.response) if t is not None]
+    types = list(dict.fromkeys(t for e in endpoints for t in (e.error, e.request, e.response) if t is not None))
     refs, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref = dict(zip(types, refs))
-    error = {"description": "An error, in OpenAI's shape",
-             "content": {"application/json": {"schema": ref[ErrorResponse]}}}
     paths: dict[str, dict] = {}
     for e in endpoints:
+        error = {"description": "An error" + (", in OpenAI's shape" if e.error is ErrorResponse else ""),
+                 "content": {"application/json": {"schema": ref[e.error]}}}
         if e.response is not None:
             content = {e.content_type: {"schema": ref[e.response]}}
         else:   # a body without a struct: a JSON object (this document), text, or a page's file
@@ -69,10 +70,11 @@ def document(endpoints: list[Endpoint], title: str, version: str, with_keys: boo
             op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
                                 for p in params]
         if with_keys and e.protected:
-            op["security"] = [{"bearer": []}]
+            op["security"] = [{"bearer": []}, {"apiKey": []}]   # either header carries the key
         paths.setdefault(e.openapi_path, {})[e.method.lower()] = op
     doc: dict[str, Any] = {"openapi": "3.1.0", "info": {"title": title, "version": version},
                            "paths": paths, "components": {"schemas": components}}
     if with_keys:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return doc

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, dashboard, embeddings, handlers, openapi, planner, protocol
+from gateway import api_types, dashboard, embeddings, handlers, messages_api, openapi, planner, protocol
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 from gateway.openapi import Endpoint
@@ -133,6 +133,7 @@ def _dashboard(route: web.RouteDef) -> Endpoint:
                     example={"model": "llama-3-8b", "context_len": 8192, "concurrency": 4} if plans else None)
 
 
+ENDPOINTS += messages_api.ENDPOINTS
 ENDPOINTS += [_dashboard(r) for r in dashboard.ROUTES + planner.ROUTES]
 ROUTES = [web.route(e.method, e.path, e.handler) for e in ENDPOINTS]
 UNPROTECTED = frozenset(e.path for e in ENDPOINTS if not e.protected)

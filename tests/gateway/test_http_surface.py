@@ -69,6 +69,32 @@ def test_every_key_from_flags_and_file_is_accepted_and_no_other(keyed):
     assert http.get(keyed + "/health").status_code == 200
 
 
+def test_the_key_may_come_as_x_api_key_as_anthropics_sdk_sends_it(keyed):
+    for key in ("flag-key-1", "file-key-2"):
+        assert http.get(keyed + "/v1/models", headers={"x-api-key": key}).status_code == 200, key
+    for headers in ({"x-api-key": "file-key-3"}, {"x-api-key": ""}, {"X-Api-Key": "flag-key-"}):
+        r = http.get(keyed + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # A bearer token, when there is one, is the key: a right x-api-key does not rescue a wrong one.
+    r = http.get(keyed + "/v1/models", headers={**_auth("wrong"), "x-api-key": "flag-key-1"})
+    assert r.status_code == 401
+
+
+def test_an_x_api_key_is_the_same_tenant_as_its_bearer_token(tiny_servers):
+    base = tiny_servers.live.add_app(GatewayConfig(served_model_name="tiny"))
+    prompt = "tenant by x-api-key " * 10   # several full blocks
+
+    def cached(headers) -> int:
+        r = http.post(base + "/v1/completions", headers=headers,
+                      json_body={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(_auth("tenant-a"))
+    assert cached({"x-api-key": "tenant-a"}) > 0
+    assert cached({"x-api-key": "tenant-b"}) == 0
+
+
 def test_key_flags_repeat_and_the_environment_gives_the_default(tmp_path):
     a = cli.build_parser({}).parse_args(["serve", "--api-key", "a", "--api-key", "b", "c"])
     assert a.api_key == ["a", "b", "c"]

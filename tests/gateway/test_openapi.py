@@ -46,7 +46,7 @@ def test_the_document_is_valid_openapi_3(document):
     schemas = document["components"]["schemas"]
     assert {"ChatRequest", "CompletionRequest", "ChatCompletion", "Completion", "ErrorResponse"} <= set(schemas)
     assert "messages" in schemas["ChatRequest"]["required"]
-    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}, {"apiKey": []}]
     assert "security" not in document["paths"]["/health"]["get"]
 
 
