@@ -50,6 +50,13 @@ class GatewayConfig:
     tool_call_parser: str = field(default="hermes", metadata={
         "help": "the model's tool-call format, parsed into tool_calls (vLLM's names)",
         "choices": ("hermes", "llama3_json")})
+    response_store_entries: int = field(default=4096, metadata={
+        "help": "responses of /v1/responses kept for previous_response_id and GET, least recently used "
+                "out first (0: none kept; per gateway process, in memory)"})
+    response_store_memory: int = field(default=64 << 20, metadata={
+        "help": "the bytes the stored responses may take together (e.g. 64MiB)", "type": "bytes"})
+    response_store_ttl_s: float = field(default=3600.0, metadata={
+        "help": "seconds a stored response is kept after it was made", "flag": "response-store-ttl"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -64,6 +71,10 @@ class GatewayConfig:
             raise ValueError(f"ping_interval_s must be positive, got {self.ping_interval_s}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be positive, got {self.read_timeout_s}")
+        if self.response_store_entries < 0 or self.response_store_memory < 0:
+            raise ValueError("response_store_entries and response_store_memory must not be negative")
+        if self.response_store_ttl_s <= 0:
+            raise ValueError(f"response_store_ttl_s must be positive, got {self.response_store_ttl_s}")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

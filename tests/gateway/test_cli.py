@@ -115,6 +115,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --tool-call-parser
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
+FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
 
 
 def _serve_flags(parser) -> list[str]:
