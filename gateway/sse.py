@@ -1,4 +1,4 @@
-"""Server-sent events on an aiohttp StreamResponse: data events, ping comments, [DONE].
+"""Server-sent events on an aiohttp StreamResponse: data events (named ones too), ping comments, [DONE].
 
 Headers tell proxies not to buffer (X-Accel-Buffering) so tokens reach the client as they come.
 """
@@ -28,11 +28,20 @@ class SSEWriter:
         """Several events in one write: fewer syscalls when deltas arrive together."""
         await self.response.write(b"".join(b"data: " + _encode(e) + b"\n\n" for e in events))
 
+    async def send_named(self, *events: tuple[str, dict]) -> None:
+        """(name, data) pairs, each an `event:` line before its `data:` (the Responses API's stream)."""
+        await self.response.write(b"".join(b"event: " + name.encode() + b"\ndata: " + _encode(e) + b"\n\n"
+                                           for name, e in events))
+
     async def ping(self) -> None:
         await self.response.write(b": ping\n\n")
 
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+    async def end(self) -> None:
+        """The end of a stream whose last event says it is the last (no [DONE])."""
         await self.response.write_eof()
 
     async def fail(self, error) -> None:
