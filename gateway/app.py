@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.cors import CorsPolicy
 from gateway.errors import APIError, internal
 from gateway.request_log import request_log_middleware, send_request_id
+from gateway.responses_api import RESPONSE_STORE, response_store
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
 from gateway.tenant import tenant_middleware
@@ -80,6 +81,7 @@ def create_app(config: GatewayConfig, launcher: EngineLauncher,
     app.on_response_prepare.append(send_request_id)
     app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = GatewayState(config=config, launcher=launcher, system=system)
+    app[RESPONSE_STORE] = response_store(config)
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_drain)

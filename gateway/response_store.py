@@ -32,7 +32,7 @@ class ResponseStore:
         if max_entries < 0 or max_bytes < 0 or ttl_s <= 0:
             raise ValueError("a response store needs max_entries >= 0, max_bytes >= 0 and ttl_s > 0")
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
-        self._clock = clock
+        self.clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()   # least recently used first
         self._born: OrderedDict[str, float] = OrderedDict()               # oldest first
         self.nbytes = 0
@@ -46,7 +46,7 @@ class ResponseStore:
         self.delete(response_id)
         if self.max_entries == 0 or size > self.max_bytes:
             return False
-        now = self._clock()
+        now = self.clock()
         self._expire(now)
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + size > self.max_bytes):
             self.delete(next(iter(self._entries)))
@@ -57,7 +57,7 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The entry, now the most recently used; None when unknown, evicted or expired."""
-        self._expire(self._clock())
+        self._expire(self.clock())
         entry = self._entries.get(response_id)
         if entry is not None:
             self._entries.move_to_end(response_id)
