@@ -286,3 +286,26 @@ def test_the_route_has_the_other_routes_key_and_request_id(tiny_servers):
     assert r.status_code == 200 and r.headers["x-request-id"] == "resp-test-1"
     assert http.get(tiny_servers.main + "/v1/responses/" + r.json()["id"]).status_code == 401
     assert http.get(tiny_servers.main + "/v1/responses/resp_nope", headers=AUTH).json()["error"]["param"] == "response_id"
+
+
+def test_output_items_sent_back_as_input_continue_without_the_store(client):
+    """The SDK's stateless way: the previous output items, as returned, in the next input."""
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                max_output_tokens=256, store=False, **GREEDY)
+    call = _call(r)
+    items = ask + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    stateless = client.responses.create(input=items, tools=[WEATHER], max_output_tokens=4, store=False, **GREEDY)
+    stored = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                     max_output_tokens=256, **GREEDY)
+    assert _call(stored).arguments == call.arguments   # greedy: the same call
+    chained = client.responses.create(previous_response_id=stored.id, tools=[WEATHER], max_output_tokens=4, **GREEDY,
+                                      input=[{"type": "function_call_output", "call_id": _call(stored).call_id,
+                                              "output": "cold"}])
+    assert stateless.usage.input_tokens == chained.usage.input_tokens
+    texts = client.responses.create(input="Hello world", max_output_tokens=4, store=False, **GREEDY)
+    again = client.responses.create(input=[{"role": "user", "content": "Hello world"}] + texts.output
+                                    + [{"role": "user", "content": "More"}], max_output_tokens=2, **GREEDY)
+    c = chat(client, [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": texts.output_text},
+                      {"role": "user", "content": "More"}], max_tokens=2)
+    assert again.usage.input_tokens == c.usage.prompt_tokens and again.output_text == c.choices[0].message.content
