@@ -309,3 +309,31 @@ def test_output_items_sent_back_as_input_continue_without_the_store(client):
     c = chat(client, [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": texts.output_text},
                       {"role": "user", "content": "More"}], max_tokens=2)
     assert again.usage.input_tokens == c.usage.prompt_tokens and again.output_text == c.choices[0].message.content
+
+
+def test_an_engine_lost_mid_stream_fails_the_response_and_stores_nothing(tiny_servers):
+    live = tiny_servers.live
+    proxy = live.spawn_proxy("doomed-responses-scheduler")
+    base = live.add_app(GatewayConfig(served_model_name="tiny"), scheduler=proxy)
+    body = {"model": "tiny", "input": "Count to ten", "max_output_tokens": 200, "temperature": 0, "stream": True}
+    conn, resp = http.open_request("POST", base + "/v1/responses", json_body=body)
+    try:
+        assert resp.status == 200
+        seen = []
+        while "response.output_text.delta" not in seen:
+            line = resp.readline()
+            assert line, "the stream ended before any text"
+            if line.startswith(b"data: "):
+                seen.append(json.loads(line[6:])["type"])
+        live.stop_actor(proxy)
+        rest = resp.read().decode()
+    finally:
+        conn.close()
+    events = [json.loads(ln[6:]) for ln in rest.splitlines() if ln.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"] and "[DONE]" not in rest
+    assert events[-2]["code"] == "service_unavailable" and events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "service_unavailable"
+    assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
+    r = http.get(base + "/v1/responses/" + failed["id"])
+    assert r.status_code == 404
