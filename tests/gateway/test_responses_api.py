@@ -5,6 +5,7 @@ text and prompt tokens as the equivalent chat completion, the event sequence of 
 and JSON that validate, the stored conversation that `previous_response_id` continues.
 """
 import json
+import time
 
 import jsonschema
 import openai
@@ -337,3 +338,26 @@ def test_an_engine_lost_mid_stream_fails_the_response_and_stores_nothing(tiny_se
     assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
     r = http.get(base + "/v1/responses/" + failed["id"])
     assert r.status_code == 404
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_kv_blocks(client, tiny_servers):
+    from tests.gateway.test_live_api import metric
+
+    base, ask = tiny_servers.main, "Count to ten. " * 8
+    assert chat(client, [{"role": "user", "content": ask}], max_tokens=600).choices[0].finish_reason == "length"
+    free_before = metric(base, "matinee_kv_blocks_free")
+    conn, resp = http.open_request("POST", base + "/v1/responses", headers=AUTH, json_body={
+        "model": "tiny", "input": ask, "max_output_tokens": 600, "temperature": 0, "stream": True})
+    assert resp.status == 200
+    seen = 0
+    while seen < 5:
+        line = resp.readline()
+        assert line, "the stream ended early"
+        seen += line.startswith(b"data: ")
+    assert metric(base, "matinee_kv_blocks_free") < free_before
+    conn.close()
+    deadline = time.monotonic() + 20
+    while metric(base, "matinee_kv_blocks_free") != free_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base, "matinee_kv_blocks_free") == free_before
+    assert metric(base, "matinee_requests_running") == 0
