@@ -248,6 +248,20 @@ def test_evicted_and_expired_responses_are_404s(small_store):
         client.responses.create(input="go on", previous_response_id=c.id, **GREEDY)
 
 
+def test_a_stored_response_is_reachable_only_with_the_token_that_made_it(small_store):
+    client, _ = small_store   # a server without keys: each bearer token is still its own tenant
+    other = client.with_options(api_key="another-tenant")
+    r = client.responses.create(input="secret plans", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        other.responses.create(input="go on", previous_response_id=r.id, **GREEDY)
+    assert e.value.body["code"] == "previous_response_not_found"
+    assert client.responses.retrieve(r.id).id == r.id
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
