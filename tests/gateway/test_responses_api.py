@@ -262,6 +262,21 @@ def test_a_stored_response_is_reachable_only_with_the_token_that_made_it(small_s
     assert client.responses.retrieve(r.id).id == r.id
 
 
+EFFORT_TEMPLATE = ("{% if reasoning_effort is defined %}(effort {{ reasoning_effort }}){% endif %}"
+                   "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_chat_sends_it(tiny_servers):
+    base = tiny_servers.live.add_app(GatewayConfig(served_model_name="tiny", chat_template=EFFORT_TEMPLATE))
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    plain = client.responses.create(input="Hi", max_output_tokens=1, **GREEDY)
+    effort = client.responses.create(input="Hi", max_output_tokens=1, reasoning={"effort": "high"}, **GREEDY)
+    c = chat(client, [{"role": "user", "content": "Hi"}], max_tokens=1, reasoning_effort="high")
+    assert effort.usage.input_tokens == c.usage.prompt_tokens > plain.usage.input_tokens
+    assert effort.reasoning.effort == "high"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
