@@ -390,3 +390,18 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_kv_blocks(client, tiny_serv
         time.sleep(0.05)
     assert metric(base, "matinee_kv_blocks_free") == free_before
     assert metric(base, "matinee_requests_running") == 0
+
+
+def test_the_route_has_the_other_routes_limits_and_pings(tiny_servers):
+    limits = tiny_servers.limits   # 4 KiB bodies, a ping after 5 ms of silence
+    r = http.post(limits + "/v1/responses", json_body={"model": "tiny", "input": "x" * 5000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    def body(first: str) -> dict:   # a long prompt, new to the prefix cache: its prefill takes a while
+        return {"model": "tiny", "input": first + " Count to ten." * 110, "max_output_tokens": 8,
+                "temperature": 0, "stream": True}
+
+    raw = http.post(limits + "/v1/responses", json_body=body("One")).text
+    assert ": ping\n\n" in raw and raw.rstrip().endswith("}")
+    sdk = openai.OpenAI(base_url=limits + "/v1", api_key="unused", max_retries=0, timeout=120)
+    events = events_of(sdk.responses.create(**body("Two")))
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
