@@ -9,8 +9,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, dashboard, handlers, openapi, planner, protocol, responses_api, responses_protocol
-from gateway import responses_types
+from gateway import api_types, dashboard, handlers, openapi, planner, protocol
+from gateway import responses_api, responses_protocol, responses_types
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 from gateway.openapi import Endpoint
