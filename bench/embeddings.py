@@ -62,10 +62,10 @@ def run_transformers(model: str, texts: list[str], batches: list[int], reps: int
 
 
 def main() -> None:
-    from tests.gateway.conftest import SMOLLM2_GGUF, smollm2_dir
+    from actors.worker.model_source import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.path.join(smollm2_dir(), SMOLLM2_GGUF), help="a GGUF file")
+    ap.add_argument("--model", default=default_model_path(), help="a GGUF file (default: SmolLM2's)")
     ap.add_argument("--inputs", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -17,6 +17,7 @@ from gateway.cors import CorsPolicy
 from gateway.errors import APIError, internal
 from gateway.messages_api import anthropic_error_response, speaks_anthropic
 from gateway.request_log import request_log_middleware, send_request_id
+from gateway.responses_api import RESPONSE_STORE, response_store
 from gateway.routes import ROUTES, UNPROTECTED
 from gateway.state import EngineLauncher, GatewayState
 from gateway.tenant import api_key_of, tenant_middleware
@@ -86,6 +87,7 @@ def create_app(config: GatewayConfig, launcher: EngineLauncher,
     app.on_response_prepare.append(send_request_id)
     app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = GatewayState(config=config, launcher=launcher, system=system)
+    app[RESPONSE_STORE] = response_store(config)
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_drain)

@@ -65,6 +65,13 @@ class GatewayConfig:
     grammar_timeout_s: float = field(default=5.0, metadata={
         "help": "seconds a structured output may take to compile at the gateway; longer is a 400",
         "flag": "grammar-timeout"})
+    response_store_entries: int = field(default=4096, metadata={
+        "help": "responses of /v1/responses kept for previous_response_id and GET, least recently used "
+                "out first (0: none kept; per gateway process, in memory)"})
+    response_store_memory: int = field(default=64 << 20, metadata={
+        "help": "the bytes the stored responses may take together (e.g. 64MiB)", "type": "bytes"})
+    response_store_ttl_s: float = field(default=3600.0, metadata={
+        "help": "seconds a stored response is kept after it was made", "flag": "response-store-ttl"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -90,6 +97,10 @@ class GatewayConfig:
                 self.max_tokens_default > self.max_tokens_limit:
             raise ValueError(f"max_tokens_default ({self.max_tokens_default}) must be at most "
                              f"max_tokens_limit ({self.max_tokens_limit})")
+        if self.response_store_entries < 0 or self.response_store_memory < 0:
+            raise ValueError("response_store_entries and response_store_memory must not be negative")
+        if self.response_store_ttl_s <= 0:
+            raise ValueError(f"response_store_ttl_s must be positive, got {self.response_store_ttl_s}")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import api_types, dashboard, embeddings, handlers, messages_api, openapi, planner, protocol
+from gateway import responses_api, responses_protocol, responses_types
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
 from gateway.openapi import Endpoint
@@ -107,6 +108,13 @@ ENDPOINTS = [
     Endpoint("POST", "/v1/embeddings", embeddings.embeddings, "Embeddings of texts or token ids",
              protocol.EmbeddingRequest, api_types.EmbeddingList,
              example={"input": ["The capital of France is Paris."]}),
+    Endpoint("POST", "/v1/responses", responses_api.create_response, "A response (OpenAI's Responses API)",
+             responses_protocol.ResponsesRequest, responses_types.ResponseObject, streams=True,
+             example={"input": "Name three colours.", "max_output_tokens": 16}),
+    Endpoint("GET", "/v1/responses/{response_id}", responses_api.get_response, "A stored response",
+             response=responses_types.ResponseObject),
+    Endpoint("DELETE", "/v1/responses/{response_id}", responses_api.delete_response, "Forget a stored response",
+             response=responses_types.ResponseDeleted),
     Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
     Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
     Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,

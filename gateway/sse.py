@@ -1,5 +1,5 @@
 """Server-sent events on an aiohttp StreamResponse: data events, ping comments, [DONE]; and
-named events (`event:` lines, as Anthropic's Messages API streams them), which end without [DONE].
+named events (`event:` lines, as the Responses and Messages APIs stream them), which end without [DONE].
 
 Headers tell proxies not to buffer (X-Accel-Buffering) so tokens reach the client as they come.
 """
@@ -42,6 +42,7 @@ class SSEWriter:
         await self.end()
 
     async def end(self) -> None:
+        """The end of a stream whose last event says it is the last (no [DONE])."""
         await self.response.write_eof()
 
     async def fail(self, error) -> None:

@@ -136,6 +136,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --tool-call-parser --reasoning-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
+FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
 
 
 def _serve_flags(parser) -> list[str]:

@@ -64,11 +64,21 @@ def body(draw, required: dict, fields: dict) -> bytes:
     return json.dumps(out).encode()   # NaN and Infinity come out as bare words: not JSON, also a case
 
 
+item = message | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=4),
+                                         "output": st.text(max_size=10)})
+responses_fields = {"model": plausible["model"], "temperature": plausible["temperature"], "top_p": plausible["top_p"],
+                    "stream": plausible["stream"], "user": plausible["user"], "instructions": st.text(max_size=20),
+                    "max_output_tokens": st.integers(1, 4), "store": st.booleans(),
+                    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+                    "previous_response_id": st.text(max_size=8), "truncation": st.sampled_from(["disabled", "auto"]),
+                    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])}
 raw = st.binary(max_size=64) | st.sampled_from([b"", b"{", b"[]", b"null", b'{"messages": [}'])
 bodies = (st.tuples(st.just("/v1/chat/completions"),
                     body({"messages": st.lists(message, min_size=1, max_size=3)}, chat_fields))
           | st.tuples(st.just("/v1/completions"), body({"prompt": prompt}, completion_fields))
-          | st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize"]), raw))
+          | st.tuples(st.just("/v1/responses"),
+                      body({"input": st.text(max_size=40) | st.lists(item, min_size=1, max_size=3)}, responses_fields))
+          | st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"]), raw))
 
 GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
@@ -90,6 +100,11 @@ def test_no_body_gives_a_5xx(fuzz_server, case):
     assert r.status_code < 500, (path, body[:300], r.text[:300])
     if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
         events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        if path == "/v1/responses":   # OpenAI's named events: a terminal one, no [DONE]
+            types = [json.loads(e)["type"] for e in events]
+            assert types[-1] in ("response.completed", "response.incomplete"), (body[:300], r.text[-300:])
+            assert "error" not in types and "response.failed" not in types
+            return
         assert events[-1] == "[DONE]"
         assert not any('"error"' in e for e in events[:-1]), (body[:300], r.text[-300:])
 

@@ -160,10 +160,12 @@ def test_output_config_format_constrains_the_text_to_the_schema(claude):
 
 
 def test_count_tokens_is_the_prompt_that_usage_counts_cached_or_not(claude):
+    # A system prompt no other test sends: its first block is this test's own, not cached already.
+    system = "Count tokens, briefly."
     long = [{"role": "user", "content": "Count these tokens, a prompt of several blocks. " * 6}]
-    counted = claude.messages.count_tokens(model="tiny", messages=long, system="Be brief.").input_tokens
-    first = claude.messages.create(max_tokens=1, messages=long, system="Be brief.", **T0).usage
-    again = claude.messages.create(max_tokens=1, messages=long, system="Be brief.", **T0).usage
+    counted = claude.messages.count_tokens(model="tiny", messages=long, system=system).input_tokens
+    first = claude.messages.create(max_tokens=1, messages=long, system=system, **T0).usage
+    again = claude.messages.create(max_tokens=1, messages=long, system=system, **T0).usage
     assert first.cache_read_input_tokens == 0 and first.input_tokens == counted
     assert again.cache_read_input_tokens > 0 and again.input_tokens + again.cache_read_input_tokens == counted
     assert claude.messages.count_tokens(model="tiny", messages=long).input_tokens < counted
