@@ -21,16 +21,14 @@ from typing import Any, NamedTuple
 import msgspec
 
 from actors.draft.controller import SpecController
-from actors.draft.messages import DraftInput, Propose
-from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult,
                              SubmitRequest, TokenDelta)
 from actors.recent import RecentSamples
-from actors.scheduler.draft_feed import DraftFeed
+from actors.scheduler.counters import Counters
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
-from prefix_store.metrics import Histogram
+from actors.scheduler.speculation import SpeculationPlanner
 
 
 # What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
@@ -58,33 +56,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class Counters:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    steps: int = 0
-    kv_slots_allocated: int = 0     # slots in the running sequences' blocks, summed over steps
-    kv_slots_used: int = 0          # of those, slots holding a token (KV waste = 1 - used / allocated)
-    spec_draft_tokens: int = 0      # drafted tokens verified
-    spec_accepted_tokens: int = 0   # of those, the ones kept
-    spec_num_drafts: int = 0        # verifications with at least one drafted token
-    # Seconds from arrival here to first scheduled (a preempted request's wait again is not counted).
-    queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_TIME_BUCKETS))
-    prefill_steps: int = 0          # steps that computed some sequence's prompt (or its recompute)
-    prefill_tokens: int = 0
-    ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill
-    ttft_queue_s: float = 0.0
-    ttft_prefill_s: float = 0.0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))   # arrival to first token
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))     # per token
-    # Accepted drafted tokens by their position in the draft: a draft whose first a tokens were
-    # accepted counts one at each of positions 0..a-1 (vLLM's num_accepted_tokens_per_pos).
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-
-
-@dataclass
 class _Step:
     """The step under construction, between schedule() and plan()."""
 
@@ -103,14 +74,13 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.clock = clock
-        self.spec = spec                       # speculative decoding: k per decoding sequence
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []      # sorted by sort_key
         self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
         self.counters = Counters()
-        if spec is not None:
-            self.counters.spec_accepted_per_pos = [0] * spec.max_k
+        # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
+        self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
         # The last seconds' first-token latency (arrival here to first token) and inter-token
         # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
         self.recent_ttft = RecentSamples(clock=clock)
@@ -127,9 +97,6 @@ class Scheduler:
         self._in_flight = InFlightStep()
         self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
-        self._propose: Propose | None = None   # the draft worker's share of the planned step
-        self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
-        self._draft_released: list[int] = []   # sequences whose draft state goes at once
         self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
         self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
         self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
@@ -275,7 +242,7 @@ class Scheduler:
     def schedule(self) -> KVStep:
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
-        spec_k = self._choose_spec()
+        spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
         # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
         # arrival order: a prefill that sorts first (a more important request, a preempted older
         # one) must not take the budget from a stream that already emits tokens.
@@ -340,7 +307,7 @@ class Scheduler:
         return None
 
     def plan(self) -> StepPlan:
-        seqs, new, drafts, starts = [], [], [], {}
+        seqs, new, starts = [], [], {}
         tables = self._step.tables
         prefill_tokens, now = 0, self.clock()
         self._layered = []
@@ -359,9 +326,8 @@ class Scheduler:
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
-            if self.spec is not None:
-                drafts.append(DraftInput(seq.seq_id, scheduled.token_ids, start, scheduled.block_table,
-                                         seq.spec_k if scheduled.sample else 0))
+            if self.speculation is not None:
+                self.speculation.scheduled(seq, scheduled)
             seq.num_computed = end
             starts[seq.seq_id] = start
         built, self._step = self._step, _Step()
@@ -375,20 +341,9 @@ class Scheduler:
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
-        if self.spec is not None:
-            self._propose = self._draft_feed.step(self._step_id, drafts, new)
+        if self.speculation is not None:
+            self.speculation.planned(self._step_id, new)
         return StepPlan(self._step_id, seqs, new, released, built.burst)
-
-    def take_draft_released(self) -> list[int]:
-        """Finished sequences whose draft state to drop now (not with the next step: there may be none)."""
-        out, self._draft_released = self._draft_released, []
-        return out
-
-    def take_propose(self) -> Propose | None:
-        """The draft worker's message for the step just planned (with speculative decoding): None
-        while no sequence drafts (its tokens go with the next message, see DraftFeed)."""
-        out, self._propose = self._propose, None
-        return out
 
     def update(self, result: StepResult) -> list[SeqFailure]:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
@@ -429,7 +384,7 @@ class Scheduler:
             self.counters.generation_tokens += kept
             self._token_times(seq, kept, now)
             if seq.spec_k:
-                self._verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
+                self._trims += self.speculation.verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
@@ -449,11 +404,10 @@ class Scheduler:
         decodes and nothing else waits to join (a request, a fork, drafts), and never past a
         sequence's output or context room. A handoff's blocks may still be arriving: its commit
         pulls the brake."""
-        if (self.cfg.max_burst < 2 or self.spec is not None or self.waiting or self._forks or not decodes
+        if (self.cfg.max_burst < 2 or self.speculation is not None or self.waiting or self._forks or not decodes
                 or len(decodes) != len(self.running) or any(s.request.handoff_to is not None for s in decodes)):
             return 0
-        room = min(min(s.request.max_output - s.num_output_tokens, self.cfg.max_model_len - s.num_tokens + 1)
-                   for s in decodes)
+        room = min(s.room(self.cfg.max_model_len) for s in decodes)
         return max(min(self.cfg.max_burst, room) - 1, 0)
 
     def _end_burst(self, step: InFlightStep, num_steps: int) -> None:
@@ -519,36 +473,6 @@ class Scheduler:
             return None  # aborted while the step ran
         self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
         return SeqFailure(seq.request.request_id, seq.index, detail)
-
-    def _choose_spec(self) -> dict[int, int]:
-        """k per decoding sequence, capped so that the drafts fit the output and the context."""
-        if self.spec is None:
-            return {}
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        chosen = self.spec.choose([s.seq_id for s in decoding])
-        out = {}
-        for seq in decoding:
-            room = min(seq.request.max_output - seq.num_output_tokens, self.cfg.max_model_len - seq.num_tokens + 1)
-            k = min(chosen[seq.seq_id], room - 1)
-            if k > 0:
-                out[seq.seq_id] = k
-        return out
-
-    def _verified(self, seq: Sequence, drafted: int, accepted: int, running: bool) -> None:
-        """After a step that reserved drafted slots: count, learn, and roll back rejected KV."""
-        self.counters.spec_draft_tokens += drafted
-        self.counters.spec_accepted_tokens += accepted
-        self.counters.spec_num_drafts += drafted > 0
-        per_pos = self.counters.spec_accepted_per_pos
-        if accepted > len(per_pos):   # never past the controller's max_k; kept whole if it were
-            per_pos.extend([0] * (accepted - len(per_pos)))
-        for pos in range(accepted):
-            per_pos[pos] += 1
-        self.spec.observe(seq.seq_id, drafted, accepted)
-        seq.spec_k = 0
-        if running:  # accepted drafts have their KV; the emitted correction or bonus token not yet
-            seq.num_computed += accepted
-            self._trims.append(KVTrim(seq.seq_id, seq.num_computed))
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -617,8 +541,8 @@ class Scheduler:
             # Aborted while the worker computes its step, which may yet fail: its blocks go back now,
             # without the hashes of those the step writes.
             self._unwritten += self._in_flight.unwritten([seq.seq_id])
-        if self.spec is not None:
-            self.spec.forget(seq.seq_id)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         if hand_over:
             self._ahead.pop(seq.seq_id, None)   # a handoff sent ahead goes on with the rest
             self._handoffs.append(seq)
@@ -630,8 +554,6 @@ class Scheduler:
                 self._frees.append(seq.seq_id)
         if seq.known_to_worker:
             self._released.append(seq.seq_id)
-        if self.spec is not None and self._draft_feed.release(seq.seq_id):
-            self._draft_released.append(seq.seq_id)
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)

@@ -39,7 +39,8 @@ class SchedulerActor(Actor):
                  kv_bytes_per_token: float = 0.0, brake: BurstBrake | None = None):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
         self.kv_bytes_per_token = kv_bytes_per_token   # reported in the stats
-        self.spec = self.scheduler.spec
+        self.speculation = self.scheduler.speculation   # what the draft worker hears, and when
+        self.spec = self.speculation.controller if self.speculation is not None else None
         self.kv = kv
         self.worker = worker
         self.draft = draft
@@ -147,8 +148,7 @@ class SchedulerActor(Actor):
             if plan is None:   # nothing fits: stalled on handoffs, or the queue failed
                 self._send_outputs()
                 return
-            propose = self.scheduler.take_propose()
-            result = await turn.reenter_after(self._draft_and_forward(plan, propose))
+            result = await turn.reenter_after(self._draft_and_forward(plan))
         except Exception as error:
             self._step_failed(error)
             self.step_s += time.perf_counter() - self._started
@@ -178,9 +178,10 @@ class SchedulerActor(Actor):
             kv_step = self.scheduler.on_kv(await self.kv.ask(kv_step))
         return self.scheduler.plan()
 
-    async def _draft(self, plan: StepPlan, propose: Propose | None) -> None:
+    async def _draft(self, plan: StepPlan) -> None:
         """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
         tokens (it keeps every sequence's history), without waiting."""
+        propose = self.speculation.take_propose() if self.speculation is not None else None
         if propose is None:
             return
         if not any(d.num_spec for d in propose.seqs):
@@ -198,8 +199,8 @@ class SchedulerActor(Actor):
                 seq.spec_token_ids, seq.spec_probs = p.token_ids, p.probs
         self.draft_s += proposals.draft_s
 
-    async def _draft_and_forward(self, plan: StepPlan, propose: Propose | None) -> StepResult:
-        await self._draft(plan, propose)
+    async def _draft_and_forward(self, plan: StepPlan) -> StepResult:
+        await self._draft(plan)
         return await self._forward(plan)
 
     async def _forward(self, plan: StepPlan) -> StepResult:
@@ -305,8 +306,8 @@ class SchedulerActor(Actor):
         frees = self.scheduler.take_frees()
         if frees is not None:
             self.kv.tell(frees)
-        if self.draft is not None:
-            released = self.scheduler.take_draft_released()
+        if self.speculation is not None:
+            released = self.speculation.take_released()
             if released:
                 self.draft.tell(Propose(0, [], [], released))
         for reply_to, deltas in self.scheduler.take_deltas().items():
