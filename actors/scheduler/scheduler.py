@@ -22,10 +22,11 @@ import msgspec
 
 from actors.draft.controller import SpecController
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
-                             KVUnwritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult,
-                             SubmitRequest, TokenDelta)
+                             KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
+                             StepResult, SubmitRequest, TokenDelta)
 from actors.recent import RecentSamples
 from actors.scheduler.counters import Counters
+from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 from actors.scheduler.speculation import SpeculationPlanner
@@ -81,6 +82,8 @@ class Scheduler:
         self.counters = Counters()
         # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
         self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
+        # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
+        self.handoffs = HandoffTracker(cfg.block_size)
         # The last seconds' first-token latency (arrival here to first token) and inter-token
         # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
         self.recent_ttft = RecentSamples(clock=clock)
@@ -97,25 +100,17 @@ class Scheduler:
         self._in_flight = InFlightStep()
         self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
-        self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
-        self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
-        self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
-        self._cancelled_ahead: list[int] = []  # sent ahead, then preempted or ended: not handed over
-        self._layered: list[tuple[Sequence, int, int]] = []   # the planned step's prompt blocks, by layer
-        self._adopting: dict[int, Sequence] = {}   # handed to us, blocks reserved, KV arriving
 
     # --- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: SubmitRequest) -> None:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already in the engine")
-        self._arrivals += 1
-        priority = msg.priority if self.cfg.priority_scheduling else 0
         params = msg.params
         if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
-        req = RequestState(msg.request_id, list(msg.prompt_token_ids), params, msg.reply_to,
-                           priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
+        req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
+                                msg.cache_salt)
         req.arrived_s = self.clock()
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
         # forward: such a request stays whole.
@@ -163,33 +158,6 @@ class Scheduler:
 
     # --- disaggregation: handing a prefilled request over, and taking one over ------------------
 
-    def take_handoffs(self) -> list[Sequence]:
-        """Sequences whose prompt this engine computed for a decode engine: their first token is
-        out; their blocks stay held until `handoff_done`."""
-        out, self._handoffs = self._handoffs, []
-        return out
-
-    def take_ready_ahead(self) -> list[tuple[Sequence, int]]:
-        """Sequences whose prompt is still being computed for a decode engine, with how many of
-        their leading blocks hold KV after the last step: those go ahead while the rest is computed."""
-        ready, self._ready_ahead = self._ready_ahead, []
-        return [(seq, self._ahead[seq.seq_id]) for seq in ready if seq.seq_id in self._ahead]
-
-    def take_layered(self) -> list[tuple[Sequence, int, int]]:
-        """Sequences the planned step computes for a decode engine, with the blocks [first, end) it
-        fills (the last one partly, where the prompt ends in it): each layer of them may go as soon
-        as the worker has written it. Taking them counts the sequences as sent ahead, so that one
-        preempted or ended before its handover cancels what went."""
-        out, self._layered = self._layered, []
-        for seq, _, _ in out:
-            self._ahead.setdefault(seq.seq_id, 0)
-        return out
-
-    def take_cancelled_ahead(self) -> list[int]:
-        """Sequences sent ahead that will not be handed over from those blocks (preempted, ended)."""
-        out, self._cancelled_ahead = self._cancelled_ahead, []
-        return out
-
     def handoff_done(self, seq_id: int) -> None:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
         self._frees.append(seq_id)
@@ -197,35 +165,16 @@ class Scheduler:
     def reserve_adoption(self, offer: KVOffer) -> KVReserve | None:
         """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
         transaction that reserves its blocks. None when the request is here already."""
-        if offer.request_id in self.requests or any(s.request.request_id == offer.request_id
-                                                    for s in self._adopting.values()):
+        if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
             return None
-        self._arrivals += 1
-        priority = offer.priority if self.cfg.priority_scheduling else 0
-        req = RequestState(offer.request_id, list(offer.prompt_token_ids), offer.params, offer.reply_to,
-                           priority, self._arrivals, offer.cache_salt, self.cfg.max_model_len)
+        req = self._new_request(offer.request_id, offer.prompt_token_ids, offer.params, offer.reply_to,
+                                offer.priority, offer.cache_salt)
         req.num_cached_tokens = offer.num_cached_tokens
-        seq = self._new_seq(req, 0)
-        seq.token_ids += offer.output_token_ids
-        self._adopting[seq.seq_id] = seq
-        # Every prompt position has KV; so does every sampled token but the last (none is, when
-        # the offer comes ahead of the first token).
-        num_kv = seq.num_tokens - 1 if offer.output_token_ids else seq.num_tokens
-        return KVReserve(seq.seq_id, seq.token_ids, num_kv, offer.cache_salt)
-
-    def adopting(self) -> bool:
-        """Whether blocks are reserved for handoffs whose KV is still arriving (they come back, or
-        decode, once each handoff ends)."""
-        return bool(self._adopting)
+        return self.handoffs.reserve(self._new_seq(req, 0), offer.output_token_ids)
 
     def adopt(self, seq_id: int, output_token_ids: list[int] | None = None) -> Sequence:
-        """The reserved sequence's KV is in the cache (all but its last token's): it decodes, from
-        `output_token_ids` when its offer came ahead of them."""
-        seq = self._adopting.pop(seq_id)
-        if output_token_ids:
-            seq.token_ids += output_token_ids
-        seq.num_computed = seq.num_tokens - 1
-        seq.status = SeqStatus.RUNNING
+        """The reserved sequence's KV is in the cache (all but its last token's): it runs, decoding."""
+        seq = self.handoffs.adopt(seq_id, output_token_ids)
         self.requests[seq.request.request_id] = seq.request
         self.seqs[seq_id] = seq
         self.counters.prompt_tokens += seq.num_prompt_tokens
@@ -234,7 +183,7 @@ class Scheduler:
 
     def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
         """The handoff was cut (or found no room): its reserved blocks go back."""
-        if self._adopting.pop(seq_id, None) is not None and reserved:
+        if self.handoffs.drop(seq_id) and reserved:
             self._frees.append(seq_id)
 
     # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
@@ -310,13 +259,13 @@ class Scheduler:
         seqs, new, starts = [], [], {}
         tables = self._step.tables
         prefill_tokens, now = 0, self.clock()
-        self._layered = []
+        self.handoffs.planning()
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if start < seq.num_tokens - 1:   # not just the last sampled token: a prompt (or a recompute)
                 prefill_tokens += n
             if seq.request.handoff_to is not None:
-                self._note_layered(seq, start, end)
+                self.handoffs.planned(seq, start, end)
             if seq.request.first_step_s is None:
                 seq.request.first_step_s = now
             if not seq.known_to_worker:
@@ -352,7 +301,7 @@ class Scheduler:
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
-        self._note_ahead(step)
+        self.handoffs.computed(self.seqs.get(seq_id) for seq_id in step.starts)
         self.counters.steps += result.num_steps - 1
         return failures
 
@@ -419,31 +368,6 @@ class Scheduler:
                 seq.num_computed += num_steps - 1
                 self._trims.append(KVTrim(seq_id, seq.num_computed))
 
-    def _note_ahead(self, step: InFlightStep) -> None:
-        """A prompt computed for a decode engine that has more full blocks after this step's chunk
-        (and no token yet) sends them ahead."""
-        bs = self.cfg.block_size
-        for seq_id in step.starts:
-            seq = self.seqs.get(seq_id)
-            if (seq is None or seq.status is not SeqStatus.RUNNING or seq.request.handoff_to is None
-                    or seq.num_computed >= seq.num_tokens):
-                continue
-            full = seq.num_computed // bs
-            if full > self._ahead.get(seq_id, 0):
-                self._ahead[seq_id] = full
-                self._ready_ahead.append(seq)
-
-    def _note_layered(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.cfg.block_size
-        last = -(-end // bs) if end == seq.num_tokens else end // bs   # the prompt's partial block with its end
-        if last > start // bs:
-            self._layered.append((seq, start // bs, last))
-
-    def _drop_ahead(self, seq: Sequence) -> None:
-        """The sequence's blocks sent ahead will not be handed over as they are."""
-        if self._ahead.pop(seq.seq_id, None) is not None:
-            self._cancelled_ahead.append(seq.seq_id)
-
     def _first_token(self, req: RequestState, now: float) -> None:
         c = self.counters
         c.ttft_count += 1
@@ -474,6 +398,13 @@ class Scheduler:
         self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
         return SeqFailure(seq.request.request_id, seq.index, detail)
 
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
+                     priority: int, cache_salt: str | None) -> RequestState:
+        self._arrivals += 1
+        priority = priority if self.cfg.priority_scheduling else 0
+        return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
+                            cache_salt, self.cfg.max_model_len)
+
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
         self._next_seq_id += 1
@@ -495,7 +426,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
-        self._drop_ahead(seq)
+        self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
@@ -544,10 +475,9 @@ class Scheduler:
         if self.speculation is not None:
             self.speculation.forget(seq)
         if hand_over:
-            self._ahead.pop(seq.seq_id, None)   # a handoff sent ahead goes on with the rest
-            self._handoffs.append(seq)
+            self.handoffs.hand_over(seq)
         else:
-            self._drop_ahead(seq)
+            self.handoffs.drop_ahead(seq)
             if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
                 self._deferred_frees.append(seq.seq_id)
             else:

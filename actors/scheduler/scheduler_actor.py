@@ -162,7 +162,7 @@ class SchedulerActor(Actor):
         plan = await self._kv_transaction()
         if not plan.seqs:  # a step that only preempted: the next pass admits from the queue
             plan = await self._kv_transaction()
-        if not plan.seqs and self.scheduler.adopting():
+        if not plan.seqs and self.scheduler.handoffs.adopting():
             self._stalled = True
             return None
         if not plan.seqs:
@@ -243,7 +243,7 @@ class SchedulerActor(Actor):
         """Prefilled sequences go to their decode engines: the transfer actor sends their blocks.
         A prompt of several chunks sends the full blocks of each chunk ahead, while the next is computed."""
         self._cancel_ahead()
-        ahead, handoffs = self.scheduler.take_ready_ahead(), self.scheduler.take_handoffs()
+        ahead, handoffs = self.scheduler.handoffs.take_ready_ahead(), self.scheduler.handoffs.take_handoffs()
         if not (ahead or handoffs):
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
@@ -259,7 +259,7 @@ class SchedulerActor(Actor):
         if not self.layer_stream:
             return
         self._cancel_ahead()   # a preempted sequence's cancel goes before its recompute's blocks
-        layered = self.scheduler.take_layered()
+        layered = self.scheduler.handoffs.take_layered()
         if not layered:   # most steps: nothing more on the way to the worker
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
@@ -270,7 +270,7 @@ class SchedulerActor(Actor):
 
     def _cancel_ahead(self) -> None:
         """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
-        for seq_id in self.scheduler.take_cancelled_ahead():
+        for seq_id in self.scheduler.handoffs.take_cancelled_ahead():
             self.transfer.tell(HandOverCancel(seq_id))
 
     def _offer(self, seq) -> KVOffer:
