@@ -11,14 +11,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from runtime.pipe import Owned
+
 if TYPE_CHECKING:
     from runtime.cell import ActorCell
 
 
-class Turns:
+class Turns(Owned):
     """One coroutine run in turns (`ActorContext.run_in_turns`); `cancel()` it and it never resumes."""
 
-    __slots__ = ("_cell", "_back", "_turn", "task", "cancelled", "away")
+    __slots__ = ("_cell", "_back", "_turn", "away")
 
     def __init__(self, cell: ActorCell, fn: Callable[[Turns], Awaitable[Any]]):
         self._cell = cell
@@ -28,15 +30,6 @@ class Turns:
         self.away = False   # out of its turn: awaiting in reenter_after, or queued to resume
         self.task = cell.loop.create_task(self._run(fn))   # owned: cancelled and awaited by its actor
         cell.pipes.add(self)
-
-    @property
-    def done(self) -> bool:
-        return self.task.done()
-
-    def cancel(self) -> None:
-        """Cancel the coroutine if it still runs; either way it never takes another turn."""
-        self.cancelled = True
-        self.task.cancel()
 
     async def first_turn(self) -> None:
         """Lend the caller's turn to the coroutine (await this from a handler, from on_start or from
@@ -48,22 +41,14 @@ class Turns:
 
     async def reenter_after(self, awaitable: Awaitable[Any]) -> Any:
         """End this turn and await `awaitable` while the actor handles its messages; resume in mailbox
-        order, after the messages that arrived meanwhile, with its result or raising its exception (a cancellation
-        from inside as a RuntimeError).
-        The awaitable starts before any message is handled. A stop or a restart of the actor while it
-        waits cancels both the awaitable and the coroutine (CancelledError, not to be caught)."""
+        order, after the messages that arrived meanwhile, with its result or raising its exception (a
+        cancellation from inside as a RuntimeError). The awaitable starts before any message is
+        handled. A stop or a restart of the actor while it waits cancels both the awaitable and the
+        coroutine (CancelledError, not to be caught)."""
         self.away = True
         self._back.set_result(None)
         self._back = None
-        result, error = None, None
-        try:
-            result = await awaitable
-        except asyncio.CancelledError:
-            if self.cancelled:
-                raise
-            error = _cancelled_inside()
-        except Exception as e:
-            error = e
+        result, error = await self._settle(awaitable)
         self._turn = self._cell.loop.create_future()
         self._cell.post_turn(self)
         await self._turn
@@ -82,17 +67,22 @@ class Turns:
     async def _run(self, fn: Callable[[Turns], Awaitable[Any]]) -> None:
         error: BaseException | None = None
         try:
-            await fn(self)
-        except asyncio.CancelledError:
-            if self.cancelled:
-                raise
-            error = _cancelled_inside()
-        except Exception as e:
-            error = e
+            _, error = await self._settle(fn(self))
         finally:
             self._cell.pipes.discard(self)
             if self._back is not None and not self._back.done():
                 self._back.set_result(error)
+
+    async def _settle(self, awaitable: Awaitable[Any]) -> tuple[Any, BaseException | None]:
+        """(result, None) or (None, its exception); a cancellation by the actor goes on up."""
+        try:
+            return await awaitable, None
+        except asyncio.CancelledError:
+            if self.cancelled:
+                raise
+            return None, _cancelled_inside()
+        except Exception as e:
+            return None, e
 
 
 def _cancelled_inside() -> RuntimeError:
