@@ -1,12 +1,15 @@
 """The scheduler: which sequences run in the next step and how many tokens each computes.
 
-A plain synchronous class. Each step: `schedule()` returns one KV transaction (running decodes
-first, then the prefills already started, in priority order, then waiting ones as prefill chunks in
-queue order, under the token budget); `on_kv()` applies its result and, when the pool ran out,
-preempts the least important, newest sequence and returns a retry; `plan()` turns the step into the
-worker's StepPlan, with the block tables the KV manager returned (the scheduler keeps none);
-`update()` takes the sampled tokens, stops sequences and queues the TokenDeltas for their front ends.
-It never awaits.
+A plain synchronous class. Each step: `kv_transaction()` picks the batch and returns the KV
+manager's transaction for it (running decodes first, then the prefills already started, in priority
+order, then waiting ones as prefill chunks in queue order, under the token budget);
+`apply_kv_result()` applies its result and, when the pool ran out, preempts the least important,
+newest sequence and returns a retry; `plan()` turns the step into the worker's StepPlan, with the
+block tables the KV manager returned (the scheduler keeps none); `update()` takes the sampled
+tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
+
+Admission, the budget and preemption are here; the rest is delegated: speculative decoding to a
+SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class SchedulerConfig:
 
 @dataclass
 class _Step:
-    """The step under construction, between schedule() and plan()."""
+    """The step under construction, between kv_transaction() and plan()."""
 
     grows: list[tuple[Sequence, int]] = field(default_factory=list)
     admits: list[Sequence] = field(default_factory=list)
@@ -186,9 +189,10 @@ class Scheduler:
         if self.handoffs.drop(seq_id) and reserved:
             self._frees.append(seq_id)
 
-    # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
+    # --- one step: KV transaction (the batch), plan, (forward), update ---------------------------
 
-    def schedule(self) -> KVStep:
+    def kv_transaction(self) -> KVStep:
+        """Pick the next step's batch; the KV transaction that gives it blocks."""
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
         spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
@@ -213,7 +217,7 @@ class Scheduler:
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
 
-    def on_kv(self, res: KVStepResult) -> KVStep | None:
+    def apply_kv_result(self, res: KVStepResult) -> KVStep | None:
         """Apply a transaction's result; returns a retry transaction after a preemption, else None."""
         step = self._step
         for child, forked in zip(step.fork_children, res.forked):

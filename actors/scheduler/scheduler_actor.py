@@ -173,9 +173,9 @@ class SchedulerActor(Actor):
 
     async def _kv_transaction(self) -> StepPlan:
         """One KV transaction per step; another only after a preemption."""
-        kv_step = self.scheduler.schedule()
-        while kv_step is not None:
-            kv_step = self.scheduler.on_kv(await self.kv.ask(kv_step))
+        txn = self.scheduler.kv_transaction()
+        while txn is not None:
+            txn = self.scheduler.apply_kv_result(await self.kv.ask(txn))
         return self.scheduler.plan()
 
     async def _draft(self, plan: StepPlan) -> None:

@@ -77,9 +77,9 @@ class Harness:
         self._collect()
 
     def step(self) -> StepPlan:
-        req = self.scheduler.schedule()
+        req = self.scheduler.kv_transaction()
         while req is not None:
-            req = self.scheduler.on_kv(apply_kv_step(self.kv, req))
+            req = self.scheduler.apply_kv_result(apply_kv_step(self.kv, req))
         plan = self.scheduler.plan()
         self.plans.append(plan)
         self.scheduler.update(self.model.run(plan))

@@ -72,9 +72,9 @@ class SpecHarness(Harness):
         assert not self.listener.seqs and not self.listener._gone
 
     def step(self) -> StepPlan:
-        req = self.scheduler.schedule()
+        req = self.scheduler.kv_transaction()
         while req is not None:
-            req = self.scheduler.on_kv(apply_kv_step(self.kv, req))
+            req = self.scheduler.apply_kv_result(apply_kv_step(self.kv, req))
         plan = self.scheduler.plan()
         for s in plan.seqs:  # after the trims: the plan carries the manager's own tables
             assert s.block_table == self.kv.block_table(str(s.seq_id)), s
