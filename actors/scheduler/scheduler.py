@@ -27,10 +27,10 @@ from actors.draft.controller import SpecController
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
                              StepResult, SubmitRequest, TokenDelta)
-from actors.recent import RecentSamples
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
+from actors.scheduler.latency import LatencyMeter
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 from actors.scheduler.speculation import SpeculationPlanner
 
@@ -87,10 +87,7 @@ class Scheduler:
         self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
         self.handoffs = HandoffTracker(cfg.block_size)
-        # The last seconds' first-token latency (arrival here to first token) and inter-token
-        # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
-        self.recent_ttft = RecentSamples(clock=clock)
-        self.recent_itl = RecentSamples(clock=clock)
+        self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
@@ -335,13 +332,13 @@ class Scheduler:
                 if reason is not None:
                     break
             self.counters.generation_tokens += kept
-            self._token_times(seq, kept, now)
+            self.latency.tokens(seq, kept, now)
             if seq.spec_k:
                 self._trims += self.speculation.verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
-                self._first_token(seq.request, now)
+                self.latency.first_token(seq.request, now)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
             self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs)
             if reason is not None:
@@ -371,25 +368,6 @@ class Scheduler:
             if seq is not None and seq.status is SeqStatus.RUNNING:
                 seq.num_computed += num_steps - 1
                 self._trims.append(KVTrim(seq_id, seq.num_computed))
-
-    def _first_token(self, req: RequestState, now: float) -> None:
-        c = self.counters
-        c.ttft_count += 1
-        c.ttft_queue_s += req.first_step_s - req.arrived_s
-        c.ttft_prefill_s += now - req.first_step_s
-        c.ttft.observe(now - req.arrived_s)
-        self.recent_ttft.add(now - req.arrived_s)
-
-    def _token_times(self, seq: Sequence, kept: int, now: float) -> None:
-        """Inter-token latency, observed once per token: a sequence's first tokens here (its
-        first ever, or its first after a handoff from a prefill engine) start the clock."""
-        if not kept:
-            return
-        if seq.last_token_s is not None:
-            gap = (now - seq.last_token_s) / kept
-            self.counters.itl.observe(gap, kept)
-            self.recent_itl.add(gap, kept)
-        seq.last_token_s = now
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, InFlightStep()

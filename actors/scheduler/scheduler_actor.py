@@ -317,7 +317,7 @@ class SchedulerActor(Actor):
         kv = await self.kv.ask(GetKVStats())
         p, c = self.scheduler, self.scheduler.counters
         running = {s.request.request_id for s in p.running}
-        ttft, itl = p.recent_ttft.quantiles(0.5, 0.9), p.recent_itl.quantiles(0.5, 0.9)
+        ttft, itl = p.latency.recent_ttft.quantiles(0.5, 0.9), p.latency.recent_itl.quantiles(0.5, 0.9)
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,

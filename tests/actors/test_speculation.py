@@ -224,9 +224,9 @@ def test_inter_token_latency_is_observed_once_per_token_of_a_speculative_step():
         h.step()
         steps += 1
     assert len(h.outputs[("a", 0)]) == 21 and steps == 5   # the first token, then 4 steps of 4 drafts + 1
-    itl = h.scheduler.recent_itl
+    itl = h.scheduler.latency.recent_itl
     assert itl.count() == 20 and itl.quantiles(0.5, 0.9) == [pytest.approx(0.1)] * 2   # 0.5 s over 5 tokens
-    assert h.scheduler.recent_ttft.quantiles(0.5) == [pytest.approx(0.5)]
+    assert h.scheduler.latency.recent_ttft.quantiles(0.5) == [pytest.approx(0.5)]
 
 
 def test_the_planner_caps_k_at_a_sequences_room_and_trims_what_was_rejected():
