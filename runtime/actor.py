@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.messages import Piped
 from runtime.pipe import Pipe
 from runtime.ref import ActorRef
+from runtime.turns import Turns
 
 if TYPE_CHECKING:
     from runtime.cell import ActorCell
@@ -128,6 +129,15 @@ class ActorContext:
         (a `Piped` by default) arrives in this actor's mailbox, in order with other messages.
         A stop or a restart cancels the task and drops an outcome not yet received."""
         return Pipe(self._cell, awaitable, wrap)
+
+    def run_in_turns(self, fn: Callable[[Turns], Awaitable[Any]]) -> Turns:
+        """Run `fn(turns)` in a task this actor owns, as one long handler that lets the mailbox flow
+        while it waits: in its turn it is the actor (no message is handled meanwhile), and
+        `await turns.reenter_after(aw)` hands the mailbox back until `aw` is done, then resumes in
+        mailbox order. Its first turn is the caller's own: the caller must `await turns.first_turn()`
+        at once. What it raises in a later turn fails the actor, as a handler's exception after a tell
+        does. A stop or a restart cancels it (on_stop runs after), and it never resumes."""
+        return Turns(self._cell, fn)
 
     def stop(self) -> None:
         """Stop this actor after the current message (children first, then on_stop)."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from runtime.actor import Timer
     from runtime.pipe import Pipe
     from runtime.system import ActorSystem
+    from runtime.turns import Turns
 
 
 class Signal:
@@ -53,7 +54,7 @@ class ActorCell:
         self.watchers: dict[object, Callable[[Terminated], None]] = {}
         self.watching: set[Any] = set()
         self.timers: set[Timer] = set()
-        self.pipes: set[Pipe] = set()   # running, or their outcome not yet received
+        self.pipes: set[Pipe | Turns] = set()   # running, or their outcome not yet received
         self.escalation: BaseException | None = None
         self.ref = LocalRef(self)
         self.log = system.log.bind(actor=path)
@@ -88,6 +89,10 @@ class ActorCell:
     def post_piped(self, pipe: Pipe) -> None:
         """A pipe finished: its outcome joins the mailbox, in order with everything else."""
         self.put(Signal("piped", pipe))
+
+    def post_turn(self, turns: Turns) -> None:
+        """A coroutine run in turns waits to resume: it joins the mailbox like a message."""
+        self.put(Signal("turn", turns))
 
     def _dead_letter(self, item: Any) -> None:
         self.system.dead_letters += 1
@@ -167,6 +172,13 @@ class ActorCell:
                 await self.actor.receive(pipe.message())
             except Exception as exc:
                 await self._fail(exc)
+        elif sig.kind == "turn":
+            turns = sig.arg
+            if turns.cancelled:  # a restart cancelled it while it waited: it never resumes
+                return
+            error = await turns.resume()
+            if error is not None:
+                await self._fail(error)
         elif sig.kind == "escalated":
             child_path, cause = sig.arg
             await self._fail(Escalated(child_path, cause))
@@ -211,8 +223,9 @@ class ActorCell:
             self.log.error("on_stop failed", error=repr(exc), exc_info=exc)
 
     async def _cancel_pipes(self) -> None:
-        """The incarnation ends (restart or stop): every pipe is cancelled and awaited, and an
-        outcome already in the mailbox is dropped, so nothing of this incarnation arrives later."""
+        """The incarnation ends (restart or stop): every pipe and coroutine run in turns is cancelled
+        and awaited, and an outcome or a re-entry already in the mailbox is dropped, so nothing of
+        this incarnation arrives later."""
         pipes = list(self.pipes)
         for pipe in pipes:
             pipe.cancel()

@@ -13,10 +13,29 @@ if TYPE_CHECKING:
     from runtime.cell import ActorCell
 
 
-class Pipe:
+class Owned:
+    """A task its actor owns: the actor's cell cancels and awaits it when the incarnation ends (a
+    stop or a restart), and drops what it already posted to the mailbox."""
+
+    __slots__ = ("task", "cancelled")
+
+    task: asyncio.Task
+
+    @property
+    def done(self) -> bool:
+        """The task has finished (what it posted may still wait in the mailbox)."""
+        return self.task.done()
+
+    def cancel(self) -> None:
+        """Cancel the task if it still runs; either way the actor receives nothing more from it."""
+        self.cancelled = True
+        self.task.cancel()
+
+
+class Pipe(Owned):
     """One awaitable piped to its actor; `cancel()` it and its outcome never arrives."""
 
-    __slots__ = ("_cell", "_wrap", "_result", "_error", "task", "cancelled")
+    __slots__ = ("_cell", "_wrap", "_result", "_error")
 
     def __init__(self, cell: ActorCell, awaitable: Awaitable[Any],
                  wrap: Callable[[Any, BaseException | None], Any]):
@@ -28,16 +47,6 @@ class Pipe:
         self.task = cell.loop.create_task(_await(awaitable))   # owned: cancelled and awaited by its actor
         self.task.add_done_callback(self._post)
         cell.pipes.add(self)
-
-    @property
-    def done(self) -> bool:
-        """The awaitable has finished (its outcome may still wait in the mailbox)."""
-        return self.task.done()
-
-    def cancel(self) -> None:
-        """Cancel the task if it still runs; either way the actor never receives this outcome."""
-        self.cancelled = True
-        self.task.cancel()
 
     def message(self) -> Any:
         """What the actor receives: `wrap(result, error)`, built when the mailbox reaches it."""

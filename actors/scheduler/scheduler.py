@@ -1,12 +1,15 @@
 """The scheduler: which sequences run in the next step and how many tokens each computes.
 
-A plain synchronous class. Each step: `schedule()` returns one KV transaction (running decodes
-first, then the prefills already started, in priority order, then waiting ones as prefill chunks in
-queue order, under the token budget); `on_kv()` applies its result and, when the pool ran out,
-preempts the least important, newest sequence and returns a retry; `plan()` turns the step into the
-worker's StepPlan, with the block tables the KV manager returned (the scheduler keeps none);
-`update()` takes the sampled tokens, stops sequences and queues the TokenDeltas for their front ends.
-It never awaits.
+A plain synchronous class. Each step: `kv_transaction()` picks the batch and returns the KV
+manager's transaction for it (running decodes first, then the prefills already started, in priority
+order, then waiting ones as prefill chunks in queue order, under the token budget);
+`apply_kv_result()` applies its result and, when the pool ran out, preempts the least important,
+newest sequence and returns a retry; `plan()` turns the step into the worker's StepPlan, with the
+block tables the KV manager returned (the scheduler keeps none); `update()` takes the sampled
+tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
+
+Admission, the budget and preemption are here; the rest is delegated: speculative decoding to a
+SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py).
 """
 
 from __future__ import annotations
@@ -21,16 +24,15 @@ from typing import Any, NamedTuple
 import msgspec
 
 from actors.draft.controller import SpecController
-from actors.draft.messages import DraftInput, Propose
-from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
-                             KVUnwritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult,
-                             SubmitRequest, TokenDelta)
-from actors.recent import RecentSamples
-from actors.scheduler.draft_feed import DraftFeed
+                             KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
+                             StepResult, SubmitRequest, TokenDelta)
+from actors.scheduler.counters import Counters
+from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
+from actors.scheduler.latency import LatencyMeter
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
-from prefix_store.metrics import Histogram
+from actors.scheduler.speculation import SpeculationPlanner
 
 
 # What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
@@ -58,35 +60,8 @@ class SchedulerConfig:
 
 
 @dataclass
-class Counters:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    steps: int = 0
-    kv_slots_allocated: int = 0     # slots in the running sequences' blocks, summed over steps
-    kv_slots_used: int = 0          # of those, slots holding a token (KV waste = 1 - used / allocated)
-    spec_draft_tokens: int = 0      # drafted tokens verified
-    spec_accepted_tokens: int = 0   # of those, the ones kept
-    spec_num_drafts: int = 0        # verifications with at least one drafted token
-    # Seconds from arrival here to first scheduled (a preempted request's wait again is not counted).
-    queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_TIME_BUCKETS))
-    prefill_steps: int = 0          # steps that computed some sequence's prompt (or its recompute)
-    prefill_tokens: int = 0
-    ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill
-    ttft_queue_s: float = 0.0
-    ttft_prefill_s: float = 0.0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))   # arrival to first token
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))     # per token
-    # Accepted drafted tokens by their position in the draft: a draft whose first a tokens were
-    # accepted counts one at each of positions 0..a-1 (vLLM's num_accepted_tokens_per_pos).
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-
-
-@dataclass
 class _Step:
-    """The step under construction, between schedule() and plan()."""
+    """The step under construction, between kv_transaction() and plan()."""
 
     grows: list[tuple[Sequence, int]] = field(default_factory=list)
     admits: list[Sequence] = field(default_factory=list)
@@ -103,18 +78,16 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.clock = clock
-        self.spec = spec                       # speculative decoding: k per decoding sequence
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []      # sorted by sort_key
         self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
         self.counters = Counters()
-        if spec is not None:
-            self.counters.spec_accepted_per_pos = [0] * spec.max_k
-        # The last seconds' first-token latency (arrival here to first token) and inter-token
-        # latency (per token: a step's gap over the tokens it emitted), for the live dashboard.
-        self.recent_ttft = RecentSamples(clock=clock)
-        self.recent_itl = RecentSamples(clock=clock)
+        # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
+        self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
+        # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
+        self.handoffs = HandoffTracker(cfg.block_size)
+        self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
@@ -127,28 +100,17 @@ class Scheduler:
         self._in_flight = InFlightStep()
         self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
         self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
-        self._propose: Propose | None = None   # the draft worker's share of the planned step
-        self._draft_feed = DraftFeed()         # holds that share back while no sequence drafts
-        self._draft_released: list[int] = []   # sequences whose draft state goes at once
-        self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
-        self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
-        self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
-        self._cancelled_ahead: list[int] = []  # sent ahead, then preempted or ended: not handed over
-        self._layered: list[tuple[Sequence, int, int]] = []   # the planned step's prompt blocks, by layer
-        self._adopting: dict[int, Sequence] = {}   # handed to us, blocks reserved, KV arriving
 
     # --- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: SubmitRequest) -> None:
         if msg.request_id in self.requests:
             raise ValueError(f"request id {msg.request_id!r} is already in the engine")
-        self._arrivals += 1
-        priority = msg.priority if self.cfg.priority_scheduling else 0
         params = msg.params
         if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
-        req = RequestState(msg.request_id, list(msg.prompt_token_ids), params, msg.reply_to,
-                           priority, self._arrivals, msg.cache_salt, self.cfg.max_model_len)
+        req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
+                                msg.cache_salt)
         req.arrived_s = self.clock()
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
         # forward: such a request stays whole.
@@ -196,33 +158,6 @@ class Scheduler:
 
     # --- disaggregation: handing a prefilled request over, and taking one over ------------------
 
-    def take_handoffs(self) -> list[Sequence]:
-        """Sequences whose prompt this engine computed for a decode engine: their first token is
-        out; their blocks stay held until `handoff_done`."""
-        out, self._handoffs = self._handoffs, []
-        return out
-
-    def take_ready_ahead(self) -> list[tuple[Sequence, int]]:
-        """Sequences whose prompt is still being computed for a decode engine, with how many of
-        their leading blocks hold KV after the last step: those go ahead while the rest is computed."""
-        ready, self._ready_ahead = self._ready_ahead, []
-        return [(seq, self._ahead[seq.seq_id]) for seq in ready if seq.seq_id in self._ahead]
-
-    def take_layered(self) -> list[tuple[Sequence, int, int]]:
-        """Sequences the planned step computes for a decode engine, with the blocks [first, end) it
-        fills (the last one partly, where the prompt ends in it): each layer of them may go as soon
-        as the worker has written it. Taking them counts the sequences as sent ahead, so that one
-        preempted or ended before its handover cancels what went."""
-        out, self._layered = self._layered, []
-        for seq, _, _ in out:
-            self._ahead.setdefault(seq.seq_id, 0)
-        return out
-
-    def take_cancelled_ahead(self) -> list[int]:
-        """Sequences sent ahead that will not be handed over from those blocks (preempted, ended)."""
-        out, self._cancelled_ahead = self._cancelled_ahead, []
-        return out
-
     def handoff_done(self, seq_id: int) -> None:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
         self._frees.append(seq_id)
@@ -230,35 +165,16 @@ class Scheduler:
     def reserve_adoption(self, offer: KVOffer) -> KVReserve | None:
         """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
         transaction that reserves its blocks. None when the request is here already."""
-        if offer.request_id in self.requests or any(s.request.request_id == offer.request_id
-                                                    for s in self._adopting.values()):
+        if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
             return None
-        self._arrivals += 1
-        priority = offer.priority if self.cfg.priority_scheduling else 0
-        req = RequestState(offer.request_id, list(offer.prompt_token_ids), offer.params, offer.reply_to,
-                           priority, self._arrivals, offer.cache_salt, self.cfg.max_model_len)
+        req = self._new_request(offer.request_id, offer.prompt_token_ids, offer.params, offer.reply_to,
+                                offer.priority, offer.cache_salt)
         req.num_cached_tokens = offer.num_cached_tokens
-        seq = self._new_seq(req, 0)
-        seq.token_ids += offer.output_token_ids
-        self._adopting[seq.seq_id] = seq
-        # Every prompt position has KV; so does every sampled token but the last (none is, when
-        # the offer comes ahead of the first token).
-        num_kv = seq.num_tokens - 1 if offer.output_token_ids else seq.num_tokens
-        return KVReserve(seq.seq_id, seq.token_ids, num_kv, offer.cache_salt)
-
-    def adopting(self) -> bool:
-        """Whether blocks are reserved for handoffs whose KV is still arriving (they come back, or
-        decode, once each handoff ends)."""
-        return bool(self._adopting)
+        return self.handoffs.reserve(self._new_seq(req, 0), offer.output_token_ids)
 
     def adopt(self, seq_id: int, output_token_ids: list[int] | None = None) -> Sequence:
-        """The reserved sequence's KV is in the cache (all but its last token's): it decodes, from
-        `output_token_ids` when its offer came ahead of them."""
-        seq = self._adopting.pop(seq_id)
-        if output_token_ids:
-            seq.token_ids += output_token_ids
-        seq.num_computed = seq.num_tokens - 1
-        seq.status = SeqStatus.RUNNING
+        """The reserved sequence's KV is in the cache (all but its last token's): it runs, decoding."""
+        seq = self.handoffs.adopt(seq_id, output_token_ids)
         self.requests[seq.request.request_id] = seq.request
         self.seqs[seq_id] = seq
         self.counters.prompt_tokens += seq.num_prompt_tokens
@@ -267,15 +183,16 @@ class Scheduler:
 
     def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
         """The handoff was cut (or found no room): its reserved blocks go back."""
-        if self._adopting.pop(seq_id, None) is not None and reserved:
+        if self.handoffs.drop(seq_id) and reserved:
             self._frees.append(seq_id)
 
-    # --- one step: schedule, (KV transaction), plan, (forward), update --------------------------
+    # --- one step: KV transaction (the batch), plan, (forward), update ---------------------------
 
-    def schedule(self) -> KVStep:
+    def kv_transaction(self) -> KVStep:
+        """Pick the next step's batch; the KV transaction that gives it blocks."""
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
-        spec_k = self._choose_spec()
+        spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
         # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
         # arrival order: a prefill that sorts first (a more important request, a preempted older
         # one) must not take the budget from a stream that already emits tokens.
@@ -297,7 +214,7 @@ class Scheduler:
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
 
-    def on_kv(self, res: KVStepResult) -> KVStep | None:
+    def apply_kv_result(self, res: KVStepResult) -> KVStep | None:
         """Apply a transaction's result; returns a retry transaction after a preemption, else None."""
         step = self._step
         for child, forked in zip(step.fork_children, res.forked):
@@ -340,16 +257,16 @@ class Scheduler:
         return None
 
     def plan(self) -> StepPlan:
-        seqs, new, drafts, starts = [], [], [], {}
+        seqs, new, starts = [], [], {}
         tables = self._step.tables
         prefill_tokens, now = 0, self.clock()
-        self._layered = []
+        self.handoffs.planning()
         for seq, n in self._step.scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             if start < seq.num_tokens - 1:   # not just the last sampled token: a prompt (or a recompute)
                 prefill_tokens += n
             if seq.request.handoff_to is not None:
-                self._note_layered(seq, start, end)
+                self.handoffs.planned(seq, start, end)
             if seq.request.first_step_s is None:
                 seq.request.first_step_s = now
             if not seq.known_to_worker:
@@ -359,9 +276,8 @@ class Scheduler:
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
-            if self.spec is not None:
-                drafts.append(DraftInput(seq.seq_id, scheduled.token_ids, start, scheduled.block_table,
-                                         seq.spec_k if scheduled.sample else 0))
+            if self.speculation is not None:
+                self.speculation.scheduled(seq, scheduled)
             seq.num_computed = end
             starts[seq.seq_id] = start
         built, self._step = self._step, _Step()
@@ -375,20 +291,9 @@ class Scheduler:
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
         released, self._released = self._released, []
-        if self.spec is not None:
-            self._propose = self._draft_feed.step(self._step_id, drafts, new)
+        if self.speculation is not None:
+            self.speculation.planned(self._step_id, new)
         return StepPlan(self._step_id, seqs, new, released, built.burst)
-
-    def take_draft_released(self) -> list[int]:
-        """Finished sequences whose draft state to drop now (not with the next step: there may be none)."""
-        out, self._draft_released = self._draft_released, []
-        return out
-
-    def take_propose(self) -> Propose | None:
-        """The draft worker's message for the step just planned (with speculative decoding): None
-        while no sequence drafts (its tokens go with the next message, see DraftFeed)."""
-        out, self._propose = self._propose, None
-        return out
 
     def update(self, result: StepResult) -> list[SeqFailure]:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
@@ -397,7 +302,7 @@ class Scheduler:
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
-        self._note_ahead(step)
+        self.handoffs.computed(self.seqs.get(seq_id) for seq_id in step.starts)
         self.counters.steps += result.num_steps - 1
         return failures
 
@@ -427,13 +332,13 @@ class Scheduler:
                 if reason is not None:
                     break
             self.counters.generation_tokens += kept
-            self._token_times(seq, kept, now)
+            self.latency.tokens(seq, kept, now)
             if seq.spec_k:
-                self._verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
+                self._trims += self.speculation.verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
             if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
                 self._spawn_samples(seq)
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
-                self._first_token(seq.request, now)
+                self.latency.first_token(seq.request, now)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
             self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs,
                               embedding=out.embedding)
@@ -450,11 +355,10 @@ class Scheduler:
         decodes and nothing else waits to join (a request, a fork, drafts), and never past a
         sequence's output or context room. A handoff's blocks may still be arriving: its commit
         pulls the brake."""
-        if (self.cfg.max_burst < 2 or self.spec is not None or self.waiting or self._forks or not decodes
+        if (self.cfg.max_burst < 2 or self.speculation is not None or self.waiting or self._forks or not decodes
                 or len(decodes) != len(self.running) or any(s.request.handoff_to is not None for s in decodes)):
             return 0
-        room = min(min(s.request.max_output - s.num_output_tokens, self.cfg.max_model_len - s.num_tokens + 1)
-                   for s in decodes)
+        room = min(s.room(self.cfg.max_model_len) for s in decodes)
         return max(min(self.cfg.max_burst, room) - 1, 0)
 
     def _end_burst(self, step: InFlightStep, num_steps: int) -> None:
@@ -465,50 +369,6 @@ class Scheduler:
             if seq is not None and seq.status is SeqStatus.RUNNING:
                 seq.num_computed += num_steps - 1
                 self._trims.append(KVTrim(seq_id, seq.num_computed))
-
-    def _note_ahead(self, step: InFlightStep) -> None:
-        """A prompt computed for a decode engine that has more full blocks after this step's chunk
-        (and no token yet) sends them ahead."""
-        bs = self.cfg.block_size
-        for seq_id in step.starts:
-            seq = self.seqs.get(seq_id)
-            if (seq is None or seq.status is not SeqStatus.RUNNING or seq.request.handoff_to is None
-                    or seq.num_computed >= seq.num_tokens):
-                continue
-            full = seq.num_computed // bs
-            if full > self._ahead.get(seq_id, 0):
-                self._ahead[seq_id] = full
-                self._ready_ahead.append(seq)
-
-    def _note_layered(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.cfg.block_size
-        last = -(-end // bs) if end == seq.num_tokens else end // bs   # the prompt's partial block with its end
-        if last > start // bs:
-            self._layered.append((seq, start // bs, last))
-
-    def _drop_ahead(self, seq: Sequence) -> None:
-        """The sequence's blocks sent ahead will not be handed over as they are."""
-        if self._ahead.pop(seq.seq_id, None) is not None:
-            self._cancelled_ahead.append(seq.seq_id)
-
-    def _first_token(self, req: RequestState, now: float) -> None:
-        c = self.counters
-        c.ttft_count += 1
-        c.ttft_queue_s += req.first_step_s - req.arrived_s
-        c.ttft_prefill_s += now - req.first_step_s
-        c.ttft.observe(now - req.arrived_s)
-        self.recent_ttft.add(now - req.arrived_s)
-
-    def _token_times(self, seq: Sequence, kept: int, now: float) -> None:
-        """Inter-token latency, observed once per token: a sequence's first tokens here (its
-        first ever, or its first after a handoff from a prefill engine) start the clock."""
-        if not kept:
-            return
-        if seq.last_token_s is not None:
-            gap = (now - seq.last_token_s) / kept
-            self.counters.itl.observe(gap, kept)
-            self.recent_itl.add(gap, kept)
-        seq.last_token_s = now
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, InFlightStep()
@@ -521,35 +381,12 @@ class Scheduler:
         self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
         return SeqFailure(seq.request.request_id, seq.index, detail)
 
-    def _choose_spec(self) -> dict[int, int]:
-        """k per decoding sequence, capped so that the drafts fit the output and the context."""
-        if self.spec is None:
-            return {}
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        chosen = self.spec.choose([s.seq_id for s in decoding])
-        out = {}
-        for seq in decoding:
-            room = min(seq.request.max_output - seq.num_output_tokens, self.cfg.max_model_len - seq.num_tokens + 1)
-            k = min(chosen[seq.seq_id], room - 1)
-            if k > 0:
-                out[seq.seq_id] = k
-        return out
-
-    def _verified(self, seq: Sequence, drafted: int, accepted: int, running: bool) -> None:
-        """After a step that reserved drafted slots: count, learn, and roll back rejected KV."""
-        self.counters.spec_draft_tokens += drafted
-        self.counters.spec_accepted_tokens += accepted
-        self.counters.spec_num_drafts += drafted > 0
-        per_pos = self.counters.spec_accepted_per_pos
-        if accepted > len(per_pos):   # never past the controller's max_k; kept whole if it were
-            per_pos.extend([0] * (accepted - len(per_pos)))
-        for pos in range(accepted):
-            per_pos[pos] += 1
-        self.spec.observe(seq.seq_id, drafted, accepted)
-        seq.spec_k = 0
-        if running:  # accepted drafts have their KV; the emitted correction or bonus token not yet
-            seq.num_computed += accepted
-            self._trims.append(KVTrim(seq.seq_id, seq.num_computed))
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
+                     priority: int, cache_salt: str | None) -> RequestState:
+        self._arrivals += 1
+        priority = priority if self.cfg.priority_scheduling else 0
+        return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
+                            cache_salt, self.cfg.max_model_len)
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -574,7 +411,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
-        self._drop_ahead(seq)
+        self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
@@ -620,21 +457,18 @@ class Scheduler:
             # Aborted while the worker computes its step, which may yet fail: its blocks go back now,
             # without the hashes of those the step writes.
             self._unwritten += self._in_flight.unwritten([seq.seq_id])
-        if self.spec is not None:
-            self.spec.forget(seq.seq_id)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
         if hand_over:
-            self._ahead.pop(seq.seq_id, None)   # a handoff sent ahead goes on with the rest
-            self._handoffs.append(seq)
+            self.handoffs.hand_over(seq)
         else:
-            self._drop_ahead(seq)
+            self.handoffs.drop_ahead(seq)
             if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
                 self._deferred_frees.append(seq.seq_id)
             else:
                 self._frees.append(seq.seq_id)
         if seq.known_to_worker:
             self._released.append(seq.seq_id)
-        if self.spec is not None and self._draft_feed.release(seq.seq_id):
-            self._draft_released.append(seq.seq_id)
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)

@@ -1,9 +1,8 @@
 """The scheduler actor: admits requests, runs one step at a time, streams TokenDeltas back.
 
-One step, in order (step() is piped to self, so Submit and Abort keep arriving during the forward):
-
-    step()        schedule -> KV transaction -> draft -> forward      (mailbox held until the plan)
-    _on_step()    update -> emit -> next step                          (in mailbox order)
+One step, in order, is `step()`: schedule -> KV transaction -> drafts -> forward -> update -> emit.
+It runs in turns (runtime/turns.py): the mailbox waits while it plans, flows while the draft and
+model workers compute (Submit and Abort keep arriving), and the update resumes in mailbox order.
 
 A decode burst (actors/worker/decode_burst.py) is one step of several forwards: its tokens arrive
 as StepProgress while it runs and are emitted at once; anything that should change the batch (a
@@ -15,7 +14,6 @@ with finish_reason "error", never "abort", and the engine goes on.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -30,7 +28,7 @@ from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve,
                              TokenDeltas)
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
-from runtime import Actor, ActorDead, ActorRef, Pipe, Piped
+from runtime import Actor, ActorDead, ActorRef, Turns
 
 NOTHING_FITS = "the request does not fit in the engine's KV cache"
 
@@ -41,14 +39,15 @@ class SchedulerActor(Actor):
                  kv_bytes_per_token: float = 0.0, brake: BurstBrake | None = None):
         self.scheduler = Scheduler(cfg, spec if draft is not None else None)
         self.kv_bytes_per_token = kv_bytes_per_token   # reported in the stats
-        self.spec = self.scheduler.spec
+        self.speculation = self.scheduler.speculation   # what the draft worker hears, and when
+        self.spec = self.speculation.controller if self.speculation is not None else None
         self.kv = kv
         self.worker = worker
         self.draft = draft
         self.step_timeout_s = step_timeout_s
         self.brake = brake   # shared with the worker: ends a decode burst early
         self.weight_bytes = weight_bytes   # reported in the stats as the worker stated it
-        self._step: Pipe | None = None   # the step in flight, until its outcome is handled
+        self._steps: Turns | None = None   # steps run one after the other while there is work
         self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
@@ -73,9 +72,10 @@ class SchedulerActor(Actor):
             await self._maybe_step()
 
     async def on_stop(self) -> None:
-        """On a restart and at shutdown, after the runtime cancelled the step's pipe: nothing of
-        that step comes back, not even an outcome already in the mailbox. Cannot fail."""
-        self._interrupted, self._step = self._step is not None, None
+        """On a restart and at shutdown, after the runtime cancelled the steps: nothing of the step
+        in flight comes back, not even an outcome already in the mailbox. Cannot fail."""
+        self._interrupted = self._steps is not None and self._steps.away
+        self._steps = None
 
     async def receive(self, msg: Any) -> Any:
         match msg:
@@ -100,8 +100,6 @@ class SchedulerActor(Actor):
                 if len(self.scheduler.running) != running:
                     self._pull_brake()
                 self._send_outputs()
-            case Piped(result=outcome, error=error):
-                await self._on_step(outcome, error)
             case HandOverDone():
                 self.handoffs.sent(msg)
                 self.scheduler.handoff_done(msg.seq_id)
@@ -122,68 +120,68 @@ class SchedulerActor(Actor):
         return None
 
     async def _maybe_step(self) -> None:
-        """Start the next step, unless one is in flight or there is nothing to do. The mailbox waits
-        until the step is planned: a Submit or an Abort must not land inside its KV transaction."""
-        if self._step is not None or self._stalled or not self.scheduler.has_work():
+        """Start stepping, unless it goes on already, is stalled, or there is nothing to do. The steps
+        start in this handler's turn: the mailbox waits for the plan (a Submit or an Abort must not land
+        inside its KV transaction)."""
+        if self._steps is not None or self._stalled or not self.scheduler.has_work():
             return
-        self._started = time.perf_counter()
-        planned = asyncio.get_running_loop().create_future()
-        self._step = self.context.pipe_to_self(self.step(planned))
-        await planned
+        self._steps = self.context.run_in_turns(self._run_steps)
+        await self._steps.first_turn()
+
+    async def _run_steps(self, turn: Turns) -> None:
+        """Step after step while there is work; each next step is planned in the turn the last emitted in."""
+        while not self._stalled and self.scheduler.has_work():
+            await self.step(turn)
+        self._steps = None
 
     async def _unstall(self) -> None:
         if self._stalled:
             self._stalled = False
             await self._maybe_step()
 
-    async def step(self, planned: asyncio.Future) -> tuple[StepPlan, StepResult] | None:
-        """One step up to the worker's answer; its outcome comes back as a Piped message."""
+    async def step(self, turn: Turns) -> None:
+        """One step: schedule -> KV -> drafts -> forward -> update -> emit. No message is handled but
+        while the draft and model workers compute; the update comes after every Abort sent meanwhile."""
+        self._started = time.perf_counter()
         try:
-            plan, propose = await self._schedule_kv()
-        finally:
-            planned.set_result(None)   # Submit and Abort flow again, during the draft and the forward
-        if plan is None:
-            return None
-        await self._draft(plan, propose)
-        return plan, await self._forward(plan)
-
-    async def _on_step(self, outcome: tuple[StepPlan, StepResult] | None, error: BaseException | None) -> None:
-        """The step's outcome, after every Abort that came during its forward: update -> emit -> next."""
-        self._step = None
-        if error is not None:
+            plan = await self._schedule_kv()
+            if plan is None:   # nothing fits: stalled on handoffs, or the queue failed
+                self._send_outputs()
+                return
+            result = await turn.reenter_after(self._draft_and_forward(plan))
+        except Exception as error:
             self._step_failed(error)
             self.step_s += time.perf_counter() - self._started
-        elif outcome is not None:
-            self._update(*outcome)
+        else:
+            self._update(plan, result)
         self._send_outputs()
-        await self._maybe_step()
 
-    async def _schedule_kv(self) -> tuple[StepPlan | None, Propose | None]:
-        """The plan and the draft worker's message; a step that only preempted schedules again, and
-        when still nothing fits, the queue waits for the handoffs holding blocks to end, or with
-        none, fails (the plan is None)."""
+    async def _schedule_kv(self) -> StepPlan | None:
+        """The plan; a step that only preempted schedules again, and when still nothing fits, the queue
+        waits for the handoffs holding blocks to end, or with none, fails (the plan is None)."""
         plan = await self._kv_transaction()
         if not plan.seqs:  # a step that only preempted: the next pass admits from the queue
             plan = await self._kv_transaction()
-        if not plan.seqs and self.scheduler.adopting():
+        if not plan.seqs and self.scheduler.handoffs.adopting():
             self._stalled = True
-            return None, None
+            return None
         if not plan.seqs:
             self.context.log.error("nothing fits in the KV pool; failing the queued requests")
             self.scheduler.fail_all(NOTHING_FITS)
-            return None, None
-        return plan, self.scheduler.take_propose()
+            return None
+        return plan
 
     async def _kv_transaction(self) -> StepPlan:
         """One KV transaction per step; another only after a preemption."""
-        kv_step = self.scheduler.schedule()
-        while kv_step is not None:
-            kv_step = self.scheduler.on_kv(await self.kv.ask(kv_step))
+        txn = self.scheduler.kv_transaction()
+        while txn is not None:
+            txn = self.scheduler.apply_kv_result(await self.kv.ask(txn))
         return self.scheduler.plan()
 
-    async def _draft(self, plan: StepPlan, propose: Propose | None) -> None:
+    async def _draft(self, plan: StepPlan) -> None:
         """The draft worker's tokens go into the plan; a step that drafts nothing only tells it the
         tokens (it keeps every sequence's history), without waiting."""
+        propose = self.speculation.take_propose() if self.speculation is not None else None
         if propose is None:
             return
         if not any(d.num_spec for d in propose.seqs):
@@ -200,6 +198,10 @@ class SchedulerActor(Actor):
             if p is not None:
                 seq.spec_token_ids, seq.spec_probs = p.token_ids, p.probs
         self.draft_s += proposals.draft_s
+
+    async def _draft_and_forward(self, plan: StepPlan) -> StepResult:
+        await self._draft(plan)
+        return await self._forward(plan)
 
     async def _forward(self, plan: StepPlan) -> StepResult:
         """The worker computes the step; if it fails or times out, the step fails for all."""
@@ -241,7 +243,7 @@ class SchedulerActor(Actor):
         """Prefilled sequences go to their decode engines: the transfer actor sends their blocks.
         A prompt of several chunks sends the full blocks of each chunk ahead, while the next is computed."""
         self._cancel_ahead()
-        ahead, handoffs = self.scheduler.take_ready_ahead(), self.scheduler.take_handoffs()
+        ahead, handoffs = self.scheduler.handoffs.take_ready_ahead(), self.scheduler.handoffs.take_handoffs()
         if not (ahead or handoffs):
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
@@ -257,7 +259,7 @@ class SchedulerActor(Actor):
         if not self.layer_stream:
             return
         self._cancel_ahead()   # a preempted sequence's cancel goes before its recompute's blocks
-        layered = self.scheduler.take_layered()
+        layered = self.scheduler.handoffs.take_layered()
         if not layered:   # most steps: nothing more on the way to the worker
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
@@ -268,7 +270,7 @@ class SchedulerActor(Actor):
 
     def _cancel_ahead(self) -> None:
         """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
-        for seq_id in self.scheduler.take_cancelled_ahead():
+        for seq_id in self.scheduler.handoffs.take_cancelled_ahead():
             self.transfer.tell(HandOverCancel(seq_id))
 
     def _offer(self, seq) -> KVOffer:
@@ -304,8 +306,8 @@ class SchedulerActor(Actor):
         frees = self.scheduler.take_frees()
         if frees is not None:
             self.kv.tell(frees)
-        if self.draft is not None:
-            released = self.scheduler.take_draft_released()
+        if self.speculation is not None:
+            released = self.speculation.take_released()
             if released:
                 self.draft.tell(Propose(0, [], [], released))
         for reply_to, deltas in self.scheduler.take_deltas().items():
@@ -315,7 +317,7 @@ class SchedulerActor(Actor):
         kv = await self.kv.ask(GetKVStats())
         p, c = self.scheduler, self.scheduler.counters
         running = {s.request.request_id for s in p.running}
-        ttft, itl = p.recent_ttft.quantiles(0.5, 0.9), p.recent_itl.quantiles(0.5, 0.9)
+        ttft, itl = p.latency.recent_ttft.quantiles(0.5, 0.9), p.latency.recent_itl.quantiles(0.5, 0.9)
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,

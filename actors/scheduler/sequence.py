@@ -77,6 +77,10 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def room(self, max_model_len: int) -> int:
+        """Tokens it may still generate: never past its output's length nor the context."""
+        return min(self.request.max_output - self.num_output_tokens, max_model_len - self.num_tokens + 1)
+
     @property
     def seed(self) -> int | None:
         seed = self.request.seed

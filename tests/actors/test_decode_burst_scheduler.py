@@ -23,7 +23,7 @@ class BurstHarness(Harness):
         self.grows = []                  # every KV transaction's grows
 
     def step(self) -> StepPlan:
-        req = self.scheduler.schedule()
+        req = self.scheduler.kv_transaction()
         while req is not None:
             self.grows.append(req.grows)
             res = apply_kv_step(self.kv, req)
@@ -31,7 +31,7 @@ class BurstHarness(Harness):
                 seq_id = str(g.seq_id)
                 held = self.kv.num_computed_tokens(seq_id) + g.num_lookahead_tokens
                 assert len(self.kv.block_table(seq_id)) == -(-held // self.kv.block_size), g
-            req = self.scheduler.on_kv(res)
+            req = self.scheduler.apply_kv_result(res)
         plan = self.scheduler.plan()
         self.plans.append(plan)
         result, seqs = self.model.run(plan), plan.seqs

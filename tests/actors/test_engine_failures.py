@@ -330,8 +330,8 @@ def test_a_sequence_aborted_during_its_failed_step_forgets_what_it_never_wrote()
     h.model = model = FailingModel(h.model)
     h.submit("a", PROMPT, max_tokens=4)
     model.fail(h, "a")
-    kv_step = h.scheduler.schedule()
-    h.scheduler.on_kv(apply_kv_step(h.kv, kv_step))
+    kv_step = h.scheduler.kv_transaction()
+    h.scheduler.apply_kv_result(apply_kv_step(h.kv, kv_step))
     plan = h.scheduler.plan()
     h.abort("a")  # while the worker computes the step: its blocks go back at once
     assert h.finish[("a", 0)] == "abort" and h.kv.num_seqs == 0

@@ -1,4 +1,6 @@
-"""A prefill engine's scheduler sends a long prompt's KV ahead: after each chunk, the full blocks it
+"""Disaggregation in the scheduler (its HandoffTracker).
+
+A prefill engine's scheduler sends a long prompt's KV ahead: after each chunk, the full blocks it
 has computed go to the decode engine while the next chunk runs; the HandOver after the first token
 sends the rest. A sequence sent ahead that is preempted, aborted or ends at its first token
 cancels what went ahead (the decode engine lets the blocks go). Where the blocks go layer by layer,
@@ -6,10 +8,13 @@ each planned step names the blocks it fills, and a sequence so named cancels as 
 
 The scheduler with the real KV manager and the paged fake model (tests/actors/test_scheduler.py);
 the harness plays the scheduler actor and the transfer actor: it records what goes ahead, what is
-cancelled and what is handed over, and hands each handoff's blocks back at once."""
+cancelled and what is handed over, and hands each handoff's blocks back at once. A decode engine's
+scheduler reserves blocks for a request another engine prefilled, and decodes it once adopted."""
 from __future__ import annotations
 
-from actors.messages import SamplingParams, SubmitRequest
+import msgspec
+
+from actors.messages import KVOffer, SamplingParams, SubmitRequest
 from tests.actors.test_scheduler import Harness, reference
 
 
@@ -23,9 +28,9 @@ class HandoffHarness(Harness):
 
             def planned():
                 out = plan()
-                for seq_id in self.scheduler.take_cancelled_ahead():   # before a recompute's blocks
+                for seq_id in self.scheduler.handoffs.take_cancelled_ahead():   # before a recompute's blocks
                     self.events.append(("cancel", seq_id, 0))
-                for seq, first, end in self.scheduler.take_layered():
+                for seq, first, end in self.scheduler.handoffs.take_layered():
                     self.events.append(("layers", seq.seq_id, (first, end)))
                 return out
             self.scheduler.plan = planned
@@ -37,12 +42,12 @@ class HandoffHarness(Harness):
 
     def _collect(self):
         # As the scheduler actor does: cancels first, then what goes ahead, then the handoffs.
-        for seq_id in self.scheduler.take_cancelled_ahead():
+        for seq_id in self.scheduler.handoffs.take_cancelled_ahead():
             self.events.append(("cancel", seq_id, 0))
-        for seq, num_blocks in self.scheduler.take_ready_ahead():
+        for seq, num_blocks in self.scheduler.handoffs.take_ready_ahead():
             assert num_blocks * self.kv.block_size <= self.kv.num_computed_tokens(str(seq.seq_id))
             self.events.append(("ahead", seq.seq_id, num_blocks))
-        for seq in self.scheduler.take_handoffs():
+        for seq in self.scheduler.handoffs.take_handoffs():
             self.events.append(("handover", seq.seq_id, seq.num_tokens))
             self.scheduler.handoff_done(seq.seq_id)
         super()._collect()
@@ -151,3 +156,20 @@ def test_a_preempted_prompt_named_by_its_steps_is_cancelled_before_its_recompute
     assert restarts
     assert h.outputs[("prefilling", 0)] == reference(prompt, 1)
     h.assert_all_free()
+
+
+def test_an_adopted_request_reserves_its_blocks_then_decodes_from_its_first_token():
+    h = Harness(block_size=4)
+    offer = KVOffer("o", None, "r", [1, 2, 3, 4, 5], [], SamplingParams(max_tokens=4, ignore_eos=True), "client",
+                    0, None, 0, "")
+    reserve = h.scheduler.reserve_adoption(offer)   # ahead of the first token: every prompt position has KV
+    assert (reserve.token_ids, reserve.num_tokens) == ([1, 2, 3, 4, 5], 5)
+    assert h.scheduler.reserve_adoption(offer) is None and h.scheduler.handoffs.adopting()
+    assert not h.scheduler.has_work()   # reserved, not yet scheduled
+    seq = h.scheduler.adopt(reserve.seq_id, [9])
+    assert (seq.num_tokens, seq.num_computed) == (6, 5) and h.scheduler.running == [seq]
+    assert not h.scheduler.handoffs.adopting() and h.scheduler.reserve_adoption(offer) is None   # here now
+    other = h.scheduler.reserve_adoption(msgspec.structs.replace(offer, request_id="s", output_token_ids=[7]))
+    assert other.num_tokens == 5   # the sampled token's KV is not written yet
+    h.scheduler.drop_adoption(other.seq_id)
+    assert h.scheduler.take_frees().seq_ids == [other.seq_id] and not h.scheduler.handoffs.adopting()

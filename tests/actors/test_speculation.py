@@ -1,4 +1,4 @@
-"""Speculative steps in the scheduler, against the real KV manager and a paged fake model.
+"""Speculative steps in the scheduler (its SpeculationPlanner), against the real KV manager and a paged fake model.
 
 The fake target reads every token through the block tables (drafts included, written in the same
 step) and keeps drafts while they equal its own next token, so a stale block table, a lost
@@ -16,7 +16,7 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose
 from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
-from actors.messages import SeqOutput, StepPlan, StepResult
+from actors.messages import KVTrim, SeqOutput, StepPlan, StepResult
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from tests.actors.test_scheduler import EOS, FakeClock, Harness, PagedFake, next_token, prompts, reference
 
@@ -72,15 +72,15 @@ class SpecHarness(Harness):
         assert not self.listener.seqs and not self.listener._gone
 
     def step(self) -> StepPlan:
-        req = self.scheduler.schedule()
+        req = self.scheduler.kv_transaction()
         while req is not None:
-            req = self.scheduler.on_kv(apply_kv_step(self.kv, req))
+            req = self.scheduler.apply_kv_result(apply_kv_step(self.kv, req))
         plan = self.scheduler.plan()
         for s in plan.seqs:  # after the trims: the plan carries the manager's own tables
             assert s.block_table == self.kv.block_table(str(s.seq_id)), s
-        propose = self.scheduler.take_propose()
+        propose = self.scheduler.speculation.take_propose()
         wanted = {d.seq_id: d.num_spec for d in propose.seqs if d.num_spec} if propose is not None else {}
-        assert (propose is None) == (not wanted) or len(propose.seqs) >= self.scheduler._draft_feed.max_queued
+        assert (propose is None) == (not wanted) or len(propose.seqs) >= self.scheduler.speculation.feed.max_queued
         if propose is not None:
             # A draft worker that hears only these messages still holds each drafting sequence's
             # whole history when it drafts: the held-back steps came with this one, in order.
@@ -104,7 +104,7 @@ class SpecHarness(Harness):
         self.plans.append(plan)
         self.held_back += propose is None and any(s.sample for s in plan.seqs)
         self.scheduler.update(self.model.run(plan))
-        self.listener.apply(Propose(0, [], [], self.scheduler.take_draft_released()))   # as the actor's emit does
+        self.listener.apply(Propose(0, [], [], self.scheduler.speculation.take_released()))   # as the actor's emit does
         self._collect()
         self.kv.check_invariants()
         return plan
@@ -224,6 +224,30 @@ def test_inter_token_latency_is_observed_once_per_token_of_a_speculative_step():
         h.step()
         steps += 1
     assert len(h.outputs[("a", 0)]) == 21 and steps == 5   # the first token, then 4 steps of 4 drafts + 1
-    itl = h.scheduler.recent_itl
+    itl = h.scheduler.latency.recent_itl
     assert itl.count() == 20 and itl.quantiles(0.5, 0.9) == [pytest.approx(0.1)] * 2   # 0.5 s over 5 tokens
-    assert h.scheduler.recent_ttft.quantiles(0.5) == [pytest.approx(0.5)]
+    assert h.scheduler.latency.recent_ttft.quantiles(0.5) == [pytest.approx(0.5)]
+
+
+def test_the_planner_caps_k_at_a_sequences_room_and_trims_what_was_rejected():
+    from actors.messages import NewSequence, SamplingParams, ScheduledSeq
+    from actors.scheduler.counters import Counters
+    from actors.scheduler.sequence import RequestState, Sequence
+    from actors.scheduler.speculation import SpeculationPlanner
+
+    counters = Counters()
+    planner = SpeculationPlanner(SpecController(4, adaptive=False), counters, max_model_len=64)
+    req = RequestState("r", [1, 2, 3], SamplingParams(max_tokens=3), None, 0, 0, None, 64)
+    seq, prefilling = Sequence(0, req, 0), Sequence(1, req, 1)
+    seq.token_ids.append(9)            # one output token out, its KV not computed: it decodes
+    seq.num_computed = 3
+    assert planner.choose([seq, prefilling]) == {0: 1}   # two tokens of room: one drafted, one to verify
+    seq.spec_k = 1
+    planner.scheduled(seq, ScheduledSeq(0, [9], 3, [0], True))
+    planner.planned(1, [NewSequence(0, [1, 2, 3], SamplingParams(), None)])
+    assert [d.num_spec for d in planner.take_propose().seqs] == [1] and planner.take_propose() is None
+    assert planner.verified(seq, 1, 0, running=True) == [KVTrim(0, 3)] and seq.spec_k == 0
+    assert (counters.spec_draft_tokens, counters.spec_accepted_tokens, counters.spec_num_drafts) == (1, 0, 1)
+    assert planner.verified(seq, 1, 1, running=False) == [] and counters.spec_accepted_per_pos == [1, 0, 0, 0]
+    planner.forget(seq)
+    assert planner.take_released() == [0]   # the draft worker heard of it: it drops its state
