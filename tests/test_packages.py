@@ -84,8 +84,9 @@ KNOWN_LOOPS = {
                 "prefetch as it loads, and kquant borrows quant_linear's quantize_rows"),
     "runtime": ({"runtime.actor", "runtime.cell", "runtime.codec", "runtime.connection", "runtime.messages",
                  "runtime.outbox", "runtime.pipe", "runtime.ref", "runtime.remoting", "runtime.seal",
-                 "runtime.system"},
-                "the actor, its cell, refs, the system and the wire name each other's types"),
+                 "runtime.system", "runtime.turns"},
+                "the actor, its cell, refs, the system and the wire name each other's types (pipe and "
+                "turns name their cell's type only, as annotations)"),
 }
 
 
