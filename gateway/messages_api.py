@@ -66,13 +66,19 @@ def _json(request: web.Request, body: dict) -> web.Response:
                         headers={"request-id": request[REQUEST_ID]})
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
+async def _accept(request: web.Request, type_: type):
+    """The body decoded, as a chat request, and the engine that will serve it: both routes' start."""
     state = request.app[STATE]
-    req = protocol.decode(await handlers.read_body(request), MessagesRequest)
+    req = protocol.decode(await handlers.read_body(request), type_)
     chat = chat_request(req)
     client, engine = state.require_engine()
     state.check_model(chat.model)
+    return state, req, chat, client, engine
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state, req, chat, client, engine = await _accept(request, MessagesRequest)
     with _anthropic_names():
         gen, fmt = await handlers.chat_generation(request, state, chat, client, engine, arrival, id_prefix="msg")
     with handlers.running(state, gen):
@@ -129,11 +135,7 @@ async def _fail(request: web.Request, sse: SSEWriter, e: APIError) -> None:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The rendered prompt's tokens: what `usage` of the same request counts as input (cached or not)."""
-    state = request.app[STATE]
-    req = protocol.decode(await handlers.read_body(request), CountTokensRequest)
-    chat = chat_request(req)
-    _, engine = state.require_engine()
-    state.check_model(chat.model)
+    state, _, chat, _, engine = await _accept(request, CountTokensRequest)
     with _anthropic_names():
         ids = await handlers.chat_prompt(engine, chat, chat_tools(chat, state.config.tool_call_parser))
     return _json(request, {"input_tokens": len(ids)})

@@ -355,6 +355,11 @@ def test_disconnect_frees_kv_blocks(tiny_servers):
         got += line.startswith(b"data: ")
     assert metric(base, "matinee_kv_blocks_free") < free_before
     conn.close()   # hang up mid-stream
+    assert_all_freed(base, free_before)
+
+
+def assert_all_freed(base: str, free_before: float) -> None:
+    """Within 20 s of a hang-up, the engine has every KV block back and runs nothing."""
     deadline = time.monotonic() + 20
     while metric(base, "matinee_kv_blocks_free") != free_before and time.monotonic() < deadline:
         time.sleep(0.05)
