@@ -17,7 +17,7 @@ from actors.messages import SamplingParams
 from gateway import handlers, protocol
 from gateway.errors import internal, invalid
 from gateway.generation import Generation
-from gateway.params import truncated
+from gateway.params import priority_checked, truncated
 
 _encode = msgspec.json.Encoder().encode
 
@@ -35,9 +35,7 @@ async def embeddings(request: web.Request) -> web.Response:
         raise invalid(f"This model's maximum context length is {engine.max_model_len} tokens, but an input "
                       f"has {longest}; shorten it or set `truncate_prompt_tokens`.", param="input",
                       code="context_length_exceeded")
-    if req.priority and not engine.priority_scheduling:
-        raise invalid(f"Got priority {req.priority}, but priority scheduling is not enabled "
-                      "(start the engine with --scheduling-policy priority).", param="priority")
+    priority_checked(req.priority, engine)
     state.check_capacity(len(prompts))
     rid, _ = handlers.request_ids(request, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)

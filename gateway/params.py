@@ -18,6 +18,13 @@ from gateway.protocol import MAX_SEQUENCES, _Common, stop_list, token_ids_checke
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
+def priority_checked(priority: int | None, engine) -> None:
+    """A non-zero `priority` only where the engine orders its queue by it, as vLLM refuses it."""
+    if priority and not engine.priority_scheduling:
+        raise invalid(f"Got priority {priority}, but priority scheduling is not enabled "
+                      "(start the engine with --scheduling-policy priority).", param="priority")
+
+
 def truncated(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: only the prompt's last `keep` tokens (-1: the context)."""
     if keep is None:
@@ -102,9 +109,7 @@ def sampling_params(req: _Common, prompts: list[list[int]], budget: MaxTokens, e
     if req.min_tokens and req.min_tokens > max_tokens:
         raise invalid(f"`min_tokens` ({req.min_tokens}) must be at most max_tokens ({max_tokens}).",
                       param="min_tokens")
-    if req.priority and not engine.priority_scheduling:
-        raise invalid(f"Got priority {req.priority}, but priority scheduling is not enabled "
-                      "(start the engine with --scheduling-policy priority).", param="priority")
+    priority_checked(req.priority, engine)
     try:
         return SamplingParams(
             n=n,

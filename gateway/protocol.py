@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import invalid
+from gateway.request_log import USABLE_ID
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -204,12 +205,7 @@ def validate_embedding(req: EmbeddingRequest) -> None:
                       param="encoding_format")
     _range(req.dimensions, "dimensions", 1)
     _range(req.priority, "priority", *PRIORITY_RANGE)
-    t = req.truncate_prompt_tokens
-    if t is not None and t != -1 and t < 1:
-        raise invalid(f"`truncate_prompt_tokens` must be -1 (the context length) or at least 1, got {t}.",
-                      param="truncate_prompt_tokens")
-    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
-        raise invalid("`request_id` must be 1-128 printable characters without spaces.", param="request_id")
+    _truncation_and_id(req)
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -294,7 +290,6 @@ GUIDED_BACKENDS = ("auto", "xgrammar")
 MAX_BAD_WORDS = 64
 MAX_WORD_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")   # as an X-Request-Id header
 
 
 def _refused(req) -> None:
@@ -345,10 +340,7 @@ def _validate_extensions(req: _Common) -> None:
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise invalid(f"`cache_salt` must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                       "characters.", param="cache_salt")
-    t = req.truncate_prompt_tokens
-    if t is not None and t != -1 and t < 1:
-        raise invalid(f"`truncate_prompt_tokens` must be -1 (the context length) or at least 1, got {t}.",
-                      param="truncate_prompt_tokens")
+    _truncation_and_id(req)
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise invalid("`allowed_token_ids` must not be empty.", param="allowed_token_ids")
     if req.bad_words is not None:
@@ -359,7 +351,15 @@ def _validate_extensions(req: _Common) -> None:
             if not w.strip() or len(w) > MAX_WORD_CHARS:
                 raise invalid(f"Each bad word must be non-blank and at most {MAX_WORD_CHARS} characters.",
                               param=f"bad_words[{i}]")
-    if req.request_id is not None and not _REQUEST_ID.fullmatch(req.request_id):
+
+
+def _truncation_and_id(req) -> None:
+    """vLLM's `truncate_prompt_tokens` and `request_id`, on the generation and embedding bodies alike."""
+    t = req.truncate_prompt_tokens
+    if t is not None and t != -1 and t < 1:
+        raise invalid(f"`truncate_prompt_tokens` must be -1 (the context length) or at least 1, got {t}.",
+                      param="truncate_prompt_tokens")
+    if req.request_id is not None and not USABLE_ID.fullmatch(req.request_id):   # as an X-Request-Id
         raise invalid("`request_id` must be 1-128 printable characters without spaces.", param="request_id")
 
 

@@ -18,7 +18,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID = web.RequestKey("request_id", str)              # the id of this HTTP request
 CLIENT_REQUEST_ID = web.RequestKey("client_request_id", bool)   # whether the client chose it
 # What a client's id may be: printable, no spaces, short enough for a log line.
-_USABLE = re.compile(r"[\x21-\x7e]{1,128}")
+USABLE_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _CLIENT_GONE = 499   # nginx's status for a request whose client went away before the response
 
 log = get_logger(component="gateway")
@@ -32,7 +32,7 @@ def request_log_middleware(access_log: bool):
     @web.middleware
     async def request_log(request: web.Request, handler):
         given = request.headers.get(REQUEST_ID_HEADER, "")
-        client_chose = bool(_USABLE.fullmatch(given))
+        client_chose = bool(USABLE_ID.fullmatch(given))
         rid = given if client_chose else uuid.uuid4().hex
         request[REQUEST_ID], request[CLIENT_REQUEST_ID] = rid, client_chose
         start = time.monotonic()
