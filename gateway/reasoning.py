@@ -25,7 +25,6 @@ class ReasoningParser:
     """`enable_thinking`: whether `chat_template_kwargs.enable_thinking: false` turns the thinking
     off (Qwen3's switch). A missing `</think>` leaves the whole output thinking (a cut-off answer),
     as vLLM's parsers read it."""
-    name: str
     enable_thinking: bool
 
     def thinks(self, chat_template_kwargs: dict | None, prompt_tail: str) -> bool:
@@ -37,8 +36,7 @@ class ReasoningParser:
         return not prompt_tail.rfind(END) > prompt_tail.rfind(START)
 
 
-PARSERS = {"qwen3": ReasoningParser("qwen3", enable_thinking=True),
-           "deepseek_r1": ReasoningParser("deepseek_r1", enable_thinking=False)}
+PARSERS = {"qwen3": ReasoningParser(enable_thinking=True), "deepseek_r1": ReasoningParser(enable_thinking=False)}
 
 
 def prompt_tail(tokenizer, prompt: list[int]) -> str:
