@@ -19,7 +19,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads);
 int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
-                        long M, long N, long K, int threads);
+                        long M, long N, long K, int threads, int dot);
 void matinee_rms_norm_f32(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
                           long rows, long H, float eps, int threads);
 void matinee_rms_norm_bf16(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
@@ -46,7 +46,8 @@ int matinee_paged_attention(const void *q, const void *k_cache, const void *v_ca
                             long table_width, long num_blocks, float scale, int threads, int act_bf16,
                             int cache_kind, long short_max);
 
-enum { GGUF = 0, PACKED = 1 };   /* a projection's kernel: quant_gemm.c (qtype), packed_gemm.c */
+enum { GGUF = 0, PACKED = 1, PACKED_DOT = 2 };   /* a projection's kernel: quant_gemm.c (qtype), packed_gemm.c
+                                                   (PACKED_DOT: its vdpbf16ps path for bf16 rows) */
 
 typedef struct {
     const void *w;
@@ -79,7 +80,7 @@ static int project(const Projection *p, const void *x, void *y, long M, int bf16
     if (p->kind == GGUF && bf16 && p->amx_from && M >= p->amx_from)
         return matinee_quant_amx(x, p->qtype, p->w, p->bias, y, M, p->N, p->K, threads);
     if (p->kind == GGUF) return matinee_quant_gemm(x, bf16, p->qtype, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
-    return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
+    return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads, p->kind == PACKED_DOT && bf16);
 }
 
 /* embeddings [T, H] -> hidden [T, H], the last layer's output, and residual [T, H], its residual stream,

@@ -24,7 +24,7 @@ from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantWeight
 
-GGUF, PACKED = 0, 1   # decode_layers.c's projection kinds
+GGUF, PACKED, PACKED_DOT = 0, 1, 2   # decode_layers.c's projection kinds
 _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
@@ -86,7 +86,7 @@ class _Plan:
         if isinstance(weight, QuantWeight):
             kind, qtype, w, amx_from = GGUF, int(weight.qtype), weight.packed, weight.amx_from or 0
         else:
-            kind, qtype, w = PACKED, 0, weight.packed
+            kind, qtype, w = PACKED_DOT if weight.dot else PACKED, 0, weight.packed
         return _Projection(self._tensor(w), self._tensor(bias), weight.out_features, weight.in_features, kind, qtype,
                            amx_from)
 

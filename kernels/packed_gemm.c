@@ -6,7 +6,9 @@
  * shifted left 16 is column i in float32, its high half masked is column 16+i, two cheap integer
  * ops instead of two shuffles (whose port the FMAs share). bf16 dot products (vdpbf16ps) issue
  * at half the f32 FMA rate on the reference Xeon, so the weights are widened in registers and
- * multiplied in float32. Every output is summed over k = 0..K-1 in order, in one register, so a
+ * multiplied in float32; where they issue at the FMA's rate (Zen 4) they do twice its work, and the
+ * `dot` path below takes bf16 rows through them (packed_linear.py measures which is faster per shape).
+ * Every output is summed over k = 0..K-1 in order, in one register, so a
  * row's result never depends on the other rows of the batch or on the thread count. The same
  * layout serves the AVX2 path (4 ymm per line) and the AVX-512 one (2 zmm).
  */
@@ -129,10 +131,104 @@ static void emit(float *tile, int rows, int cols, const float *bias, void *y, in
 
 int matinee_packed_width(void) { return WIDTH; }
 
+#ifdef __AVX512BF16__
+/* The same packed weight multiplied by bf16 rows through vdpbf16ps: two k at a time per instruction,
+ * twice the float32 FMA's rate where the CPU runs both at one a cycle (Zen 4). Lines k and k + 1 are
+ * interleaved by 16-bit unpacks, so each 32-bit lane holds one column's (w[k], w[k + 1]) pair, met by
+ * one broadcast of x's (x[k], x[k + 1]). Products of two bf16 are exact in float32; each instruction
+ * adds the pair's odd product, then its even one, to the accumulator, with bf16 and float32 subnormals
+ * read and written as zero (the instruction's DAZ and FTZ). Every output is still summed over k in
+ * order in one register: a row's result does not depend on the other rows or the thread count. */
+#define MR_DOT 12                   /* 24 accumulators + 2 lines + 2 unpacks + 1 broadcast of 32 zmm */
+
+/* unpacklo puts columns 4L, 16+4L, 4L+1, 16+4L+1 in 32-bit lanes 4L..4L+3 of each 128-bit lane L,
+ * unpackhi 4L+2, 16+4L+2, 4L+3, 16+4L+3: where each column's sum ends up, as permutex2var indices
+ * (16 and up: the second accumulator), columns 0-15 then 16-31. */
+static const int32_t DOT_FROM[NR] __attribute__((aligned(64))) = {
+    0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30,
+    1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31};
+
+static inline uint32_t pair_at(const uint16_t *x, long k, long K) {
+    uint32_t v = x[k];
+    if (k + 1 < K) v |= (uint32_t)x[k + 1] << 16;
+    return v;
+}
+
+#define DOT_KERNEL(MR)                                                                                 \
+    static void dot_##MR(const uint16_t *x, long K, const uint16_t *w, float *tile) {                  \
+        __m512 acc[MR][2];                                                                             \
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                     \
+        const __m512i zero = _mm512_setzero_si512();                                                   \
+        for (long k = 0; k < K; k += 2) {                                                              \
+            _mm_prefetch((const char *)(w + (k + PREFETCH) * NR), _MM_HINT_T0);                        \
+            _mm_prefetch((const char *)(w + (k + 1 + PREFETCH) * NR), _MM_HINT_T0);                    \
+            __m512i a = _mm512_loadu_si512(w + k * NR);                                                \
+            __m512i b = k + 1 < K ? _mm512_loadu_si512(w + (k + 1) * NR) : zero;                       \
+            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b); \
+            for (int i = 0; i < MR; i++) {                                                             \
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair_at(x + i * K, k, K));              \
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xv);                                       \
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xv);                                       \
+            }                                                                                          \
+        }                                                                                              \
+        const __m512i first = _mm512_loadu_si512(DOT_FROM), second = _mm512_loadu_si512(DOT_FROM + 16); \
+        for (int i = 0; i < MR; i++) {                                                                 \
+            _mm512_storeu_ps(tile + i * NR, _mm512_permutex2var_ps(acc[i][0], first, acc[i][1]));      \
+            _mm512_storeu_ps(tile + i * NR + 16, _mm512_permutex2var_ps(acc[i][0], second, acc[i][1])); \
+        }                                                                                              \
+    }
+
+typedef void (*dot_fn)(const uint16_t *, long, const uint16_t *, float *);
+DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
+DOT_KERNEL(7) DOT_KERNEL(8) DOT_KERNEL(9) DOT_KERNEL(10) DOT_KERNEL(11) DOT_KERNEL(12)
+static const dot_fn DOTS[MR_DOT + 1] = {0, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6, dot_7, dot_8, dot_9, dot_10,
+                                        dot_11, dot_12};
+
+static void gemm_dot(const uint16_t *x, const uint16_t *w, const float *bias, void *y, int y_bf16, long M, long N,
+                     long K, int threads) {
+    long blocks = (N + NR - 1) / NR;
+    long chunk = (1L << 20) / (K * (long)sizeof(uint16_t) + 1);
+    if (chunk < MR_DOT) chunk = MR_DOT;
+    size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    for (long m0 = 0; m0 < M; m0 += chunk) {
+        long rows = M - m0 < chunk ? M - m0 : chunk;
+#pragma omp for schedule(static) nowait
+        for (long b = 0; b < blocks; b++) {
+            float tile[MR_DOT * NR] __attribute__((aligned(64)));
+            int cols = N - b * NR < NR ? (int)(N - b * NR) : NR;
+            const uint16_t *wb = w + b * K * NR;
+            long m = m0, left = rows;
+            for (long groups = (rows + MR_DOT - 1) / MR_DOT; left > 0; groups--) {
+                int mr = (int)((left + groups - 1) / groups);
+                DOTS[mr](x + m * K, K, wb, tile);
+                emit(tile, mr, cols, bias ? bias + b * NR : 0, (char *)y + (m * N + b * NR) * elem, y_bf16, N);
+                m += mr;
+                left -= mr;
+            }
+        }
+    }
+}
+#define HAS_DOT 1
+#else
+#define HAS_DOT 0
+#endif
+
+/* Whether this build has the vdpbf16ps path (`dot` below). */
+int matinee_packed_dot(void) { return HAS_DOT; }
+
 /* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32; w the packed weight; bias float32
- * [N] or NULL; y [M, N] bf16 (y_bf16) or float32. Returns 0, or -1 when out of memory. */
+ * [N] or NULL; y [M, N] bf16 (y_bf16) or float32; `dot`: bf16 x through vdpbf16ps (matinee_packed_dot).
+ * Returns 0, -1 when out of memory, -2 for `dot` with float32 x or in a build without it. */
 int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
-                        long M, long N, long K, int threads) {
+                        long M, long N, long K, int threads, int dot) {
+    if (dot) {
+        if (!x_bf16 || !HAS_DOT) return -2;
+#if HAS_DOT
+        gemm_dot((const uint16_t *)x, w, bias, y, y_bf16, M, N, K, threads);
+#endif
+        return 0;
+    }
     const float *xf = (const float *)x;
     float *scratch = 0;
     if (x_bf16) {

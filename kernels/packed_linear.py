@@ -2,8 +2,11 @@
 
 torch's bf16 F.linear (oneDNN) on the reference 2-core Xeon (AVX-512, no AMX) is no faster than
 float32 at one row and 1.6x slower at 256. packed_gemm.c reads each weight as bf16, from a layout
-packed once at load, and multiplies in float32. Whether it beats torch is measured once per
-weight shape (layout) and kept on disk beside the built library; where torch wins on many rows
+packed once at load, and multiplies in float32, or, where the CPU has AVX512-BF16 and it measures
+faster (Zen 4, whose vdpbf16ps does twice the float32 FMA's work a cycle), takes bf16 rows through
+vdpbf16ps from the same layout. Which kernel, and whether either beats torch, is measured once per
+weight shape (layout) and kept on disk beside the built library; a weight's kernel is the same for
+every row count, so a row's result never depends on its batch. Where torch wins on many rows
 only (a CPU with AMX, whose bf16 tiles oneDNN drives), both layouts are kept and the row count
 picks. A tied embedding reads its rows out of the packed LM head, so the model keeps one copy.
 """
@@ -35,6 +38,8 @@ class PackedWeight:
         # Where torch (oneDNN on AMX-class bf16 units) measured faster on many rows: the plain weight
         # too, which linear() multiplies through torch from TORCH_FROM_ROWS rows on.
         self.plain: torch.Tensor | None = None
+        # bf16 rows through the kernel's vdpbf16ps path, where it measured faster (float32 rows never)
+        self.dot = False
 
     @property
     def shape(self) -> torch.Size:
@@ -73,7 +78,8 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     def launch(lib, x, bias, out, bf16):
         return lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(),
                                        None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
-                                       x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
+                                       x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads(),
+                                       int(weight.dot and bf16 and lib.matinee_packed_dot()))
     return cpu_native.projection(x, weight, bias, lib, "packed linear", "float32", launch)
 
 
@@ -104,56 +110,70 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
             or not cpu_native.available():
         return weight
-    chosen = layout(*weight.shape)
+    chosen, dot = layout(*weight.shape)
     if chosen == "torch":
         return weight
     packed = pack(weight)
+    packed.dot = dot
     if chosen == "both":
         packed.plain = weight
     return packed
 
 
-_decisions: dict[tuple[int, int, int], str] = {}
+_decisions: dict[tuple[int, int, int], tuple[str, bool]] = {}
 
 
-def layout(n: int, k: int) -> str:
+def layout(n: int, k: int) -> tuple[str, bool]:
     """How to keep a bf16 [n, k] weight: "torch" (plain) where torch is faster both at decode and at
-    prefill, "both" where it is faster at prefill only (AMX: its bf16 units), else "packed".
+    prefill, "both" where it is faster at prefill only (AMX: its bf16 units), else "packed"; and
+    whether the kernel takes bf16 rows through its vdpbf16ps path.
 
     Measured once per shape and thread count, and kept in a file beside the built library (whose
     name is its digest), so a restart does not measure again."""
     key = (torch.get_num_threads(), n, k)
     if key not in _decisions:
         ms = cpu_native.kept_measurement(".bf16-linear.json", f"{key[0]} threads {n}x{k}", lambda: _measure(n, k))
-        _log(n, k, ms)
-        faster = _torch_faster(ms)
-        _decisions[key] = "torch" if len(faster) == 2 else "both" if faster == [PREFILL_ROWS] else "packed"
+        dot = _dot_faster(ms)
+        faster = _torch_faster(ms, "dot" if dot else "kernel")
+        _log(n, k, ms, dot, faster)
+        _decisions[key] = ("torch" if len(faster) == 2 else "both" if faster == [PREFILL_ROWS] else "packed", dot)
     return _decisions[key]
 
 
-def _torch_faster(ms: dict[str, float]) -> list[int]:
-    """The sizes at which torch was clearly faster: by a margin, so that noise in a measurement
-    shared with a neighbour on the cores does not flip the choice."""
-    return [m for m in (DECODE_ROWS, PREFILL_ROWS) if ms[f"torch_{m}"] * MARGIN < ms[f"kernel_{m}"]]
+def _dot_faster(ms: dict[str, float]) -> bool:
+    """Whether the vdpbf16ps path (where the CPU has it) was clearly faster at prefill and no slower at
+    decode than the float32 FMA path, by the margin either way."""
+    return "dot_1" in ms and ms[f"dot_{PREFILL_ROWS}"] * MARGIN < ms[f"kernel_{PREFILL_ROWS}"] \
+        and ms[f"dot_{DECODE_ROWS}"] <= ms[f"kernel_{DECODE_ROWS}"] * MARGIN
+
+
+def _torch_faster(ms: dict[str, float], kernel: str) -> list[int]:
+    """The sizes at which torch was clearly faster than `kernel`: by a margin, so that noise in a
+    measurement shared with a neighbour on the cores does not flip the choice."""
+    return [m for m in (DECODE_ROWS, PREFILL_ROWS) if ms[f"torch_{m}"] * MARGIN < ms[f"{kernel}_{m}"]]
 
 
 def _measure(n: int, k: int) -> dict[str, float]:
-    """Best-of milliseconds of both paths at both sizes, on at most SAMPLE_ROWS of the weight (the LM
+    """Best-of milliseconds of each path at both sizes, on at most SAMPLE_ROWS of the weight (the LM
     head's full 256-row product alone takes 0.2 s)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
-    packed = pack(weight)
+    packed, dotted = pack(weight), pack(weight)
+    dotted.dot = True
+    has_dot = bool(cpu_native.library().matinee_packed_dot())
     ms = {}
     for rows in (DECODE_ROWS, PREFILL_ROWS):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         runs = {"kernel": lambda: matmul(x, packed), "torch": lambda: cpu_gemm.linear(x, weight)}
+        if has_dot:
+            runs["dot"] = lambda: matmul(x, dotted)
         ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
     return ms
 
 
-def _log(n: int, k: int, ms: dict[str, float]) -> None:
-    faster = _torch_faster(ms)
-    choice = ("torch" if len(faster) == 2 else f"packed kernel below {TORCH_FROM_ROWS} rows, torch above"
-              if faster == [PREFILL_ROWS] else "packed kernel")
+def _log(n: int, k: int, ms: dict[str, float], dot: bool, faster: list[int]) -> None:
+    kernel = "packed kernel (vdpbf16ps)" if dot else "packed kernel"
+    choice = ("torch" if len(faster) == 2 else f"{kernel} below {TORCH_FROM_ROWS} rows, torch above"
+              if faster == [PREFILL_ROWS] else kernel)
     structlog.get_logger().info("bf16 linear", shape=f"{n}x{k}", choice=choice, ms=ms,
                                 torch_faster_at_rows=faster or None)

@@ -86,13 +86,17 @@ def test_a_quantized_kv_cache(dtype, cache, tiny_model_dir, tmp_path, fused_call
     _steps(_runner(path, dtype, cache), _looping(_runner(path, dtype, cache)), fused_calls)
 
 
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_packed_bf16_weights(arch, tiny_model_dir, monkeypatch, fused_calls):
+def test_packed_bf16_weights(arch, dot, tiny_model_dir, monkeypatch, fused_calls):
     """A bf16 safetensors model whose projections the packed kernel multiplies (whatever this CPU's
-    measurement would choose); Qwen3's per-head norms."""
-    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
+    measurement would choose), through its FMA or its vdpbf16ps path; Qwen3's per-head norms."""
+    if dot and not cpu_native.library().matinee_packed_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", dot))
     fused = _runner(tiny_model_dir(arch), "bfloat16")
-    assert all(isinstance(w, PackedWeight) for w in (fused.model.layers[0].qkv_weight, fused.model.layers[0].o_weight))
+    assert all(isinstance(w, PackedWeight) and w.dot == dot
+               for w in (fused.model.layers[0].qkv_weight, fused.model.layers[0].o_weight))
     assert (fused.model.layers[0].q_norm is not None) == (arch == "qwen3")
     _steps(fused, _looping(_runner(tiny_model_dir(arch), "bfloat16")), fused_calls)
 

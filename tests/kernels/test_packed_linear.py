@@ -16,17 +16,38 @@ pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C c
 SHAPES = [(1, 1), (31, 7), (33, 577), (100, 64)]   # (N, K): N off the 32-column blocks, K odd
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", "native-dot", "avx2"])
 def lib(request):
-    """Each build of the kernels; the native one is the library the server loads."""
-    if request.param == "native":
+    """Each build of the kernels and each path of the native one (native-dot: bf16 rows through
+    vdpbf16ps, where this CPU has AVX512-BF16); the native one is the library the server loads. A
+    test packs its weights with `_pack(lib, w)`, which marks them for the path."""
+    if request.param.startswith("native"):
         lib = cpu_native.library()
         if torch.backends.cpu.get_cpu_capability() == "AVX512":
             assert lib.matinee_packed_width() == 512   # the AVX-512 path, not a silent AVX2 fallback
-        return lib
-    lib = request.getfixturevalue("avx2_library")
-    assert lib.matinee_packed_width() == 256
-    return lib
+        if request.param == "native-dot" and not lib.matinee_packed_dot():
+            pytest.skip("this CPU has no AVX512-BF16")
+    else:
+        lib = request.getfixturevalue("avx2_library")
+        assert lib.matinee_packed_width() == 256 and not lib.matinee_packed_dot()
+    return Kernel(lib, request.param == "native-dot")
+
+
+class Kernel:
+    def __init__(self, lib, dot: bool) -> None:
+        self.lib, self.dot = lib, dot
+
+
+def _pack(kernel: Kernel, w: torch.Tensor) -> packed_linear.PackedWeight:
+    packed = packed_linear.pack(w)
+    packed.dot = kernel.dot
+    return packed
+
+
+def _flushed(t: torch.Tensor) -> torch.Tensor:
+    """t with float32 subnormals as zero (vdpbf16ps reads and writes them so)."""
+    f = t.float()
+    return torch.where(f.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(f), f)
 
 
 def _bf16(gen, *shape):
@@ -38,21 +59,22 @@ def _bf16(gen, *shape):
 def test_matches_float64(lib, m, n, k, poisoned_empty):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w, bias = _bf16(gen, m, k), _bf16(gen, n, k), torch.randn(n, generator=gen)
-    packed = packed_linear.pack(w)
+    packed = _pack(lib, w)
     expect = x.double() @ w.double().T + bias.double()
-    got = packed_linear.matmul(x, packed, bias, lib=lib)
+    got = packed_linear.matmul(x, packed, bias, lib=lib.lib)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # float32 sums, then one rounding to bf16: half a bf16 unit (2^-8 relative) on top.
     torch.testing.assert_close(got.double(), expect, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
-    # float32 rows give float32 outputs, without that rounding.
-    got = packed_linear.matmul(x.float(), packed, lib=lib)
+    # float32 rows give float32 outputs, without that rounding (the FMA path on any weight).
+    got = packed_linear.matmul(x.float(), packed, lib=lib.lib)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 def test_output_rounds_to_nearest_even_as_torch_does(lib):
     # y = a + b (weights of 1, exact in float32), so each row shows the kernel's float32 -> bf16
-    # rounding: ties, overflow to infinity, NaN and subnormals, on the vector path and the tail.
+    # rounding: ties, overflow to infinity, NaN and subnormals, on the vector path and the tail. The
+    # vdpbf16ps path reads subnormal inputs as zero and writes a subnormal sum as zero.
     gen = torch.Generator().manual_seed(3)
     a = (torch.randn(400, generator=gen) * 2.0 ** torch.randint(-12, 12, (400,), generator=gen)).to(torch.bfloat16)
     b = (a.float() * 2.0 ** -torch.randint(7, 10, (400,), generator=gen)).to(torch.bfloat16)
@@ -60,24 +82,28 @@ def test_output_rounds_to_nearest_even_as_torch_does(lib):
     special = torch.tensor([[float("nan"), 1.0], [float("inf"), 1.0], [-float("inf"), 2.0], [big, big],
                             [-big, -big], [1e-39, 3e-40], [0.0, -0.0]], dtype=torch.bfloat16)
     x = torch.cat([torch.stack([a, b], dim=1), special])
-    w = packed_linear.pack(torch.ones(37, 2, dtype=torch.bfloat16))
-    got = packed_linear.matmul(x, w, lib=lib)
-    want = (x[:, :1].float() + x[:, 1:].float()).to(torch.bfloat16).expand(-1, 37)
+    w = _pack(lib, torch.ones(37, 2, dtype=torch.bfloat16))
+    got = packed_linear.matmul(x, w, lib=lib.lib)
+    read = _flushed(x) if lib.dot else x.float()
+    total = read[:, :1] + read[:, 1:]
+    want = (_flushed(total) if lib.dot else total).to(torch.bfloat16).expand(-1, 37)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    if lib.dot:   # the subnormal row is the one the two paths tell apart
+        assert got[-2, 0] == 0 and packed_linear.matmul(x[-2:-1].float(), w, lib=lib.lib)[0, 0] != 0
 
 
 def test_a_rows_result_does_not_depend_on_the_batch_or_threads(lib):
     gen = torch.Generator().manual_seed(0)
-    x, w = _bf16(gen, 37, 579), packed_linear.pack(_bf16(gen, 75, 579))
-    whole = packed_linear.matmul(x, w, lib=lib)
+    x, w = _bf16(gen, 37, 579), _pack(lib, _bf16(gen, 75, 579))
+    whole = packed_linear.matmul(x, w, lib=lib.lib)
     for i in range(37):
-        assert torch.equal(packed_linear.matmul(x[i:i + 1], w, lib=lib)[0], whole[i])
-    assert torch.equal(packed_linear.matmul(x[3:20], w, lib=lib), whole[3:20])
+        assert torch.equal(packed_linear.matmul(x[i:i + 1], w, lib=lib.lib)[0], whole[i])
+    assert torch.equal(packed_linear.matmul(x[3:20], w, lib=lib.lib), whole[3:20])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = packed_linear.matmul(x, w, lib=lib)
+        one = packed_linear.matmul(x, w, lib=lib.lib)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, whole)
@@ -101,13 +127,13 @@ def test_cpu_ops_pack_bf16_weights_where_chosen(monkeypatch):
     ops = get_ops("cpu", "cpu")
     w = torch.randn(40, 24).to(torch.bfloat16)
     x = torch.randn(3, 24).to(torch.bfloat16)
-    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", False))
     packed = ops.prepare_weight(w)
     assert isinstance(packed, packed_linear.PackedWeight) and packed.plain is None
     assert torch.equal(ops.linear(x, packed), packed_linear.matmul(x, packed))
     assert torch.equal(ops.embedding(torch.tensor([5, 39]), packed), w[[5, 39]])
     assert ops.prepare_weight(w.float()).dtype == torch.float32   # float32 keeps cpu_gemm.c and MKL
-    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "torch")
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("torch", False))
     assert ops.prepare_weight(w) is w
     assert get_ops("torch", "cpu").prepare_weight(w) is w
 
@@ -115,7 +141,7 @@ def test_cpu_ops_pack_bf16_weights_where_chosen(monkeypatch):
 def test_both_layouts_send_many_rows_to_torch_and_few_to_the_kernel(monkeypatch):
     ops = get_ops("cpu", "cpu")
     w = torch.randn(40, 24).to(torch.bfloat16)
-    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "both")
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("both", False))
     both = ops.prepare_weight(w)
     assert both.plain is w
     few, many = (torch.randn(m, 24).to(torch.bfloat16) for m in (3, packed_linear.TORCH_FROM_ROWS))
@@ -139,12 +165,34 @@ def test_the_choice_is_measured_once_and_kept_beside_the_library(monkeypatch, tm
     known[f"{threads} threads 16x8"] = {"kernel_1": 1.0, "torch_1": 2.0, "kernel_256": 2.0, "torch_256": 1.0}
     known[f"{threads} threads 24x8"] = {"kernel_1": 1.05, "torch_1": 1.0, "kernel_256": 2.0, "torch_256": 1.0}
     known[f"{threads} threads 32x8"] = {"kernel_1": 2.0, "torch_1": 1.0, "kernel_256": 1.0, "torch_256": 2.0}
+    # The vdpbf16ps path where it is clearly faster at 256 rows and no slower at one; then torch is
+    # weighed against it, not against the FMA path.
+    dot = {"kernel_1": 1.0, "torch_1": 2.0, "kernel_256": 2.0, "torch_256": 1.5}
+    known[f"{threads} threads 40x8"] = dot | {"dot_1": 1.05, "dot_256": 1.0}
+    known[f"{threads} threads 48x8"] = dot | {"dot_1": 1.3, "dot_256": 1.0}    # slower at one row
+    known[f"{threads} threads 56x8"] = dot | {"dot_1": 1.0, "dot_256": 1.9}    # within the margin at 256
+    known[f"{threads} threads 64x8"] = dot | {"dot_1": 1.0, "dot_256": 1.7}    # torch faster than it at 256
     path.write_text(json.dumps(known))
-    assert packed_linear.layout(8, 8) == "torch"
-    assert packed_linear.layout(16, 8) == "both"
-    assert packed_linear.layout(24, 8) == "both"    # within the margin at one row
-    assert packed_linear.layout(32, 8) == "packed"
+    assert packed_linear.layout(8, 8) == ("torch", False)
+    assert packed_linear.layout(16, 8) == ("both", False)
+    assert packed_linear.layout(24, 8) == ("both", False)    # within the margin at one row
+    assert packed_linear.layout(32, 8) == ("packed", False)
+    assert packed_linear.layout(40, 8) == ("packed", True)
+    assert packed_linear.layout(48, 8) == ("both", False)
+    assert packed_linear.layout(56, 8) == ("both", False)
+    assert packed_linear.layout(64, 8) == ("both", True)
     assert set(json.loads(path.read_text())) == set(known)   # read, not measured again
+
+
+def test_the_dot_path_is_measured_where_the_cpu_has_it(monkeypatch):
+    lib = cpu_native.library()
+    if not lib.matinee_packed_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    ms = packed_linear._measure(40, 64)
+    assert set(ms) == {f"{name}_{rows}" for name in ("kernel", "torch", "dot") for rows in (1, 256)}
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", True))
+    weight = get_ops("cpu", "cpu").prepare_weight(torch.randn(40, 64).to(torch.bfloat16))
+    assert weight.dot
 
 
 def test_refuses_bad_input():
@@ -169,13 +217,16 @@ def _tiny_model(folder, arch: str) -> str:
     return str(folder)
 
 
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
-def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkeypatch):
+def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, dot, tmp_path, monkeypatch):
     from actors.worker.forward_batch import ForwardBatch, SequenceInput
     from actors.worker.model_runner import ModelRunner
 
+    if dot and not cpu_native.library().matinee_packed_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
     folder = _tiny_model(tmp_path, arch)
-    monkeypatch.setattr(packed_linear, "layout", lambda n, k: "packed")
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", dot))
     batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4], num_logits=37),
                           SequenceInput([7, 8, 9], 0, [5], num_logits=3)])   # logits at every position
     logits = {}
@@ -183,7 +234,7 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, tmp_path, monkey
         runner = ModelRunner(folder, dtype="bfloat16", kernels=kernels, block_size=8, num_blocks=8, num_threads=2)
         model = runner.model
         if kernels == "cpu":
-            assert all(isinstance(w, packed_linear.PackedWeight)
+            assert all(isinstance(w, packed_linear.PackedWeight) and w.dot == dot
                        for w in (model.lm_head, model.layers[0].qkv_weight, model.layers[1].down_weight))
             assert (model.embed is model.lm_head) == (arch == "llama_tied")   # one copy when tied
         logits[kernels] = runner.execute(batch)
