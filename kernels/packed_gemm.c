@@ -148,35 +148,45 @@ static const int32_t DOT_FROM[NR] __attribute__((aligned(64))) = {
     0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30,
     1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31};
 
-static inline uint32_t pair_at(const uint16_t *x, long k, long K) {
-    uint32_t v = x[k];
-    if (k + 1 < K) v |= (uint32_t)x[k + 1] << 16;
+static inline int32_t pair_at(const uint16_t *x) {   /* x[0], x[1] as one 32-bit lane: a broadcast from memory */
+    int32_t v;
+    memcpy(&v, x, 4);
     return v;
 }
 
-#define DOT_KERNEL(MR)                                                                                 \
-    static void dot_##MR(const uint16_t *x, long K, const uint16_t *w, float *tile) {                  \
-        __m512 acc[MR][2];                                                                             \
-        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                     \
-        const __m512i zero = _mm512_setzero_si512();                                                   \
-        for (long k = 0; k < K; k += 2) {                                                              \
-            _mm_prefetch((const char *)(w + (k + PREFETCH) * NR), _MM_HINT_T0);                        \
-            _mm_prefetch((const char *)(w + (k + 1 + PREFETCH) * NR), _MM_HINT_T0);                    \
-            __m512i a = _mm512_loadu_si512(w + k * NR);                                                \
-            __m512i b = k + 1 < K ? _mm512_loadu_si512(w + (k + 1) * NR) : zero;                       \
-            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b); \
-            for (int i = 0; i < MR; i++) {                                                             \
-                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair_at(x + i * K, k, K));              \
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xv);                                       \
-                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xv);                                       \
-            }                                                                                          \
-        }                                                                                              \
-        const __m512i first = _mm512_loadu_si512(DOT_FROM), second = _mm512_loadu_si512(DOT_FROM + 16); \
-        for (int i = 0; i < MR; i++) {                                                                 \
-            _mm512_storeu_ps(tile + i * NR, _mm512_permutex2var_ps(acc[i][0], first, acc[i][1]));      \
-            _mm512_storeu_ps(tile + i * NR + 16, _mm512_permutex2var_ps(acc[i][0], second, acc[i][1])); \
-        }                                                                                              \
+/* One k pair (lines a, b) into MR rows' two accumulators; x_at(i): row i's pair as a 32-bit lane. */
+static inline __attribute__((always_inline)) void dot_pair(const int MR, __m512 acc[][2], __m512i a, __m512i b,
+                                                           const uint16_t *x, long K, long k, int odd) {
+    __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    for (int i = 0; i < MR; i++) {
+        __m512bh xv = (__m512bh)_mm512_set1_epi32(odd ? (int)x[i * K + k] : pair_at(x + i * K + k));
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xv);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xv);
     }
+}
+
+/* MR rows of x (bf16, stride K) times one packed block of w into tile[MR][NR], columns in order. */
+static inline __attribute__((always_inline)) void dot_kernel(const int MR, const uint16_t *x, long K,
+                                                             const uint16_t *w, float *tile) {
+    __m512 acc[MR_DOT][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 1 < K; k += 2) {
+        _mm_prefetch((const char *)(w + (k + PREFETCH) * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + (k + 1 + PREFETCH) * NR), _MM_HINT_T0);
+        dot_pair(MR, acc, _mm512_loadu_si512(w + k * NR), _mm512_loadu_si512(w + (k + 1) * NR), x, K, k, 0);
+    }
+    if (k < K)   /* an odd K's last line, paired with zeros */
+        dot_pair(MR, acc, _mm512_loadu_si512(w + k * NR), _mm512_setzero_si512(), x, K, k, 1);
+    const __m512i first = _mm512_load_si512(DOT_FROM), second = _mm512_load_si512(DOT_FROM + 16);
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(tile + i * NR, _mm512_permutex2var_ps(acc[i][0], first, acc[i][1]));
+        _mm512_storeu_ps(tile + i * NR + 16, _mm512_permutex2var_ps(acc[i][0], second, acc[i][1]));
+    }
+}
+
+#define DOT_KERNEL(MR) \
+    static void dot_##MR(const uint16_t *x, long K, const uint16_t *w, float *tile) { dot_kernel(MR, x, K, w, tile); }
 
 typedef void (*dot_fn)(const uint16_t *, long, const uint16_t *, float *);
 DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
