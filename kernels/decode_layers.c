@@ -55,6 +55,12 @@ typedef struct {
     long N, K;
     int kind, qtype;
     long amx_from;       /* GGUF with bf16 rows: quant_amx.c from this many rows on; 0 never */
+} Part;
+
+#define MAX_PARTS 3
+typedef struct {
+    Part part[MAX_PARTS];   /* output columns side by side: a K-quant mix stores q and k in Q4_K, v in Q6_K */
+    int parts;
 } Projection;
 
 typedef struct {
@@ -76,11 +82,32 @@ typedef struct {
     const float *cos_sin;    /* [cos_sin_rows, D] float32 */
 } Shape;
 
-static int project(const Projection *p, const void *x, void *y, long M, int bf16, int threads) {
+static int project_part(const Part *p, const void *x, void *y, long M, int bf16, int threads) {
     if (p->kind == GGUF && bf16 && p->amx_from && M >= p->amx_from)
         return matinee_quant_amx(x, p->qtype, p->w, p->bias, y, M, p->N, p->K, threads);
     if (p->kind == GGUF) return matinee_quant_gemm(x, bf16, p->qtype, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
     return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads, p->kind == PACKED_DOT && bf16);
+}
+
+/* y [M, sum of the parts' N] = x @ the parts' weights, side by side (as quant_linear.stacked concatenates them). */
+static int project(const Projection *p, const void *x, void *y, long M, int bf16, int threads) {
+    if (p->parts == 1) return project_part(p->part, x, y, M, bf16, threads);
+    const long el = bf16 ? 2 : 4;
+    long N = 0, widest = 0;
+    for (int j = 0; j < p->parts; j++) {
+        N += p->part[j].N;
+        if (p->part[j].N > widest) widest = p->part[j].N;
+    }
+    char *out = malloc(el * M * widest + 64);
+    if (out == NULL) return -1;
+    int status = 0;
+    for (long j = 0, at = 0; j < p->parts && status == 0; at += p->part[j].N, j++) {
+        status = project_part(p->part + j, x, out, M, bf16, threads);
+        for (long m = 0; m < M && status == 0; m++)
+            memcpy((char *)y + el * (m * N + at), out + el * m * p->part[j].N, el * p->part[j].N);
+    }
+    free(out);
+    return status;
 }
 
 /* embeddings [T, H] -> hidden [T, H], the last layer's output, and residual [T, H], its residual stream,

@@ -4,7 +4,8 @@ model.py's layer loop calls ~10 kernels a layer through the ops table; at one ro
 them (checks, views, allocations, ctypes conversions) took as long as the kernels. `run` takes the
 same step when the attention kernels take its heads (decodes and verifications through the decode
 kernel, prefill chunks beside them through the prefill kernel) and every projection is one the C loop
-can call (a GGUF weight through quant_gemm.c, a packed bf16 one through packed_gemm.c): the same kernels
+can call (a GGUF weight through quant_gemm.c, a K-quant mix's type runs side by side, a packed bf16 one
+through packed_gemm.c): the same kernels
 on the same arguments in the same order, so the same bits. The layers' weight pointers are laid out
 once per model, the caches' once per cache list. Anything else returns None, and the model runs its
 own loop.
@@ -22,15 +23,22 @@ from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, kernel_takes
-from kernels.quant_linear import QuantWeight
+from kernels.quant_linear import QuantStack, QuantWeight
 
 GGUF, PACKED, PACKED_DOT = 0, 1, 2   # decode_layers.c's projection kinds
 _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
-class _Projection(ctypes.Structure):
+class _Part(ctypes.Structure):
     _fields_ = [("w", _ptr), ("bias", _ptr), ("N", _long), ("K", _long), ("kind", _int), ("qtype", _int),
                 ("amx_from", _long)]
+
+
+MAX_PARTS = 3   # decode_layers.c's parts of one projection (a QuantStack's type runs)
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("part", _Part * MAX_PARTS), ("parts", _int)]
 
 
 class _Layer(ctypes.Structure):
@@ -82,13 +90,19 @@ class _Plan:
     def _projection(self, weight, bias: torch.Tensor | None) -> _Projection:
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()   # as cpu_native.projection converts it each call
-        amx_from = 0
-        if isinstance(weight, QuantWeight):
-            kind, qtype, w, amx_from = GGUF, int(weight.qtype), weight.packed, weight.amx_from or 0
-        else:
-            kind, qtype, w = PACKED_DOT if weight.dot else PACKED, 0, weight.packed
-        return _Projection(self._tensor(w), self._tensor(bias), weight.out_features, weight.in_features, kind, qtype,
-                           amx_from)
+        projection, start = _Projection(parts=len(_parts(weight))), 0
+        for slot, part in zip(projection.part, _parts(weight)):
+            end = start + part.out_features
+            amx_from = 0
+            if isinstance(part, QuantWeight):
+                kind, qtype, amx_from = GGUF, int(part.qtype), part.amx_from or 0
+            else:
+                kind, qtype = PACKED_DOT if part.dot else PACKED, 0
+            slot.w, slot.bias = self._tensor(part.packed), self._tensor(None if bias is None else bias[start:end])
+            slot.N, slot.K, slot.kind, slot.qtype, slot.amx_from = (part.out_features, part.in_features, kind, qtype,
+                                                                   amx_from)
+            start = end
+        return projection
 
     def layer_caches(self, kv_caches: list) -> ctypes.Array:
         key = [p for kv in kv_caches for p in (kv[0].data_ptr(), kv[1].data_ptr())]
@@ -106,13 +120,19 @@ class _Plan:
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> _Plan, or None where it cannot
 
 
+def _parts(weight) -> list:
+    return weight.parts if isinstance(weight, QuantStack) else [weight]
+
+
 def _supported(model) -> bool:
     cfg = model.config
     if model.dtype not in (torch.float32, torch.bfloat16) or model.device.type != "cpu" or cfg.head_dim % 2:
         return False
     for layer in model.layers:
         for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
-            if not isinstance(weight, (QuantWeight, PackedWeight)) or weight.dtype != model.dtype:
+            parts = _parts(weight)
+            if len(parts) > MAX_PARTS or any(not isinstance(p, (QuantWeight, PackedWeight)) or p.dtype != model.dtype
+                                             for p in parts):
                 return False
         norms = [layer.input_norm, layer.post_norm] + [n for n in (layer.q_norm, layer.k_norm) if n is not None]
         if any(n.dtype != model.dtype or not n.is_contiguous() for n in norms):

@@ -1,5 +1,6 @@
 """A decode step's layers in one C call (kernels/decode_layers.c) give the layer loop's logits bit for
-bit: GGUF weights (the default model's Q4_1/Q8_0 mix, Q8_0 alone) and packed bf16 ones, float32 and
+bit: GGUF weights (the default model's Q4_1/Q8_0 mix, Q8_0 alone, a K-quant mix with two types in one
+projection) and packed bf16 ones (either kernel path), float32 and
 bf16 activations, biases (Qwen2), per-head norms (Qwen3, packed bf16), int8 and fp8 KV caches, decodes beside short
 verification runs; and they fail as the loop fails, with the loop's errors."""
 from __future__ import annotations
@@ -14,7 +15,9 @@ from actors.worker.model_runner import ModelRunner
 from kernels import cpu_native, decode_layers, packed_linear, quant_amx
 from kernels.packed_linear import PackedWeight
 from tests.actors.test_loader_gguf import hf_folder_to_gguf
-from tests.actors.test_quantized_gguf import MIXES
+from gguf.constants import GGMLQuantizationType as Q
+
+from tests.actors.test_quantized_gguf import MIXES, _k_mix
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no CPU C kernels here")
 
@@ -77,6 +80,17 @@ def _steps(fused: ModelRunner, looped: ModelRunner, fused_calls: list) -> None:
 def test_gguf_weights_give_the_loops_logits(arch, mix, dtype, tiny_model_dir, tmp_path, fused_calls):
     path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), MIXES[mix])
     _steps(_runner(path, dtype), _looping(_runner(path, dtype)), fused_calls)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama_wide", "qwen2_wide"])
+def test_a_k_quant_mix_of_types_within_one_projection(arch, dtype, tiny_model_dir, tmp_path, fused_calls):
+    """A Q4_K_M-like file: q and k Q4_K beside a Q6_K v are one projection of two parts (Qwen2: each
+    part with its slice of the bias), side by side in the output as the loop concatenates them."""
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _k_mix(Q.Q6_K))
+    fused = _runner(path, dtype)
+    assert [p.name for p in fused.model.layers[0].qkv_weight.parts] == ["Q4_K", "Q6_K"]
+    _steps(fused, _looping(_runner(path, dtype)), fused_calls)
 
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
