@@ -10,7 +10,9 @@ and float32, each in a process of its own after the others have finished (bench/
 are ratios against the peers of the same run. `--kv-cache-dtype int8` (or fp8) also runs Matinee's
 float32 and bfloat16 with that KV cache, each right after its peer in the model dtype's cache
 (`--kv-first`: right before it; the first engine of a dtype in a process can run slower, so measure
-both orders).
+both orders). At real sizes (`--model /tmp/models/llama-1b-hf`), `--skip f32,hf_static,hf_batch,vllm_f32`
+runs bfloat16 alone, and `--also FILE,...` runs Matinee on other files of the same model (its GGUF types)
+on the same workload, each a ratio against the one vLLM run.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ def run_hf_batch(hf, wl: Workload, budget: int) -> dict:
     return {"tok_s": produced / wall, "wall_s": wall, "produced": produced}
 
 
-PEERS = ("hf_static", "hf_batch", "bf16", "vllm_bf16", "vllm_f32")
+PEERS = ("f32", "hf_static", "hf_batch", "bf16", "vllm_bf16", "vllm_f32")   # f32: Matinee in float32
 VLLM_DTYPES = {"bfloat16": "vllm_bf16", "float32": "vllm_f32"}
 
 
@@ -188,15 +190,19 @@ def vllm_job(wl: Workload, dtype: str, model: str, budget: int) -> dict:
 
 
 def vllm_ratios(out: dict) -> dict:
-    """Matinee's tok/s (float32, and bfloat16 when it ran the whole workload) over vLLM's best dtype."""
+    """Matinee's tok/s (float32, bfloat16 when it ran the whole workload, and each `--also` file) over vLLM's
+    best dtype."""
     runs = {key: out[f"{key}_tok_s"] for key in VLLM_DTYPES.values() if f"{key}_tok_s" in out}
     if not runs:
         return {}
     best = max(runs, key=runs.get)
-    ratios = {"vllm_best": best, "vllm_best_tok_s": runs[best],
-              "speedup_vs_vllm": out["matinee_tok_s"] / runs[best]}
+    ratios = {"vllm_best": best, "vllm_best_tok_s": runs[best]}
+    if "matinee_tok_s" in out:
+        ratios["speedup_vs_vllm"] = out["matinee_tok_s"] / runs[best]
     if "matinee_bf16_tok_s" in out and "bf16_num_requests" not in out:
         ratios["bf16_speedup_vs_vllm"] = out["matinee_bf16_tok_s"] / runs[best]
+    for name, tok_s in out.get("also_bf16_tok_s", {}).items():
+        ratios.setdefault("also_bf16_speedup_vs_vllm", {})[name] = tok_s / runs[best]
     return ratios
 
 
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=int, default=1024, help="max tokens per step, for Matinee and transformers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of: " + ", ".join(PEERS))
+    ap.add_argument("--also", default="", help="comma list of other files of the same model (say its GGUF "
+                    "types) that Matinee also runs in bfloat16 on the same workload, against the same vLLM run")
     ap.add_argument("--vllm-python", default=peers.VLLM_PYTHON, help="the interpreter of vLLM's venv")
     ap.add_argument("--vllm-model", default=peers.VLLM_MODEL, help="HF folder of the same weights, for vLLM")
     ap.add_argument("--vllm-omp-bind", default=peers.VLLM_OMP_BIND,
@@ -259,12 +267,16 @@ def main(argv: list[str] | None = None) -> dict:
     if kv and args.kv_first:
         q = run_matinee(model, wl, "float32", threads, args.budget, kv)
         log(f"matinee fp32, {kv} KV cache", q)
-    m = run_matinee(model, wl, "float32", threads, args.budget)
-    log("matinee fp32", m)
-    out.update(matinee_tok_s=m["tok_s"], matinee_wall_s=m["wall_s"], overhead_frac=m["overhead_frac"],
-               loop_idle_frac=m["loop_idle_frac"], kv_waste_frac=m["kv_waste_frac"], steps=m["steps"],
-               preemptions=m["preemptions"],
-               roofline_frac=m["model_flops"] / m["wall_s"] / (out["fp32_matmul_gflops"] * 1e9))
+    if "f32" in skip and (kv or not {"hf_static", "hf_batch"} <= skip or args.bf16_requests or args.bf16_scale):
+        ap.error("--skip f32 leaves the KV, transformers and bf16-subset runs no float32 figure to compare with")
+    m = None
+    if "f32" not in skip:
+        m = run_matinee(model, wl, "float32", threads, args.budget)
+        log("matinee fp32", m)
+        out.update(matinee_tok_s=m["tok_s"], matinee_wall_s=m["wall_s"], overhead_frac=m["overhead_frac"],
+                   loop_idle_frac=m["loop_idle_frac"], kv_waste_frac=m["kv_waste_frac"], steps=m["steps"],
+                   preemptions=m["preemptions"],
+                   roofline_frac=m["model_flops"] / m["wall_s"] / (out["fp32_matmul_gflops"] * 1e9))
     if kv:
         if not args.kv_first:
             q = run_matinee(model, wl, "float32", threads, args.budget, kv)
@@ -297,13 +309,18 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"matinee bf16, {kv} KV cache", q)
         b16 = run_matinee(model, sub, "bfloat16", threads, args.budget)
         log("matinee bf16", b16)
-        ref = out.get("matinee_fp32_subset_tok_s", m["tok_s"])
-        out.update(matinee_bf16_tok_s=b16["tok_s"], bf16_speedup=b16["tok_s"] / ref)
+        out.update(matinee_bf16_tok_s=b16["tok_s"])
+        if m is not None:
+            out["bf16_speedup"] = b16["tok_s"] / out.get("matinee_fp32_subset_tok_s", m["tok_s"])
         if kv:
             if not args.kv_first:
                 q = run_matinee(model, sub, "bfloat16", threads, args.budget, kv)
                 log(f"matinee bf16, {kv} KV cache", q)
             out.update({f"matinee_bf16_kv_{kv}_tok_s": q["tok_s"], f"bf16_kv_{kv}_speedup": q["tok_s"] / b16["tok_s"]})
+    for other in filter(None, args.also.split(",")):
+        a = run_matinee(other, wl, "bfloat16", threads, args.budget)
+        log("matinee bf16", os.path.basename(other), a)
+        out.setdefault("also_bf16_tok_s", {})[os.path.basename(other)] = a["tok_s"]
     for dtype in vllm_dtypes:
         key = VLLM_DTYPES[dtype]
         v = peers.run_vllm_offline(vllm_job(wl, dtype, args.vllm_model, args.budget), args.vllm_omp_bind,

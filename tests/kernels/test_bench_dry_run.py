@@ -55,6 +55,11 @@ def test_engine_ratios_against_vllm_take_its_best_dtype():
     r = vllm_ratios({"matinee_tok_s": 60.0, "matinee_bf16_tok_s": 9.0, "bf16_num_requests": 4,
                      "vllm_f32_tok_s": 30.0})
     assert r == {"vllm_best": "vllm_f32", "vllm_best_tok_s": 30.0, "speedup_vs_vllm": 2.0}
+    # without Matinee's float32 run; other files of the model against the same vLLM run
+    r = vllm_ratios({"matinee_bf16_tok_s": 50.0, "vllm_bf16_tok_s": 40.0,
+                     "also_bf16_tok_s": {"m-q4_0.gguf": 60.0, "m-q4_k_m.gguf": 20.0}})
+    assert r == {"vllm_best": "vllm_bf16", "vllm_best_tok_s": 40.0, "bf16_speedup_vs_vllm": 1.25,
+                 "also_bf16_speedup_vs_vllm": {"m-q4_0.gguf": 1.5, "m-q4_k_m.gguf": 0.5}}
 
 
 def test_engine_rejects_unknown_peers_and_a_missing_vllm(capsys):
@@ -66,6 +71,9 @@ def test_engine_rejects_unknown_peers_and_a_missing_vllm(capsys):
     with pytest.raises(SystemExit):
         engine.main(["--skip", "hf_static", "--vllm-python", "/nonexistent/python"])
     assert "--skip vllm_bf16,vllm_f32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        engine.main(["--skip", "f32,vllm_bf16,vllm_f32"])   # transformers would have no float32 figure beside it
+    assert "--skip f32 leaves" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kv_first", [False, True])
