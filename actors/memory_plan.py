@@ -74,7 +74,8 @@ def float_params(shape: ModelShape) -> int:
 
 def held_int_bytes(n: int, k: int, scheme: str, head: bool, backend: str, activation_size: float) -> int:
     """Bytes of one [n, k] matmul weight under --quantization int8 / int4 (kernels/quantize.py), scales
-    included. int8: int8 values and a float32 scale per output channel; the LM head is int8 under int4
+    included. int8: int8 values and a float32 scale per output channel (on the "cpu" backend also an int32
+    sum per row, kernels/quant_linear_cpu.prepare_int8); the LM head is int8 under int4
     too. int4 asymmetric, in groups of quantize.int4_group_size_for(k): on the "gpu" backend (the torch
     and Triton ops) two values a byte, a float16 scale and a uint8 zero per group; on the "cpu" backend
     torch's CPU int4 layout (kernels/quant_linear_cpu.prepare_int4): rows padded to a multiple of 16,
@@ -82,8 +83,8 @@ def held_int_bytes(n: int, k: int, scheme: str, head: bool, backend: str, activa
     from kernels.quant_linear_cpu import INT4_N_MULTIPLE
     from kernels.quantize import int4_group_size_for
 
-    if scheme == "int8" or head:
-        return n * k + 4 * n
+    if scheme == "int8" or head:   # the "cpu" backend keeps int8_gemm.c's int32 row sum beside each scale
+        return n * k + (8 if backend == "cpu" else 4) * n
     groups = k // int4_group_size_for(k)
     if backend == "gpu":
         return n * k // 2 + n * groups * (2 + 1)

@@ -85,8 +85,10 @@ def _cpu_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> to
 
 
 def _cpu_prepare_int(weight: Int8Weight | Int4Weight, dtype: torch.dtype):
-    # _int_mm reads the Int8Weight as it is; torch's CPU int4 matmul wants its own layout.
-    return quant_linear_cpu.prepare_int4(weight, dtype) if isinstance(weight, Int4Weight) else weight
+    # int8_gemm.c reads the Int8Weight as it is, with its row sums; torch's CPU int4 matmul wants its own layout.
+    if isinstance(weight, Int4Weight):
+        return quant_linear_cpu.prepare_int4(weight, dtype)
+    return quant_linear_cpu.prepare_int8(weight)
 
 
 def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:

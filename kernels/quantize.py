@@ -34,6 +34,7 @@ GGUF_BLOCK = 32
 class Int8Weight:
     qweight: torch.Tensor   # int8 [N, K]
     scale: torch.Tensor     # float32 [N]
+    row_sums: torch.Tensor | None = None   # int32 [N]: each row's sum, where the CPU's int8_gemm.c reads it
 
     @property
     def out_features(self) -> int:
