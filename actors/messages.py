@@ -199,6 +199,8 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
     itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
     itl_sum: float = 0.0
+    prefix_cache_tier_hit_tokens: int = 0   # of prefix_cache_hit_tokens, those copied back from the KV tier
+    kv_tier: KVStats | None = None    # the KV manager's stats, with its tier's (None without a tier)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -349,6 +351,7 @@ class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     queried_tokens: int = 0           # prefix-cache lookups done in this transaction
     hit_tokens: int = 0
     num_table_blocks: int = 0         # blocks in every sequence's table after it (a shared one once per table)
+    tier_hit_tokens: int = 0          # of hit_tokens, those copied back from the KV tier
 
 
 class KVUnwritten(msgspec.Struct, array_like=True, gc=False):
@@ -372,6 +375,19 @@ class KVStats(msgspec.Struct, tag=True):
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int = 0
+    # The KV tier (actors/kv/tier.py), where the pool's evicted blocks go: what it holds, and what it moved.
+    tier: bool = False
+    tier_blocks: int = 0              # distinct blocks, in memory or on disk
+    tier_memory_bytes: int = 0
+    tier_disk_bytes: int = 0
+    tier_hits_memory: int = 0         # blocks copied back into the pool, by where they were found
+    tier_hits_disk: int = 0
+    tier_bytes_saved: int = 0         # copied out of the pool on eviction
+    tier_bytes_loaded: int = 0        # copied back into it
+    tier_load_s: float = 0.0          # cumulative time reading and copying blocks back
+    tier_save_s: float = 0.0          # cumulative time copying evicted blocks out (the disk writes are not in it)
+    tier_write_failures: int = 0      # blocks the disk store could not write (a full disk) or had to drop
+    tier_discarded: int = 0           # damaged or truncated block files deleted instead of served
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):

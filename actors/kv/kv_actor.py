@@ -8,16 +8,23 @@ step costs one round trip whatever its batch size. The manager's events leave on
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
+from actors.kv.tier import KVTier
 from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents,
                              KVEventsWaiting, KVFree, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep,
                              KVStepResult, SubscribeKVEvents)
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
 from runtime import Actor, ActorRef
+
+
+# A block copied back from the tier costs the step a memory copy, not a forward: its tokens take an
+# eighth of the budget computing them would (counted like a short prefill chunk of the step).
+RELOADED_PER_BUDGET_TOKEN = 8
 
 
 def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
@@ -78,11 +85,12 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         reads_from = sorted({writers[b] for b in hit.block_ids if b in writers})
         admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(seq_id), reads_from))
         _note_writes(writers, kv, admit.seq_id, hit.num_computed_tokens)
-        budget -= num_new
+        budget -= num_new + -(-len(hit.loaded) * kv.block_size // RELOADED_PER_BUDGET_TOKEN)
     stats = kv.stats
     return KVStepResult(forked, grown, grow_failed, admitted, kv.num_free_blocks,
                         stats.queried_tokens - stats_before.queried_tokens,
-                        stats.hit_tokens - stats_before.hit_tokens, kv.num_table_blocks)
+                        stats.hit_tokens - stats_before.hit_tokens, kv.num_table_blocks,
+                        stats.tier_hit_tokens - stats_before.tier_hit_tokens)
 
 
 def _note_writes(writers: dict[int, int], kv: KVCacheManager, seq_id: int, start: int) -> None:
@@ -113,6 +121,19 @@ def apply_kv_reserve(kv: KVCacheManager, msg: KVReserve) -> KVReserved:
     return KVReserved(kv.block_table(seq_id), len(hit.block_ids))
 
 
+def kv_stats(kv: KVCacheManager) -> KVStats:
+    """The pool's occupancy and, with a tier, what the tier holds and has moved."""
+    tier = kv.tier
+    if tier is None:
+        return KVStats(kv.num_total_blocks, kv.num_free_blocks, kv.num_cached_blocks)
+    disk = tier.disk
+    return KVStats(kv.num_total_blocks, kv.num_free_blocks, kv.num_cached_blocks, True, tier.num_blocks,
+                   tier.memory_used, disk.bytes_used if disk is not None else 0, tier.hits_memory, tier.hits_disk,
+                   tier.bytes_saved, tier.bytes_loaded, tier.load_s, tier.save_s,
+                   disk.write_failures + disk.dropped if disk is not None else 0,
+                   disk.discarded if disk is not None else 0)
+
+
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
     for seq_id in seq_ids:
         seq_id = str(seq_id)
@@ -121,10 +142,15 @@ def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
 
 
 class KVManagerActor(Actor):
-    def __init__(self, config: KVCacheConfig):
+    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None):
         self.config = config
-        self.kv = KVCacheManager(config)
+        self.kv = KVCacheManager(config, tier)
         self._subscribers: list[ActorRef] = []
+
+    async def on_stop(self) -> None:
+        """The tier's disk writer finishes what is queued, so a restart finds it."""
+        if self.kv.tier is not None:
+            await asyncio.to_thread(self.kv.tier.close)
 
     async def receive(self, msg: Any) -> Any:
         match msg:
@@ -146,7 +172,7 @@ class KVManagerActor(Actor):
                 self._events_recorded(before)
                 return None
             case GetKVStats():
-                return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)
+                return kv_stats(self.kv)
             case DrainKVEvents():
                 return KVEvents(self.kv.take_events(), self.kv.next_event_seq)
             case GetKVSnapshot():

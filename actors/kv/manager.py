@@ -12,6 +12,7 @@ from collections import Counter
 from actors.kv.block_pool import Block, BlockPool
 from actors.kv.event_log import EventLog
 from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
+from actors.kv.tier import KVTier
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash, hash_full_blocks
 
@@ -32,18 +33,23 @@ class _Seq:
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig) -> None:
+    """`tier`: where evicted cached blocks go, and come back from when a prompt's chain continues there."""
+
+    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self._events = EventLog(config.max_events) if config.record_events and config.enable_prefix_caching else None
-        self._pool = BlockPool(config.num_blocks, config.block_size, self._events)
+        self.tier = tier if config.enable_prefix_caching else None
+        self._pool = BlockPool(config.num_blocks, config.block_size, self._events,
+                               self.tier.save if self.tier is not None else None)
         self._seqs: dict[str, _Seq] = {}
-        self._requests = self._queried_tokens = self._hit_tokens = 0
+        self._requests = self._queried_tokens = self._hit_tokens = self._tier_hit_tokens = 0
 
     # ---- admission ----------------------------------------------------------------------
 
     def get_computed_blocks(self, request: KVRequest) -> PrefixHit:
-        """Longest run of cached leading full blocks of a new sequence. Changes nothing.
+        """Longest run of cached leading full blocks of a new sequence: the pool's, then those the
+        tier holds where the pool's run ends (their bytes, read now). Changes nothing in the pool.
 
         At least one token is always left to compute, so the last position has logits.
         """
@@ -59,7 +65,11 @@ class KVCacheManager:
             if block is None:
                 break
             block_ids.append(block.block_id)
-        return PrefixHit(request, block_ids, hashes, len(block_ids) * self.block_size)
+        loaded, from_disk = [], 0
+        if self.tier is not None and len(block_ids) < max_hit:
+            loaded, from_disk = self.tier.fetch(hashes[len(block_ids):max_hit])
+        return PrefixHit(request, block_ids, hashes, (len(block_ids) + len(loaded)) * self.block_size,
+                         loaded, from_disk)
 
     def can_allocate(self, seq_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                      hit: PrefixHit | None = None) -> bool:
@@ -83,6 +93,7 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._admit(hit)
+            fresh -= len(hit.loaded)
         seq.blocks.extend(self._pool.take_fresh(fresh))
         seq.num_computed += num_new_tokens
         self._cache_full_blocks(seq)
@@ -186,6 +197,8 @@ class KVCacheManager:
         # Blocks already offered by running sequences are not offered again: their KV may
         # predate the change that made the cache stale.
         self._pool.clear_hashes()
+        if self.tier is not None:
+            self.tier.clear()
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -230,7 +243,7 @@ class KVCacheManager:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._requests, self._queried_tokens, self._hit_tokens)
+        return PrefixCacheStats(self._requests, self._queried_tokens, self._hit_tokens, self._tier_hit_tokens)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the recorded block stored / removed / cleared events, oldest first."""
@@ -309,14 +322,23 @@ class KVCacheManager:
         return blocks
 
     def _admit(self, hit: PrefixHit) -> _Seq:
+        """The sequence starts from its hit: the pool's blocks mapped, the tier's copied into fresh
+        blocks (which enter the prefix cache as if computed)."""
         blocks = self._hit_blocks(hit)
         self._pool.touch(blocks)
+        if hit.loaded:
+            restored = self._pool.take_fresh(len(hit.loaded))
+            self.tier.restore([block.block_id for block in restored], hit.loaded, hit.loaded_from_disk)
+            blocks = blocks + restored
         request = hit.request
         seq = _Seq(list(request.token_ids), request.cache_salt, blocks, list(hit.block_hashes), hit.num_computed_tokens)
+        seq.num_cached_blocks = len(hit.block_ids)
         self._seqs[request.seq_id] = seq
         self._requests += 1
         self._queried_tokens += len(request.token_ids)
         self._hit_tokens += hit.num_computed_tokens
+        self._tier_hit_tokens += len(hit.loaded) * self.block_size
+        self._cache_full_blocks(seq)
         return seq
 
     def _cache_full_blocks(self, seq: _Seq) -> None:

@@ -1,0 +1,119 @@
+"""The KV tier: blocks the pool evicts, kept by their chained hash, copied back instead of recomputed.
+
+Host memory holds the most recently evicted blocks (an LRU of `memory_bytes`); with a disk store
+every saved block is also written there (by the store's own thread), so the tier outlives the
+memory LRU and the process. A block's bytes are what `KVBlockIO` reads and writes for it alone, the
+layout a KV handoff moves. The hash carries the tenant's salt like the pool's, so a block is only ever found by
+a request that would have computed the same bytes. Only the KV manager calls it, inside its step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+from actors.kv.tier_disk import DiskTier
+from prefix_store.hashing import BlockHash
+
+
+class BlockBytes(Protocol):
+    """The pool's blocks as bytes (actors.worker.kv_blocks.KVBlockIO)."""
+
+    bytes_per_block: int
+
+    def read(self, block_ids: list[int]) -> memoryview: ...
+
+    def write(self, block_ids: list[int], data: bytes) -> None: ...
+
+
+class KVTier:
+    def __init__(self, blocks: BlockBytes, memory_bytes: int = 0, disk: DiskTier | None = None):
+        if memory_bytes < 0:
+            raise ValueError(f"the tier's memory must not be negative, got {memory_bytes}")
+        if memory_bytes < blocks.bytes_per_block and disk is None:
+            raise ValueError(f"a KV tier of {memory_bytes} bytes holds no block of {blocks.bytes_per_block}")
+        self.blocks = blocks
+        self.memory_bytes = memory_bytes
+        self.disk = disk
+        self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
+        self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
+        self.bytes_saved = self.bytes_loaded = 0
+        self.save_s = self.load_s = 0.0
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
+
+    @property
+    def memory_used(self) -> int:
+        return len(self._memory) * self.blocks.bytes_per_block
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct blocks the tier holds, in memory or on disk."""
+        on_disk = set(self.disk.hashes()) if self.disk is not None else set()
+        return len(on_disk.union(self._memory))
+
+    def save(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Copy out blocks the pool is about to hand out again (their KV is still there)."""
+        started = time.perf_counter()
+        fresh = [(b, h) for b, h in zip(block_ids, hashes) if h not in self]
+        for block_hash in hashes:
+            if block_hash in self._memory:
+                self._memory.move_to_end(block_hash)
+        if not fresh:
+            return
+        for block_id, block_hash in fresh:   # one block at a time: a block's bytes stand alone
+            block = bytes(self.blocks.read([block_id]))
+            self._keep(block_hash, block)
+            if self.disk is not None:
+                self.disk.put(block_hash, block)
+        self.bytes_saved += len(fresh) * self.blocks.bytes_per_block
+        self.save_s += time.perf_counter() - started
+
+    def fetch(self, hashes: list[BlockHash]) -> tuple[list[bytes], int]:
+        """The bytes of the leading blocks of `hashes` the tier holds (up to the first it cannot
+        give: absent, or damaged on disk), and how many of them were read from disk."""
+        started = time.perf_counter()
+        found, from_disk = [], 0
+        for block_hash in hashes:
+            block = self._memory.get(block_hash)
+            if block is not None:
+                self._memory.move_to_end(block_hash)
+            elif self.disk is not None and (block := self.disk.get(block_hash)) is not None:
+                self._keep(block_hash, block)
+                from_disk += 1
+            else:
+                break
+            found.append(block)
+        self.load_s += time.perf_counter() - started
+        return found, from_disk
+
+    def restore(self, block_ids: list[int], blocks: list[bytes], from_disk: int) -> None:
+        """Write fetched blocks into these pool blocks; `from_disk` of them were read from disk."""
+        started = time.perf_counter()
+        for block_id, block in zip(block_ids, blocks):
+            self.blocks.write([block_id], block)
+        self.hits_disk += from_disk
+        self.hits_memory += len(blocks) - from_disk
+        self.bytes_loaded += len(blocks) * self.blocks.bytes_per_block
+        self.load_s += time.perf_counter() - started
+
+    def clear(self) -> None:
+        """Forget everything (the weights changed): memory and disk."""
+        self._memory.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        """Let the disk writer finish what is queued (a restart then finds it)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def _keep(self, block_hash: BlockHash, block: bytes) -> None:
+        if self.memory_bytes < len(block):
+            return
+        self._memory[block_hash] = block
+        self._memory.move_to_end(block_hash)
+        while self.memory_used > self.memory_bytes:
+            self._memory.popitem(last=False)
