@@ -54,12 +54,15 @@ class Engine:
     owns_system: bool = False
     draft: ActorRef | None = None     # the draft worker, with speculative decoding
     kv_blocks: KVBlockIO | None = None   # the cache's blocks as bytes, for a KV handoff
+    kv_tier: KVTier | None = None        # where the KV manager keeps evicted blocks (--kv-offload-*)
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
         for ref in (self.scheduler, self.draft, self.worker, self.kv):
             if ref is not None and ref.is_alive:
                 await self.system.stop(ref)
+        if self.kv_tier is not None:
+            await asyncio.to_thread(self.kv_tier.close)
         gc.unfreeze()   # what it loaded can be collected again
         if self.owns_system:
             await self.system.shutdown()
@@ -96,8 +99,9 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                  token_capacity=info.num_blocks * info.block_size, kv_cache_dtype=info.kv_cache_dtype,
                  kv_bytes_per_token=info.kv_bytes_per_token)
         kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
+        kv_tier = _open_tier(config, kv_blocks, info.block_size)
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
-                                  _open_tier(config, kv_blocks, info.block_size))
+                                  kv_tier)
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
         tokenizer = await tokenizer_task
@@ -122,7 +126,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         raise
     freeze_heap()
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft, kv_blocks)
+                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft, kv_blocks, kv_tier)
 
 
 def _open_tier(config: EngineConfig, blocks: KVBlockIO, block_size: int) -> KVTier | None:

@@ -148,9 +148,12 @@ class KVManagerActor(Actor):
         self._subscribers: list[ActorRef] = []
 
     async def on_stop(self) -> None:
-        """The tier's disk writer finishes what is queued, so a restart finds it."""
-        if self.kv.tier is not None:
-            await asyncio.to_thread(self.kv.tier.close)
+        """At shutdown and on a restart: what the pool caches goes to a disk tier too, and its writer
+        finishes what is queued (a restarted process finds it all) and goes on; the engine closes the
+        tier once every actor stopped."""
+        if self.kv.tier is not None and self.kv.tier.disk is not None:
+            self.kv.save_cached_to_tier()
+            await asyncio.to_thread(self.kv.tier.disk.flush)
 
     async def receive(self, msg: Any) -> Any:
         match msg:

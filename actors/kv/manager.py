@@ -192,6 +192,13 @@ class KVCacheManager:
         # shared prefix survives longest.
         self._pool.release(seq.blocks[::-1])
 
+    def save_cached_to_tier(self) -> None:
+        """Copy the blocks the pool caches and no sequence holds into the tier (at shutdown: a disk tier
+        then keeps them for the next start). A held block may be one a cut step never wrote."""
+        if self.tier is not None:
+            cached = [block for block in self._pool.blocks if block.block_hash is not None and block.ref_cnt == 0]
+            self.tier.save([b.block_id for b in cached], [b.block_hash for b in cached])
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (after a weight change, say); running sequences go on."""
         # Blocks already offered by running sequences are not offered again: their KV may
