@@ -13,7 +13,7 @@ from actors.kv.block_pool import Block, BlockPool
 from actors.kv.event_log import EventLog
 from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
 from actors.kv.tier import KVTier
-from prefix_store.events import KVEvent
+from prefix_store.events import TIER_TAG, KVEvent
 from prefix_store.hashing import BlockHash, hash_full_blocks
 
 
@@ -40,6 +40,8 @@ class KVCacheManager:
         self.block_size = config.block_size
         self._events = EventLog(config.max_events) if config.record_events and config.enable_prefix_caching else None
         self.tier = tier if config.enable_prefix_caching else None
+        if self.tier is not None:
+            self.tier.events = self._events
         self._pool = BlockPool(config.num_blocks, config.block_size, self._events,
                                self.tier.save if self.tier is not None else None)
         self._seqs: dict[str, _Seq] = {}
@@ -263,8 +265,10 @@ class KVCacheManager:
 
     def snapshot(self) -> tuple[int, list[BlockHash]]:
         """(sequence number of the next event, hashes cached now): a consumer that saw a gap
-        replaces its view with these hashes and applies only events from that number on."""
-        return self.next_event_seq, self._pool.cached_hashes()
+        replaces its view with these hashes and applies only events from that number on. The tier's
+        blocks come under their index keys (`prefix_store.events.TIER_TAG`)."""
+        tier = [TIER_TAG + h for h in self.tier.hashes()] if self.tier is not None and self._events else []
+        return self.next_event_seq, self._pool.cached_hashes() + tier
 
     def check_invariants(self) -> None:
         """Raise RuntimeError when the bookkeeping is inconsistent (tests and debugging)."""

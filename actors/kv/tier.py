@@ -5,6 +5,8 @@ every saved block is also written there (by the store's own thread), so the tier
 memory LRU and the process. A block's bytes are what `KVBlockIO` reads and writes for it alone, the
 layout a KV handoff moves. The hash carries the tenant's salt like the pool's, so a block is only ever found by
 a request that would have computed the same bytes. Only the KV manager calls it, inside its step.
+Blocks entering and leaving the tier are announced in the manager's event log, tagged as the tier's,
+so the prefix index knows this engine can reload them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Protocol
 
+from actors.kv.event_log import EventLog
 from actors.kv.tier_disk import DiskTier
 from prefix_store.hashing import BlockHash
 
@@ -37,6 +40,7 @@ class KVTier:
         self.memory_bytes = memory_bytes
         self.disk = disk
         self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
+        self.events: EventLog | None = None   # the KV manager's, once it takes the tier
         self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
         self.bytes_saved = self.bytes_loaded = 0
         self.save_s = self.load_s = 0.0
@@ -48,44 +52,55 @@ class KVTier:
     def memory_used(self) -> int:
         return len(self._memory) * self.blocks.bytes_per_block
 
+    def hashes(self) -> list[BlockHash]:
+        """Every block the tier holds, in memory or on disk, once."""
+        on_disk = self.disk.hashes() if self.disk is not None else []
+        return list(self._memory) + [h for h in on_disk if h not in self._memory]
+
     @property
     def num_blocks(self) -> int:
-        """Distinct blocks the tier holds, in memory or on disk."""
-        on_disk = set(self.disk.hashes()) if self.disk is not None else set()
-        return len(on_disk.union(self._memory))
+        return len(self.hashes())
 
     def save(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """Copy out blocks the pool is about to hand out again (their KV is still there)."""
         started = time.perf_counter()
+        gone = self._take_lost()
         fresh = [(b, h) for b, h in zip(block_ids, hashes) if h not in self]
         for block_hash in hashes:
             if block_hash in self._memory:
                 self._memory.move_to_end(block_hash)
         if not fresh:
+            self._announce([], gone)
             return
         for block_id, block_hash in fresh:   # one block at a time: a block's bytes stand alone
             block = bytes(self.blocks.read([block_id]))
-            self._keep(block_hash, block)
+            gone += self._keep(block_hash, block)
             if self.disk is not None:
-                self.disk.put(block_hash, block)
+                gone += self.disk.put(block_hash, block)
         self.bytes_saved += len(fresh) * self.blocks.bytes_per_block
+        self._announce([h for _, h in fresh], gone)
         self.save_s += time.perf_counter() - started
 
     def fetch(self, hashes: list[BlockHash]) -> tuple[list[bytes], int]:
         """The bytes of the leading blocks of `hashes` the tier holds (up to the first it cannot
         give: absent, or damaged on disk), and how many of them were read from disk."""
         started = time.perf_counter()
-        found, from_disk = [], 0
+        found, from_disk, gone = [], 0, self._take_lost()
         for block_hash in hashes:
             block = self._memory.get(block_hash)
             if block is not None:
                 self._memory.move_to_end(block_hash)
-            elif self.disk is not None and (block := self.disk.get(block_hash)) is not None:
-                self._keep(block_hash, block)
+            elif self.disk is not None and block_hash in self.disk:
+                block = self.disk.get(block_hash)
+                if block is None:   # a damaged file, deleted: the block left the tier
+                    gone.append(block_hash)
+                    break
+                gone += self._keep(block_hash, block)
                 from_disk += 1
             else:
                 break
             found.append(block)
+        self._announce([], gone)
         self.load_s += time.perf_counter() - started
         return found, from_disk
 
@@ -100,7 +115,8 @@ class KVTier:
         self.load_s += time.perf_counter() - started
 
     def clear(self) -> None:
-        """Forget everything (the weights changed): memory and disk."""
+        """Forget everything (the weights changed): memory and disk. Nothing is announced: the pool's
+        `cleared` event clears the index's view of both."""
         self._memory.clear()
         if self.disk is not None:
             self.disk.clear()
@@ -110,10 +126,30 @@ class KVTier:
         if self.disk is not None:
             self.disk.close()
 
-    def _keep(self, block_hash: BlockHash, block: bytes) -> None:
+    def _keep(self, block_hash: BlockHash, block: bytes) -> list[BlockHash]:
+        """Into host memory; returns the least recently used blocks that leave it."""
         if self.memory_bytes < len(block):
-            return
+            return []
         self._memory[block_hash] = block
         self._memory.move_to_end(block_hash)
+        gone = []
         while self.memory_used > self.memory_bytes:
-            self._memory.popitem(last=False)
+            gone.append(self._memory.popitem(last=False)[0])
+        return gone
+
+    def _take_lost(self) -> list[BlockHash]:
+        return self.disk.take_lost() if self.disk is not None else []
+
+    def _announce(self, came: list[BlockHash], gone: list[BlockHash]) -> None:
+        """The index hears of the blocks `came` (new to the tier) that are still in it, and of those
+        `gone` (left memory or disk) that were in it before and are in neither now: every stored
+        event is matched by one removal."""
+        if self.events is None:
+            return
+        new = set(came)
+        stored = [h for h in came if h in self]
+        removed = [h for h in dict.fromkeys(gone) if h not in self and h not in new]
+        if stored:
+            self.events.stored(stored, None, [], 0, tier=True)
+        if removed:
+            self.events.removed(removed, tier=True)

@@ -6,6 +6,9 @@ named by its chained hash, with the hash, its length and a checksum in front of 
 that is truncated, corrupted or under the wrong name is deleted and reads as a miss, so the block
 is computed instead. Writes go through one thread (never the step's), to a temporary name and then
 renamed; a write that fails (a full disk) only loses that block. Oldest files go past `max_bytes`.
+
+Which blocks it holds changes only on the caller's thread (a block counts from its `put`, and is read
+from the queue until written); the writer reports the blocks it could not write (`take_lost`).
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ class DiskTier:
         self.blocks_dir = os.path.join(path, "blocks")
         self.max_bytes = max_bytes
         self.max_pending_bytes = max_pending_bytes
-        self._lock = threading.Lock()   # _files and bytes_used are the writer's and the reader's
+        self._lock = threading.Lock()   # _pending, _lost and pending_bytes are shared with the writer
         self._files: OrderedDict[BlockHash, int] = OrderedDict()   # hash -> file size, oldest first
+        self._pending: dict[BlockHash, bytes] = {}   # queued, not yet written
+        self._lost: list[BlockHash] = []             # the writer could not write them
         self.bytes_used = 0
         self.pending_bytes = 0
         self.write_failures = self.dropped = self.discarded = 0
         self.reset_reason: str | None = None   # why an existing directory was emptied at the start
+        self._queue: queue.Queue = queue.Queue()   # (hash, bytes) to write, (hash, None) to delete, None: stop
         self._open(identity)
-        self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -57,26 +62,34 @@ class DiskTier:
         return len(self._files)
 
     def hashes(self) -> list[BlockHash]:
-        with self._lock:
-            return list(self._files)
+        return list(self._files)
 
-    def put(self, block_hash: BlockHash, data: bytes) -> None:
-        """Queue the block for writing; dropped when the writer is that far behind."""
+    def put(self, block_hash: BlockHash, data: bytes) -> list[BlockHash]:
+        """Queue the block for writing (dropped when the writer is that far behind); returns the
+        oldest blocks that leave to make room."""
         if block_hash in self._files:
-            return
+            self._files.move_to_end(block_hash)
+            return []
         with self._lock:
             if self.pending_bytes + len(data) > self.max_pending_bytes:
                 self.dropped += 1
-                return
+                return []
             self.pending_bytes += len(data)
+            self._pending[block_hash] = data
+        self._files[block_hash] = _HEAD.size + len(data)
+        self.bytes_used += _HEAD.size + len(data)
         self._queue.put((block_hash, data))
+        return self._shrink()
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes, or None when absent or damaged (a damaged file is deleted)."""
+        if block_hash not in self._files:
+            return None
+        self._files.move_to_end(block_hash)
         with self._lock:
-            if block_hash not in self._files:
-                return None
-            self._files.move_to_end(block_hash)
+            data = self._pending.get(block_hash)
+        if data is not None:
+            return data
         try:
             with open(self._file(block_hash), "rb") as f:
                 raw = f.read()
@@ -86,16 +99,25 @@ class DiskTier:
         data = _unpack(raw, block_hash)
         if data is None:
             self.discarded += 1
-            self._forget(block_hash, unlink=True)
+            self._forget(block_hash)
+            self._unlink(block_hash)
         return data
+
+    def take_lost(self) -> list[BlockHash]:
+        """Blocks whose write failed since the last call: no longer held."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        for block_hash in lost:
+            self._forget(block_hash)
+        return lost
 
     def clear(self) -> None:
         self.flush()
-        with self._lock:
-            for block_hash in list(self._files):
-                self._unlink(block_hash)
-            self._files.clear()
-            self.bytes_used = 0
+        self.take_lost()
+        for block_hash in list(self._files):
+            self._unlink(block_hash)
+        self._files.clear()
+        self.bytes_used = 0
 
     def flush(self) -> None:
         """Wait until every queued block is written (or failed)."""
@@ -156,13 +178,20 @@ class DiskTier:
                 if item is None:
                     return
                 block_hash, data = item
-                self._write(block_hash, data)
+                if data is None:   # left to make room before or after it was written
+                    self._unlink(block_hash)
+                    continue
+                written = self._write(block_hash, data)
                 with self._lock:
                     self.pending_bytes -= len(data)
+                    if self._pending.get(block_hash) is data:
+                        del self._pending[block_hash]
+                    if not written:
+                        self._lost.append(block_hash)
             finally:
                 self._queue.task_done()
 
-    def _write(self, block_hash: BlockHash, data: bytes) -> None:
+    def _write(self, block_hash: BlockHash, data: bytes) -> bool:
         final = self._file(block_hash)
         tmp = final + ".tmp"
         try:
@@ -170,36 +199,34 @@ class DiskTier:
                 f.write(_HEAD.pack(MAGIC, block_hash, len(data), checksum(data)))
                 f.write(data)
             os.replace(tmp, final)
+            return True
         except OSError:
             self.write_failures += 1
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return
-        with self._lock:
-            self._files[block_hash] = _HEAD.size + len(data)
-            self.bytes_used += _HEAD.size + len(data)
-            self._shrink()
+            self._unlink_path(tmp)
+            return False
 
-    def _shrink(self) -> None:
-        """Oldest files go until the store fits (holding the lock, or before the writer starts)."""
+    def _shrink(self) -> list[BlockHash]:
+        """Oldest files go until the store fits; the writer deletes them in turn (after any write of theirs)."""
+        gone = []
         while self.bytes_used > self.max_bytes and self._files:
             block_hash, size = self._files.popitem(last=False)
             self.bytes_used -= size
-            self._unlink(block_hash)
+            gone.append(block_hash)
+            self._queue.put((block_hash, None))
+        return gone
 
-    def _forget(self, block_hash: BlockHash, unlink: bool = False) -> None:
-        with self._lock:
-            size = self._files.pop(block_hash, None)
-            if size is not None:
-                self.bytes_used -= size
-        if unlink:
-            self._unlink(block_hash)
+    def _forget(self, block_hash: BlockHash) -> None:
+        size = self._files.pop(block_hash, None)
+        if size is not None:
+            self.bytes_used -= size
 
     def _unlink(self, block_hash: BlockHash) -> None:
+        self._unlink_path(self._file(block_hash))
+
+    @staticmethod
+    def _unlink_path(path: str) -> None:
         try:
-            os.unlink(self._file(block_hash))
+            os.unlink(path)
         except OSError:
             pass
 

@@ -13,7 +13,7 @@ from actors.kv.tier import KVTier
 from actors.kv.tier_disk import DiskTier
 from actors.messages import KVAdmit, KVStep
 from actors.worker.kv_blocks import KVBlockIO
-from prefix_store import hash_full_blocks
+from prefix_store import BlockRemoved, BlockStored, hash_full_blocks
 
 BS = 4
 IDENTITY = {"model": "tiny", "dtype": "float32", "kv_layout": "2x(...)", "block_size": BS}
@@ -154,7 +154,11 @@ def test_a_disk_whose_writes_fail_costs_only_the_recompute(tmp_path):
     e.run("a", PROMPT)
     e.run("b", OTHER)
     e.tier.disk.flush()
-    assert kv_stats(e.kv).tier_write_failures >= 2 and len(e.tier.disk) == 0
+    assert kv_stats(e.kv).tier_write_failures >= 2
+    assert e.tier.fetch(hash_full_blocks(PROMPT, BS)) == ([], 0) and len(e.tier.disk) == 0
+    events = e.kv.take_events()               # the index hears the blocks came and went
+    assert sum(len(ev.block_hashes) for ev in events if isinstance(ev, BlockStored) and ev.tier) == \
+        sum(len(ev.block_hashes) for ev in events if isinstance(ev, BlockRemoved) and ev.tier) > 0
     assert e.run("a2", PROMPT).num_computed_tokens == 0
     assert e.kv.num_free_blocks == e.kv.num_total_blocks
     e.tier.close()
