@@ -111,9 +111,10 @@ def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
 def apply_kv_reserve(kv: KVCacheManager, msg: KVReserve) -> KVReserved:
     """Blocks for a handed-over sequence: cached leading blocks where the prefix cache has them,
     fresh ones for the rest, held as lookahead slots so that nothing is hashed before the KV is
-    written (KVConfirm does that)."""
+    written (KVConfirm does that). Nothing is copied back from the tier: a reservation may come while
+    a forward runs, and the sender has the blocks anyway."""
     seq_id = str(msg.seq_id)
-    hit = kv.get_computed_blocks(KVRequest(seq_id, msg.token_ids, msg.cache_salt))
+    hit = kv.get_computed_blocks(KVRequest(seq_id, msg.token_ids, msg.cache_salt), from_tier=False)
     rest = msg.num_tokens - hit.num_computed_tokens
     if not kv.can_allocate(seq_id, 0, num_lookahead_tokens=rest, hit=hit):
         return KVReserved(None)

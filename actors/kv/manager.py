@@ -49,7 +49,7 @@ class KVCacheManager:
 
     # ---- admission ----------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: KVRequest) -> PrefixHit:
+    def get_computed_blocks(self, request: KVRequest, *, from_tier: bool = True) -> PrefixHit:
         """Longest run of cached leading full blocks of a new sequence: the pool's, then those the
         tier holds where the pool's run ends (their bytes, read now). Changes nothing in the pool.
 
@@ -68,7 +68,7 @@ class KVCacheManager:
                 break
             block_ids.append(block.block_id)
         loaded, from_disk = [], 0
-        if self.tier is not None and len(block_ids) < max_hit:
+        if from_tier and self.tier is not None and len(block_ids) < max_hit:
             loaded, from_disk = self.tier.fetch(hashes[len(block_ids):max_hit])
         return PrefixHit(request, block_ids, hashes, (len(block_ids) + len(loaded)) * self.block_size,
                          loaded, from_disk)
