@@ -42,8 +42,9 @@ def kv_usage(s: EngineStats) -> float:
     return 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total else 0.0
 
 
-def _tier(s: EngineStats, name: str) -> float:
-    return getattr(s.kv_tier, name) if s.kv_tier is not None else 0
+def _tier(name: str) -> Callable[[EngineStats], float]:
+    """A KV tier stat (0 without a tier)."""
+    return lambda s: getattr(s.kv_tier, name) if s.kv_tier is not None else 0
 
 
 @dataclass(frozen=True)
@@ -72,26 +73,19 @@ SERIES = (
     Series("matinee_prefix_cache_tier_hit_tokens", "counter", "Of those, prompt tokens copied back from the KV "
            "tier (--kv-offload-memory / --kv-offload-dir) instead of computed.",
            lambda s: s.prefix_cache_tier_hit_tokens),
-    Series("matinee_kv_tier_hit_blocks_memory", "counter", "KV blocks copied back from the tier's host memory.",
-           lambda s: _tier(s, "tier_hits_memory")),
-    Series("matinee_kv_tier_hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.",
-           lambda s: _tier(s, "tier_hits_disk")),
-    Series("matinee_kv_tier_saved_bytes", "counter", "KV bytes copied out of the pool into the tier on eviction.",
-           lambda s: _tier(s, "tier_bytes_saved")),
-    Series("matinee_kv_tier_loaded_bytes", "counter", "KV bytes copied back from the tier into the pool.",
-           lambda s: _tier(s, "tier_bytes_loaded")),
-    Series("matinee_kv_tier_load_seconds", "counter", "Time reading tier blocks and copying them back, summed.",
-           lambda s: _tier(s, "tier_load_s")),
-    Series("matinee_kv_tier_blocks", "gauge", "KV blocks the tier holds (memory or disk).",
-           lambda s: _tier(s, "tier_blocks")),
-    Series("matinee_kv_tier_memory_bytes", "gauge", "Host memory the tier's blocks take.",
-           lambda s: _tier(s, "tier_memory_bytes")),
-    Series("matinee_kv_tier_disk_bytes", "gauge", "Disk the tier's block files take.",
-           lambda s: _tier(s, "tier_disk_bytes")),
-    Series("matinee_kv_tier_write_failures", "counter", "Blocks the disk tier could not write (a full disk) "
-           "or dropped (its writer behind).", lambda s: _tier(s, "tier_write_failures")),
-    Series("matinee_kv_tier_discarded_blocks", "counter", "Damaged or truncated tier block files deleted "
-           "instead of served.", lambda s: _tier(s, "tier_discarded")),
+    *(Series(f"matinee_kv_tier_{name}", kind, text, _tier(field)) for name, kind, text, field in (
+        ("hit_blocks_memory", "counter", "KV blocks copied back from the tier's host memory.", "tier_hits_memory"),
+        ("hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.", "tier_hits_disk"),
+        ("saved_bytes", "counter", "KV bytes copied out of the pool into the tier on eviction.", "tier_bytes_saved"),
+        ("loaded_bytes", "counter", "KV bytes copied back from the tier into the pool.", "tier_bytes_loaded"),
+        ("load_seconds", "counter", "Time reading tier blocks and copying them back, summed.", "tier_load_s"),
+        ("blocks", "gauge", "KV blocks the tier holds (memory or disk).", "tier_blocks"),
+        ("memory_bytes", "gauge", "Host memory the tier's blocks take.", "tier_memory_bytes"),
+        ("disk_bytes", "gauge", "Disk the tier's block files take.", "tier_disk_bytes"),
+        ("write_failures", "counter", "Blocks the disk tier could not write (a full disk) or dropped (its writer "
+         "behind).", "tier_write_failures"),
+        ("discarded_blocks", "counter", "Damaged or truncated tier block files deleted instead of served.",
+         "tier_discarded"))),
     Series("matinee_prompt_tokens", "counter", "Prompt tokens processed.", lambda s: s.prompt_tokens),
     Series("matinee_generation_tokens", "counter", "Tokens generated.", lambda s: s.generation_tokens),
     Series("matinee_preemptions", "counter", "Requests preempted.", lambda s: s.preemptions),

@@ -160,7 +160,12 @@ class KVManagerActor(Actor):
         match msg:
             case KVStep():
                 before = self.kv.next_event_seq
-                result = apply_kv_step(self.kv, msg)
+                await self._read_ahead(msg)
+                try:
+                    result = apply_kv_step(self.kv, msg)
+                finally:
+                    if self.kv.tier is not None:
+                        self.kv.tier.unstage()
                 self._events_recorded(before)
                 return result
             case KVFree():
@@ -186,6 +191,15 @@ class KVManagerActor(Actor):
                 self._subscribers.append(subscriber)
                 return None
         return await super().receive(msg)
+
+    async def _read_ahead(self, msg: KVStep) -> None:
+        """Tier blocks the step's admissions will want from disk are read on a thread first: the
+        event loop (and, in one process, the gateway's streams) never waits on the disk."""
+        wanted = [h for admit in msg.admits
+                  for h in self.kv.disk_reads(KVRequest(str(admit.seq_id), admit.token_ids, admit.cache_salt,
+                                                        admit.read_prefix_cache))]
+        if wanted:
+            self.kv.tier.stage(await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted))))
 
     def _events_recorded(self, before: int) -> None:
         """Subscribers hear of a transaction's events; the events wait in the log for their drain."""

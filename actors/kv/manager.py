@@ -59,6 +59,23 @@ class KVCacheManager:
             raise ValueError(f"sequence {request.seq_id!r} already holds blocks")
         if not self.config.enable_prefix_caching or not request.read_cache:
             return PrefixHit(request, [], [], 0)
+        hashes, max_hit, block_ids = self._pool_run(request)
+        loaded, from_disk = [], 0
+        if from_tier and self.tier is not None and len(block_ids) < max_hit:
+            loaded, from_disk = self.tier.fetch(hashes[len(block_ids):max_hit])
+        return PrefixHit(request, block_ids, hashes, (len(block_ids) + len(loaded)) * self.block_size,
+                         loaded, from_disk)
+
+    def disk_reads(self, request: KVRequest) -> list[BlockHash]:
+        """The blocks a `get_computed_blocks` of this request would read from the tier's disk (to read
+        them ahead, off the event loop)."""
+        if self.tier is None or self.tier.disk is None or not request.read_cache:
+            return []
+        hashes, max_hit, block_ids = self._pool_run(request)
+        return self.tier.on_disk_only(hashes[len(block_ids):max_hit])
+
+    def _pool_run(self, request: KVRequest) -> tuple[list[BlockHash], int, list[int]]:
+        """(the request's full-block hashes, how many may hit, the pool's blocks of its leading run)."""
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)
         max_hit = max(len(request.token_ids) - 1, 0) // self.block_size
         block_ids = []
@@ -67,11 +84,7 @@ class KVCacheManager:
             if block is None:
                 break
             block_ids.append(block.block_id)
-        loaded, from_disk = [], 0
-        if from_tier and self.tier is not None and len(block_ids) < max_hit:
-            loaded, from_disk = self.tier.fetch(hashes[len(block_ids):max_hit])
-        return PrefixHit(request, block_ids, hashes, (len(block_ids) + len(loaded)) * self.block_size,
-                         loaded, from_disk)
+        return hashes, max_hit, block_ids
 
     def can_allocate(self, seq_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                      hit: PrefixHit | None = None) -> bool:

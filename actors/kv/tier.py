@@ -41,6 +41,7 @@ class KVTier:
         self.disk = disk
         self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
         self.events: EventLog | None = None   # the KV manager's, once it takes the tier
+        self._staged: dict[BlockHash, bytes | None] = {}   # read from disk ahead of a step (None: damaged)
         self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
         self.bytes_saved = self.bytes_loaded = 0
         self.save_s = self.load_s = 0.0
@@ -90,8 +91,8 @@ class KVTier:
             block = self._memory.get(block_hash)
             if block is not None:
                 self._memory.move_to_end(block_hash)
-            elif self.disk is not None and block_hash in self.disk:
-                block = self.disk.get(block_hash)
+            elif block_hash in self._staged or (self.disk is not None and block_hash in self.disk):
+                block = self._staged.pop(block_hash) if block_hash in self._staged else self.disk.get(block_hash)
                 if block is None:   # a damaged file, deleted: the block left the tier
                     gone.append(block_hash)
                     break
@@ -103,6 +104,30 @@ class KVTier:
         self._announce([], gone)
         self.load_s += time.perf_counter() - started
         return found, from_disk
+
+    def on_disk_only(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Of the leading blocks of `hashes` the tier holds, those that only the disk has."""
+        wanted = []
+        for block_hash in hashes:
+            if block_hash not in self:
+                break
+            if block_hash not in self._memory:
+                wanted.append(block_hash)
+        return wanted
+
+    def read_disk(self, hashes: list[BlockHash]) -> dict[BlockHash, bytes | None]:
+        """Read blocks from disk (None: damaged, deleted). For a thread, while the KV manager waits:
+        the disk store's index is the caller's alone meanwhile."""
+        return {block_hash: self.disk.get(block_hash) for block_hash in hashes}
+
+    def stage(self, blocks: dict[BlockHash, bytes | None]) -> None:
+        """Blocks `read_disk` read, for this step's `fetch`es; `unstage` drops what they left."""
+        self._staged = blocks
+
+    def unstage(self) -> None:
+        gone = [h for h, block in self._staged.items() if block is None]
+        self._staged = {}
+        self._announce([], gone)
 
     def restore(self, block_ids: list[int], blocks: list[bytes], from_disk: int) -> None:
         """Write fetched blocks into these pool blocks; `from_disk` of them were read from disk."""
