@@ -101,7 +101,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
         kv_tier = _open_tier(config, kv_blocks, info.block_size)
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
-                                  kv_tier)
+                                  kv_tier, kv_blocks)
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
         tokenizer = await tokenizer_task

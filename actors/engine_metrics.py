@@ -78,6 +78,7 @@ SERIES = (
         ("hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.", "tier_hits_disk"),
         ("saved_bytes", "counter", "KV bytes copied out of the pool into the tier on eviction.", "tier_bytes_saved"),
         ("loaded_bytes", "counter", "KV bytes copied back from the tier into the pool.", "tier_bytes_loaded"),
+        ("pulled_bytes", "counter", "KV bytes pulled from peer engines into the tier.", "tier_bytes_pulled"),
         ("load_seconds", "counter", "Time reading tier blocks and copying them back, summed.", "tier_load_s"),
         ("blocks", "gauge", "KV blocks the tier holds (memory or disk).", "tier_blocks"),
         ("memory_bytes", "gauge", "Host memory the tier's blocks take.", "tier_memory_bytes"),

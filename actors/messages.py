@@ -109,6 +109,8 @@ class SubmitRequest(msgspec.Struct, tag=True):
     priority: int = 0                 # lower value = more important, as in vLLM
     cache_salt: str | None = None     # separates tenants' prefix caches
     handoff_to: ActorRef | None = None  # a decode engine's KV receiver: prefill here, decode there
+    pull_from: ActorRef | None = None   # a peer engine's KV transfer actor that holds more of the prompt's
+                                        # prefix: pull its blocks into this engine's KV tier first
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -388,6 +390,7 @@ class KVStats(msgspec.Struct, tag=True):
     tier_save_s: float = 0.0          # cumulative time copying evicted blocks out (the disk writes are not in it)
     tier_write_failures: int = 0      # blocks the disk store could not write (a full disk) or had to drop
     tier_discarded: int = 0           # damaged or truncated block files deleted instead of served
+    tier_bytes_pulled: int = 0        # pulled from peer engines into the tier (actors/kv/prefix_pull.py)
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):
@@ -620,7 +623,35 @@ class KVConfirm(msgspec.Struct, tag=True):
     num_tokens: int
 
 
+class KVPull(msgspec.Struct, tag=True):
+    """To a peer's KV transfer actor (ask): the bytes of the leading blocks of these hashes it holds."""
+
+    block_hashes: list[bytes]
+    block_layout: str                 # the asker's KVBlockIO layout; another gets nothing
+
+
+class KVPulled(msgspec.Struct, tag=True):
+    """The leading run of the asked blocks that could be given, each as KVBlockIO reads one block."""
+
+    blocks: list[bytes]
+
+
+class KVHeldRun(msgspec.Struct, tag=True):
+    """To the KV manager (ask, answered with an int): how many leading blocks of these hashes it can
+    serve without computing (its pool's, then its tier's)."""
+
+    block_hashes: list[bytes]
+
+
+class KVTierPut(msgspec.Struct, tag=True):
+    """To the KV manager: blocks pulled from a peer, for its tier (the next admission copies them in)."""
+
+    block_hashes: list[bytes]
+    blocks: list[bytes]
+
+
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)
 register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVCancel, KVHandedOver, KVHandoffFailed)
+register_messages(KVPull, KVPulled)

@@ -36,6 +36,7 @@ class RouteDecision(msgspec.Struct, frozen=True):
     reason: str  # PREFIX, LOAD or FALLBACK
     matched_blocks: int  # leading prompt blocks the chosen engine holds in its pool (0 on fallback)
     tier_blocks: int = 0  # the blocks after those that it holds in its KV tier
+    pull_from: str | None = None  # another engine that holds more of the prompt's prefix, to pull from
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class RoutingConfig:
     kv_usage_cost_blocks: float = 16.0
     # Copying a block back from an engine's KV tier instead of computing it (memory or disk reads).
     tier_block_cost_blocks: float = 0.125
+    # Another engine holding at least this many more leading blocks than the chosen one (in its pool or
+    # tier) is named for the chosen one to pull them from (actors/kv/prefix_pull.py) instead of computing.
+    min_pull_blocks: int = 4
     # At or past either limit an engine is overloaded and only chosen if all are.
     max_waiting: int = 64
     max_kv_usage: float = 0.98
@@ -56,6 +60,8 @@ class RoutingConfig:
         for name in ("running_cost_blocks", "waiting_cost_blocks", "kv_usage_cost_blocks", "tier_block_cost_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_pull_blocks < 1:
+            raise ValueError(f"min_pull_blocks must be >= 1, got {self.min_pull_blocks}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if not 0.0 < self.max_kv_usage <= 1.0:
@@ -102,7 +108,19 @@ class RoutingPolicy:
         if matched is None:
             return RouteDecision(chosen.engine_id, FALLBACK, 0)
         held, reach = _held(matched, chosen.engine_id, num_blocks)
-        return RouteDecision(chosen.engine_id, PREFIX if reach > 0 else LOAD, held, reach - held)
+        return RouteDecision(chosen.engine_id, PREFIX if reach > 0 else LOAD, held, reach - held,
+                             self._pull_source(loads, matched, num_blocks, chosen.engine_id, reach))
+
+    def _pull_source(self, loads: Sequence[EngineLoad], matched: Mapping[str, int | tuple[int, int]],
+                     num_blocks: int, chosen: str, reach: int) -> str | None:
+        """The engine holding the most of the prompt beyond what `chosen` holds, when that is enough
+        to pull; loaded or not (giving blocks costs it no forward)."""
+        best, best_reach = None, reach + self.config.min_pull_blocks - 1
+        for load in loads:
+            other = _held(matched, load.engine_id, num_blocks)[1]
+            if load.engine_id != chosen and other > best_reach:
+                best, best_reach = load.engine_id, other
+        return best
 
 
 def _held(matched: Mapping[str, int | tuple[int, int]], engine_id: str, num_blocks: int) -> tuple[int, int]:

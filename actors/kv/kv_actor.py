@@ -9,17 +9,20 @@ step costs one round trip whatever its batch size. The manager's events leave on
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
 from actors.kv.tier import KVTier
 from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents,
-                             KVEventsWaiting, KVFree, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep,
-                             KVStepResult, SubscribeKVEvents)
+                             KVEventsWaiting, KVFree, KVHeldRun, KVPull, KVPulled, KVReserve, KVReserved, KVSnapshot,
+                             KVStats, KVStep, KVStepResult, KVTierPut, SubscribeKVEvents)
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
 from runtime import Actor, ActorRef
+
+if TYPE_CHECKING:
+    from actors.worker.kv_blocks import KVBlockIO   # torch: only where an engine runs
 
 
 # A block copied back from the tier costs the step a memory copy, not a forward: its tokens take an
@@ -132,7 +135,7 @@ def kv_stats(kv: KVCacheManager) -> KVStats:
                    tier.memory_used, disk.bytes_used if disk is not None else 0, tier.hits_memory, tier.hits_disk,
                    tier.bytes_saved, tier.bytes_loaded, tier.load_s, tier.save_s,
                    disk.write_failures + disk.dropped if disk is not None else 0,
-                   disk.discarded if disk is not None else 0)
+                   disk.discarded if disk is not None else 0, tier.bytes_pulled)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
@@ -143,8 +146,11 @@ def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
 
 
 class KVManagerActor(Actor):
-    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None):
+    """`blocks`: the cache as bytes, to give a peer engine the blocks it pulls."""
+
+    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None, blocks: KVBlockIO | None = None):
         self.config = config
+        self.blocks = blocks
         self.kv = KVCacheManager(config, tier)
         self._subscribers: list[ActorRef] = []
 
@@ -182,6 +188,16 @@ class KVManagerActor(Actor):
                 return None
             case GetKVStats():
                 return kv_stats(self.kv)
+            case KVHeldRun(block_hashes=hashes):
+                return self.kv.held_run(hashes)
+            case KVPull(block_hashes=hashes):
+                return KVPulled(self._share(hashes))
+            case KVTierPut(block_hashes=hashes, blocks=blocks):
+                before = self.kv.next_event_seq
+                if self.kv.tier is not None:
+                    self.kv.tier.put(hashes, blocks)
+                self._events_recorded(before)
+                return None
             case DrainKVEvents():
                 return KVEvents(self.kv.take_events(), self.kv.next_event_seq)
             case GetKVSnapshot():
@@ -191,6 +207,14 @@ class KVManagerActor(Actor):
                 self._subscribers.append(subscriber)
                 return None
         return await super().receive(msg)
+
+    def _share(self, hashes: list[bytes]) -> list[bytes]:
+        if self.blocks is None:
+            return []
+        before = self.kv.next_event_seq
+        shared = [b if isinstance(b, bytes) else bytes(self.blocks.read([b])) for b in self.kv.shareable(hashes)]
+        self._events_recorded(before)
+        return shared
 
     async def _read_ahead(self, msg: KVStep) -> None:
         """Tier blocks the step's admissions will want from disk are read on a thread first: the

@@ -74,6 +74,30 @@ class KVCacheManager:
         hashes, max_hit, block_ids = self._pool_run(request)
         return self.tier.on_disk_only(hashes[len(block_ids):max_hit])
 
+    def held_run(self, hashes: list[BlockHash]) -> int:
+        """Leading blocks of `hashes` this engine serves without computing: the pool's, then the tier's."""
+        n = 0
+        while n < len(hashes) and self._pool.lookup(hashes[n]) is not None:
+            n += 1
+        while self.tier is not None and n < len(hashes) and hashes[n] in self.tier:
+            n += 1
+        return n
+
+    def shareable(self, hashes: list[BlockHash]) -> list[int | bytes]:
+        """For a peer engine, the leading blocks of `hashes` this one can give: a pool block's id where
+        no sequence holds it (so a step is not writing it now), else the tier's bytes."""
+        out: list[int | bytes] = []
+        for block_hash in hashes:
+            block = self._pool.lookup(block_hash)
+            if block is not None and block.ref_cnt == 0:
+                out.append(block.block_id)
+                continue
+            found = self.tier.fetch([block_hash])[0] if self.tier is not None and block is None else []
+            if not found:
+                break
+            out.append(found[0])
+        return out
+
     def _pool_run(self, request: KVRequest) -> tuple[list[BlockHash], int, list[int]]:
         """(the request's full-block hashes, how many may hit, the pool's blocks of its leading run)."""
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)

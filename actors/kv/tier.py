@@ -43,7 +43,7 @@ class KVTier:
         self.events: EventLog | None = None   # the KV manager's, once it takes the tier
         self._staged: dict[BlockHash, bytes | None] = {}   # read from disk ahead of a step (None: damaged)
         self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
-        self.bytes_saved = self.bytes_loaded = 0
+        self.bytes_saved = self.bytes_loaded = self.bytes_pulled = 0
         self.save_s = self.load_s = 0.0
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -74,13 +74,27 @@ class KVTier:
             self._announce([], gone)
             return
         for block_id, block_hash in fresh:   # one block at a time: a block's bytes stand alone
-            block = bytes(self.blocks.read([block_id]))
-            gone += self._keep(block_hash, block)
-            if self.disk is not None:
-                gone += self.disk.put(block_hash, block)
+            gone += self._add(block_hash, bytes(self.blocks.read([block_id])))
         self.bytes_saved += len(fresh) * self.blocks.bytes_per_block
         self._announce([h for _, h in fresh], gone)
         self.save_s += time.perf_counter() - started
+
+    def put(self, hashes: list[BlockHash], blocks: list[bytes]) -> None:
+        """Blocks pulled from a peer engine (the same layout: checked by the caller)."""
+        size = self.blocks.bytes_per_block
+        fresh = [(h, b) for h, b in zip(hashes, blocks) if h not in self and len(b) == size]
+        gone = []
+        for block_hash, block in fresh:
+            gone += self._add(block_hash, block)
+        self.bytes_pulled += len(fresh) * size
+        self._announce([h for h, _ in fresh], gone)
+
+    def _add(self, block_hash: BlockHash, block: bytes) -> list[BlockHash]:
+        """Into memory and onto disk; returns the blocks that left either to make room."""
+        gone = self._keep(block_hash, block)
+        if self.disk is not None:
+            gone += self.disk.put(block_hash, block)
+        return gone
 
     def fetch(self, hashes: list[BlockHash]) -> tuple[list[bytes], int]:
         """The bytes of the leading blocks of `hashes` the tier holds (up to the first it cannot

@@ -80,3 +80,12 @@ async def test_the_router_prefers_an_engine_that_reloads_to_one_that_recomputes(
 def test_the_policy_counts_a_reloaded_block_as_a_fraction_of_a_computed_one(counts, winner):
     loads = [EngineLoad("a"), EngineLoad("b")]
     assert RoutingPolicy().choose(loads, counts, 8).engine_id == winner
+
+
+def test_an_engine_holding_enough_more_of_the_prompt_is_named_to_pull_from():
+    policy = RoutingPolicy()
+    busy, idle = EngineLoad("busy", requests_waiting=10), EngineLoad("idle")
+    decision = policy.choose([busy, idle], {"busy": (3, 8), "idle": (0, 2)}, 8)
+    assert (decision.engine_id, decision.pull_from) == ("idle", "busy")    # the load outweighs the prefix
+    assert policy.choose([busy, idle], {"busy": (3, 5), "idle": (0, 2)}, 8).pull_from is None   # 3 < 4 more
+    assert policy.choose([busy, idle], {"busy": 8, "idle": 0}, 8).pull_from == "busy"
