@@ -391,6 +391,9 @@ class KVStats(msgspec.Struct, tag=True):
     tier_write_failures: int = 0      # blocks the disk store could not write (a full disk) or had to drop
     tier_discarded: int = 0           # damaged or truncated block files deleted instead of served
     tier_bytes_pulled: int = 0        # pulled from peer engines into the tier (actors/kv/prefix_pull.py)
+    tier_pulls: int = 0               # pulls from peer engines, and of those the ones that failed (timed
+    tier_pull_failures: int = 0       # out, or the peer was gone: the prompt was computed)
+    tier_pull_s: float = 0.0          # cumulative time of the pulls
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):
@@ -644,10 +647,13 @@ class KVHeldRun(msgspec.Struct, tag=True):
 
 
 class KVTierPut(msgspec.Struct, tag=True):
-    """To the KV manager: blocks pulled from a peer, for its tier (the next admission copies them in)."""
+    """To the KV manager: a pull from a peer is over; its blocks go to the tier (the next admission
+    copies them in) and its outcome to the tier's counters."""
 
     block_hashes: list[bytes]
     blocks: list[bytes]
+    seconds: float = 0.0
+    failed: bool = False
 
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.

@@ -135,7 +135,8 @@ def kv_stats(kv: KVCacheManager) -> KVStats:
                    tier.memory_used, disk.bytes_used if disk is not None else 0, tier.hits_memory, tier.hits_disk,
                    tier.bytes_saved, tier.bytes_loaded, tier.load_s, tier.save_s,
                    disk.write_failures + disk.dropped if disk is not None else 0,
-                   disk.discarded if disk is not None else 0, tier.bytes_pulled)
+                   disk.discarded if disk is not None else 0, tier.bytes_pulled, tier.pulls, tier.pull_failures,
+                   tier.pull_s)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
@@ -192,10 +193,10 @@ class KVManagerActor(Actor):
                 return self.kv.held_run(hashes)
             case KVPull(block_hashes=hashes):
                 return KVPulled(self._share(hashes))
-            case KVTierPut(block_hashes=hashes, blocks=blocks):
+            case KVTierPut(block_hashes=hashes, blocks=blocks, seconds=seconds, failed=failed):
                 before = self.kv.next_event_seq
                 if self.kv.tier is not None:
-                    self.kv.tier.put(hashes, blocks)
+                    self.kv.tier.pulled(hashes, blocks, seconds, failed)
                 self._events_recorded(before)
                 return None
             case DrainKVEvents():

@@ -31,22 +31,23 @@ class PrefixPull:
         self.block_size = block_size
         self.blocks_per_ask = max(1, chunk_bytes // bytes_per_block)
         self.timeout_s = timeout_s
-        self.pulls = self.failed = self.blocks = 0
-        self.seconds = 0.0
 
     async def pull_then_submit(self, submit: SubmitRequest) -> None:
-        """Pull what the peer has, then hand the request to the scheduler (always, once)."""
+        """Pull what the peer has, put it in the tier (with how the pull went), then hand the request
+        to the scheduler: always, once, and after the KV manager has the blocks."""
         started = time.perf_counter()
+        hashes: list[bytes] = []
+        blocks: list[bytes] = []
+        failed = False
         try:
             async with asyncio.timeout(self.timeout_s):
-                self.blocks += await self._pull(submit)
-            self.pulls += 1
+                await self._pull(submit, hashes, blocks)
         except Exception as exc:   # the prefill it would have saved is computed instead
-            self.failed += 1
-            log.info("prefix pull failed; computing the prompt", request_id=submit.request_id,
-                     error=str(exc) or repr(exc))
+            failed = True
+            log.info("prefix pull failed; computing the rest of the prompt", request_id=submit.request_id,
+                     pulled_blocks=len(blocks), error=str(exc) or repr(exc))
         finally:
-            self.seconds += time.perf_counter() - started
+            self.kv.tell(KVTierPut(hashes, blocks, time.perf_counter() - started, failed))
             self.scheduler.tell(msgspec.structs.replace(submit, pull_from=None))
 
     async def serve(self, pull: KVPull) -> KVPulled:
@@ -55,18 +56,18 @@ class PrefixPull:
             return KVPulled([])
         return await self.kv.ask(pull, timeout=self.timeout_s)
 
-    async def _pull(self, submit: SubmitRequest) -> int:
+    async def _pull(self, submit: SubmitRequest, hashes: list[bytes], blocks: list[bytes]) -> None:
+        """Into `hashes` and `blocks`: the leading run of the prompt's blocks this engine lacks that the
+        peer gives, chunk by chunk (what came before a failure is kept)."""
         prompt = submit.prompt_token_ids
-        hashes = hash_full_blocks(prompt, self.block_size, submit.cache_salt,
+        wanted = hash_full_blocks(prompt, self.block_size, submit.cache_salt,
                                   limit=max(len(prompt) - 1, 0) // self.block_size)
-        held = await self.kv.ask(KVHeldRun(hashes), timeout=self.timeout_s)
-        wanted, pulled = hashes[held:], 0
+        held = await self.kv.ask(KVHeldRun(wanted), timeout=self.timeout_s)
+        wanted = wanted[held:]
         for at in range(0, len(wanted), self.blocks_per_ask):
             ask = wanted[at:at + self.blocks_per_ask]
             reply: KVPulled = await submit.pull_from.ask(KVPull(ask, self.layout), timeout=self.timeout_s)
-            if reply.blocks:
-                await self.kv.ask(KVTierPut(ask[:len(reply.blocks)], reply.blocks), timeout=self.timeout_s)
-            pulled += len(reply.blocks)
+            hashes += ask[:len(reply.blocks)]
+            blocks += reply.blocks
             if len(reply.blocks) < len(ask):
-                break
-        return pulled
+                return

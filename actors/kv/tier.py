@@ -44,7 +44,8 @@ class KVTier:
         self._staged: dict[BlockHash, bytes | None] = {}   # read from disk ahead of a step (None: damaged)
         self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
         self.bytes_saved = self.bytes_loaded = self.bytes_pulled = 0
-        self.save_s = self.load_s = 0.0
+        self.save_s = self.load_s = self.pull_s = 0.0
+        self.pulls = self.pull_failures = 0
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
@@ -79,8 +80,11 @@ class KVTier:
         self._announce([h for _, h in fresh], gone)
         self.save_s += time.perf_counter() - started
 
-    def put(self, hashes: list[BlockHash], blocks: list[bytes]) -> None:
-        """Blocks pulled from a peer engine (the same layout: checked by the caller)."""
+    def pulled(self, hashes: list[BlockHash], blocks: list[bytes], seconds: float, failed: bool) -> None:
+        """A pull from a peer engine is over: its blocks (the same layout, as the pull checked) come in."""
+        self.pulls += 1
+        self.pull_failures += failed
+        self.pull_s += seconds
         size = self.blocks.bytes_per_block
         fresh = [(h, b) for h, b in zip(hashes, blocks) if h not in self and len(b) == size]
         gone = []

@@ -57,6 +57,7 @@ async def test_a_pulled_prefix_decodes_the_holders_tokens_without_a_prefill(pair
     assert after.prefix_cache_tier_hit_tokens - before.prefix_cache_tier_hit_tokens == full
     assert after.prefill_tokens - before.prefill_tokens == len(PROMPT) - full
     assert after.kv_tier.tier_bytes_pulled == full // 16 * puller.kv_blocks.bytes_per_block
+    assert (after.kv_tier.tier_pulls, after.kv_tier.tier_pull_failures) == (1, 0) and after.kv_tier.tier_pull_s > 0
 
 
 async def test_another_tenant_pulls_nothing(pair):
@@ -74,4 +75,5 @@ async def test_a_peer_that_is_gone_costs_only_the_prefill(pair):
     assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx) == expected
     stats = await puller.scheduler.ask(GetStats())
     assert stats.prefix_cache_tier_hit_tokens == 0 and stats.prefill_tokens == len(PROMPT)
+    assert (stats.kv_tier.tier_pulls, stats.kv_tier.tier_pull_failures) == (1, 1)
     assert stats.kv_blocks_free == stats.kv_blocks_total
