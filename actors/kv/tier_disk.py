@@ -49,7 +49,10 @@ class DiskTier:
         self.write_failures = self.dropped = self.discarded = 0
         self.reset_reason: str | None = None   # why an existing directory was emptied at the start
         self._queue: queue.Queue = queue.Queue()   # (hash, bytes) to write, (hash, None) to delete, None: stop
-        self._open(identity)
+        try:
+            self._open(identity)
+        except OSError as e:
+            raise ValueError(f"the KV tier directory {path!r} cannot be used: {e}") from e
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 

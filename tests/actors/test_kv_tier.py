@@ -174,3 +174,9 @@ def test_the_disk_tier_keeps_to_its_size_oldest_first(tmp_path):
     used = sum(os.path.getsize(os.path.join(e.tier.disk.blocks_dir, f)) for f in os.listdir(e.tier.disk.blocks_dir))
     assert 0 < used == e.tier.disk.bytes_used <= cap
     e.tier.close()
+
+
+def test_a_directory_that_cannot_hold_the_tier_is_a_clear_error(tmp_path):
+    (tmp_path / "blocks").write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot be used"):
+        DiskTier(str(tmp_path), IDENTITY, 1 << 20)
