@@ -26,6 +26,7 @@ from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
                              KVHandedOver, KVOffer, KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest,
                              TokenDeltas)
+from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
 from runtime import Actor, ActorDead, ActorRef, Turns
@@ -57,11 +58,7 @@ class SchedulerActor(Actor):
         self.block_layout = ""
         self.layer_stream = False   # prompts' blocks go layer by layer (the transfer reads the cache mid-forward)
         self.handoffs = _HandoffCounters()
-        # Prefix pulls from peer engines (actors/kv/prefix_pull.py): requests the transfer actor holds
-        # until their blocks are in, and those of them aborted meanwhile.
-        self.can_pull = False
-        self._pulling: set[str] = set()
-        self._pull_aborted: set[str] = set()
+        self.pulls = PullGate()   # requests whose prefix the transfer actor pulls from a peer first
         # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
         # soon: no step until one of them ends.
         self._stalled = False
@@ -87,7 +84,9 @@ class SchedulerActor(Actor):
             case SubmitRequest():
                 if msg.handoff_to is not None and self.transfer is None:
                     msg = msgspec.structs.replace(msg, handoff_to=None)
-                if self._pulled_first(msg):
+                if self.pulls.hold(msg):
+                    if msg.pull_from is not None:
+                        self.transfer.tell(msg)
                     return None
                 try:
                     self.scheduler.add(msg)
@@ -97,8 +96,8 @@ class SchedulerActor(Actor):
                 self._send_outputs()
                 await self._maybe_step()
             case AbortRequest(request_id=request_id, index=index):
-                if request_id in self._pulling and index is None:
-                    self._pull_aborted.add(request_id)
+                if index is None:
+                    self.pulls.abort(request_id)
                 self.scheduler.abort(request_id, index)
                 self._pull_brake()
                 self._send_outputs()
@@ -127,22 +126,6 @@ class SchedulerActor(Actor):
             case _:
                 return await super().receive(msg)
         return None
-
-    def _pulled_first(self, msg: SubmitRequest) -> bool:
-        """True when the request goes to the transfer actor to pull its prefix from a peer first (it
-        comes back without `pull_from`), or came back aborted: nothing more to do with it now."""
-        if msg.pull_from is not None:
-            if self.can_pull and self.transfer is not None and msg.handoff_to is None:
-                self._pulling.add(msg.request_id)
-                self.transfer.tell(msg)
-                return True
-            return False
-        if msg.request_id in self._pulling:
-            self._pulling.discard(msg.request_id)
-            if msg.request_id in self._pull_aborted:
-                self._pull_aborted.discard(msg.request_id)
-                return True
-        return False
 
     async def _maybe_step(self) -> None:
         """Start stepping, unless it goes on already, is stalled, or there is nothing to do. The steps

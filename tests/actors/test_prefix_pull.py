@@ -77,3 +77,16 @@ async def test_a_peer_that_is_gone_costs_only_the_prefill(pair):
     assert stats.prefix_cache_tier_hit_tokens == 0 and stats.prefill_tokens == len(PROMPT)
     assert (stats.kv_tier.tier_pulls, stats.kv_tier.tier_pull_failures) == (1, 1)
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_a_request_aborted_while_its_prefix_is_pulled_never_runs(pair):
+    from actors.messages import AbortRequest
+
+    system, holder, puller, holder_tx, _, front, ref = pair
+    expected = await run(holder, front, ref, "h", PROMPT)
+    puller.scheduler.tell(SubmitRequest("gone", PROMPT, GREEDY, ref, pull_from=holder_tx))
+    puller.scheduler.tell(AbortRequest("gone"))
+    assert await run(puller, front, ref, "next", PROMPT) == expected   # after the pull: from the tier
+    stats = await puller.scheduler.ask(GetStats())
+    assert "gone" not in front.tokens and stats.prompt_tokens == len(PROMPT)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
