@@ -63,6 +63,15 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto: the model dtype; int8 or fp8 (e4m3): a byte a value with a scale per block and KV head, "
                 "twice bfloat16's tokens in the same memory", "choices": KV_CACHE_DTYPES})
+    kv_offload_memory: int = field(default=0, metadata={
+        "help": "host memory for a second KV tier: cached blocks the pool evicts are kept there and copied "
+                "back instead of recomputed when a prompt's prefix continues in it (e.g. 4GiB; 0: none)",
+        "type": "bytes"})
+    kv_offload_dir: str | None = field(default=None, metadata={
+        "help": "a directory for a disk KV tier: evicted blocks are also written there (by a thread of its "
+                "own) and found again after a restart with the same model, dtype, KV layout and block size"})
+    kv_offload_disk: int = field(default=16 << 30, metadata={
+        "help": "bytes the --kv-offload-dir tier keeps at most (oldest blocks go first)", "type": "bytes"})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences running in one step"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": f"tokens computed in one step (unset: {CPU_STEP_TOKENS} on the CPU, {GPU_STEP_TOKENS} on CUDA)"})
@@ -114,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_offload_memory < 0:
+            raise ValueError(f"kv_offload_memory must not be negative, got {self.kv_offload_memory}")
+        _positive(self, "kv_offload_disk")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         self.speculative = SpeculativeConfig.parse(self.speculative)

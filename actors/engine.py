@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
 from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.structs import KVCacheConfig
+from actors.kv.tier import KVTier
+from actors.kv.tier_disk import DiskTier
 from actors.messages import GetWorkerInfo, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
@@ -28,6 +32,7 @@ from actors.worker.decode_burst import BurstBrake
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model_runner import ModelRunner
 from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
+from prefix_store.hashing import HASH_SCHEME
 from runtime import ActorRef, ActorSystem, get_logger
 
 log = get_logger(component="engine")
@@ -49,12 +54,15 @@ class Engine:
     owns_system: bool = False
     draft: ActorRef | None = None     # the draft worker, with speculative decoding
     kv_blocks: KVBlockIO | None = None   # the cache's blocks as bytes, for a KV handoff
+    kv_tier: KVTier | None = None        # where the KV manager keeps evicted blocks (--kv-offload-*)
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
         for ref in (self.scheduler, self.draft, self.worker, self.kv):
             if ref is not None and ref.is_alive:
                 await self.system.stop(ref)
+        if self.kv_tier is not None:
+            await asyncio.to_thread(self.kv_tier.close)
         gc.unfreeze()   # what it loaded can be collected again
         if self.owns_system:
             await self.system.shutdown()
@@ -90,7 +98,10 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         log.info("KV pool", blocks=info.num_blocks, block_size=info.block_size,
                  token_capacity=info.num_blocks * info.block_size, kv_cache_dtype=info.kv_cache_dtype,
                  kv_bytes_per_token=info.kv_bytes_per_token)
-        kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching))
+        kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
+        kv_tier = _open_tier(config, kv_blocks, info.block_size)
+        kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
+                                  kv_tier, kv_blocks)
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
         tokenizer = await tokenizer_task
@@ -115,8 +126,33 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         raise
     freeze_heap()
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft,
-                  KVBlockIO(worker_actor.runner.kv_caches))
+                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft, kv_blocks, kv_tier)
+
+
+def _open_tier(config: EngineConfig, blocks: KVBlockIO, block_size: int) -> KVTier | None:
+    """The KV tier the flags ask for, or None. A disk tier's directory keeps its blocks only when it was
+    written with this identity: model files, dtype, KV layout (K/V dtype and shapes), block size, hashing."""
+    if not (config.kv_offload_memory or config.kv_offload_dir) or not config.enable_prefix_caching:
+        return None
+    disk = None
+    if config.kv_offload_dir:
+        identity = {"format": 1, "model": model_fingerprint(config.model), "dtype": config.resolved_dtype(),
+                    "kv_layout": blocks.layout, "block_size": block_size, "block_hash": HASH_SCHEME}
+        disk = DiskTier(config.kv_offload_dir, identity, config.kv_offload_disk)
+        log.info("disk KV tier", path=config.kv_offload_dir, blocks=len(disk), bytes=disk.bytes_used,
+                 emptied=disk.reset_reason)
+    return KVTier(blocks, config.kv_offload_memory, disk)
+
+
+def model_fingerprint(path: str) -> str:
+    """The model's files by name, size and modification time: other weights, another fingerprint."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    digest = hashlib.sha256()
+    for name in files:
+        st = os.stat(name)
+        digest.update(f"{os.path.relpath(name, path)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return f"{os.path.abspath(path)}#{digest.hexdigest()[:16]}"
 
 
 def freeze_heap() -> None:

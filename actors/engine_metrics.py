@@ -42,6 +42,11 @@ def kv_usage(s: EngineStats) -> float:
     return 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total else 0.0
 
 
+def _tier(name: str) -> Callable[[EngineStats], float]:
+    """A KV tier stat (0 without a tier)."""
+    return lambda s: getattr(s.kv_tier, name) if s.kv_tier is not None else 0
+
+
 @dataclass(frozen=True)
 class Series:
     name: str                              # counters without `_total`: the exposition adds it
@@ -65,6 +70,26 @@ SERIES = (
            lambda s: s.prefix_cache_queried_tokens),
     Series("matinee_prefix_cache_hit_tokens", "counter", "Prompt tokens served from the prefix cache.",
            lambda s: s.prefix_cache_hit_tokens),
+    Series("matinee_prefix_cache_tier_hit_tokens", "counter", "Of those, prompt tokens copied back from the KV "
+           "tier (--kv-offload-memory / --kv-offload-dir) instead of computed.",
+           lambda s: s.prefix_cache_tier_hit_tokens),
+    *(Series(f"matinee_kv_tier_{name}", kind, text, _tier(field)) for name, kind, text, field in (
+        ("hit_blocks_memory", "counter", "KV blocks copied back from the tier's host memory.", "tier_hits_memory"),
+        ("hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.", "tier_hits_disk"),
+        ("saved_bytes", "counter", "KV bytes copied out of the pool into the tier on eviction.", "tier_bytes_saved"),
+        ("loaded_bytes", "counter", "KV bytes copied back from the tier into the pool.", "tier_bytes_loaded"),
+        ("pulled_bytes", "counter", "KV bytes pulled from peer engines into the tier.", "tier_bytes_pulled"),
+        ("pulls", "counter", "Prefix pulls from peer engines.", "tier_pulls"),
+        ("pull_failures", "counter", "Prefix pulls that failed (the prompt was computed).", "tier_pull_failures"),
+        ("pull_seconds", "counter", "Time pulling prefixes from peer engines, summed.", "tier_pull_s"),
+        ("load_seconds", "counter", "Time reading tier blocks and copying them back, summed.", "tier_load_s"),
+        ("blocks", "gauge", "KV blocks the tier holds (memory or disk).", "tier_blocks"),
+        ("memory_bytes", "gauge", "Host memory the tier's blocks take.", "tier_memory_bytes"),
+        ("disk_bytes", "gauge", "Disk the tier's block files take.", "tier_disk_bytes"),
+        ("write_failures", "counter", "Blocks the disk tier could not write (a full disk) or dropped (its writer "
+         "behind).", "tier_write_failures"),
+        ("discarded_blocks", "counter", "Damaged or truncated tier block files deleted instead of served.",
+         "tier_discarded"))),
     Series("matinee_prompt_tokens", "counter", "Prompt tokens processed.", lambda s: s.prompt_tokens),
     Series("matinee_generation_tokens", "counter", "Tokens generated.", lambda s: s.generation_tokens),
     Series("matinee_preemptions", "counter", "Requests preempted.", lambda s: s.preemptions),

@@ -153,9 +153,10 @@ async def attach_kv_transfer(system: ActorSystem, engine: Any, config: KVTransfe
     """The engine's KV transfer actor (`{name}-kv-transfer`): it hands prefilled requests to decode
     engines and takes them over from prefill engines."""
     config = config or KVTransferConfig()
-    ref = await system.spawn(KVTransfer(engine.kv_blocks, engine.scheduler, engine.config.block_size, config),
-                             name=f"{name}-kv-transfer")
+    ref = await system.spawn(KVTransfer(engine.kv_blocks, engine.scheduler, engine.config.block_size, config,
+                                        engine.kv), name=f"{name}-kv-transfer")
     engine.scheduler_actor.transfer = ref
+    engine.scheduler_actor.pulls.enabled = engine.kv_tier is not None   # pulled blocks land in the tier
     engine.scheduler_actor.block_layout = engine.kv_blocks.layout
     # Layer by layer the transfer reads the cache while the forward runs: only where that needs no device sync.
     engine.scheduler_actor.layer_stream = config.by_layer and engine.kv_blocks.on_host

@@ -109,6 +109,8 @@ class SubmitRequest(msgspec.Struct, tag=True):
     priority: int = 0                 # lower value = more important, as in vLLM
     cache_salt: str | None = None     # separates tenants' prefix caches
     handoff_to: ActorRef | None = None  # a decode engine's KV receiver: prefill here, decode there
+    pull_from: ActorRef | None = None   # a peer engine's KV transfer actor that holds more of the prompt's
+                                        # prefix: pull its blocks into this engine's KV tier first
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -199,6 +201,8 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
     itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
     itl_sum: float = 0.0
+    prefix_cache_tier_hit_tokens: int = 0   # of prefix_cache_hit_tokens, those copied back from the KV tier
+    kv_tier: KVStats | None = None    # the KV manager's stats, with its tier's (None without a tier)
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -349,6 +353,7 @@ class KVStepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     queried_tokens: int = 0           # prefix-cache lookups done in this transaction
     hit_tokens: int = 0
     num_table_blocks: int = 0         # blocks in every sequence's table after it (a shared one once per table)
+    tier_hit_tokens: int = 0          # of hit_tokens, those copied back from the KV tier
 
 
 class KVUnwritten(msgspec.Struct, array_like=True, gc=False):
@@ -372,6 +377,23 @@ class KVStats(msgspec.Struct, tag=True):
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int = 0
+    # The KV tier (actors/kv/tier.py), where the pool's evicted blocks go: what it holds, and what it moved.
+    tier: bool = False
+    tier_blocks: int = 0              # distinct blocks, in memory or on disk
+    tier_memory_bytes: int = 0
+    tier_disk_bytes: int = 0
+    tier_hits_memory: int = 0         # blocks copied back into the pool, by where they were found
+    tier_hits_disk: int = 0
+    tier_bytes_saved: int = 0         # copied out of the pool on eviction
+    tier_bytes_loaded: int = 0        # copied back into it
+    tier_load_s: float = 0.0          # cumulative time reading and copying blocks back
+    tier_save_s: float = 0.0          # cumulative time copying evicted blocks out (the disk writes are not in it)
+    tier_write_failures: int = 0      # blocks the disk store could not write (a full disk) or had to drop
+    tier_discarded: int = 0           # damaged or truncated block files deleted instead of served
+    tier_bytes_pulled: int = 0        # pulled from peer engines into the tier (actors/kv/prefix_pull.py)
+    tier_pulls: int = 0               # pulls from peer engines, and of those the ones that failed (timed
+    tier_pull_failures: int = 0       # out, or the peer was gone: the prompt was computed)
+    tier_pull_s: float = 0.0          # cumulative time of the pulls
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):
@@ -604,7 +626,38 @@ class KVConfirm(msgspec.Struct, tag=True):
     num_tokens: int
 
 
+class KVPull(msgspec.Struct, tag=True):
+    """To a peer's KV transfer actor (ask): the bytes of the leading blocks of these hashes it holds."""
+
+    block_hashes: list[bytes]
+    block_layout: str                 # the asker's KVBlockIO layout; another gets nothing
+
+
+class KVPulled(msgspec.Struct, tag=True):
+    """The leading run of the asked blocks that could be given, each as KVBlockIO reads one block."""
+
+    blocks: list[bytes]
+
+
+class KVHeldRun(msgspec.Struct, tag=True):
+    """To the KV manager (ask, answered with an int): how many leading blocks of these hashes it can
+    serve without computing (its pool's, then its tier's)."""
+
+    block_hashes: list[bytes]
+
+
+class KVTierPut(msgspec.Struct, tag=True):
+    """To the KV manager: a pull from a peer is over; its blocks go to the tier (the next admission
+    copies them in) and its outcome to the tier's counters."""
+
+    block_hashes: list[bytes]
+    blocks: list[bytes]
+    seconds: float = 0.0
+    failed: bool = False
+
+
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused)
 register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVCancel, KVHandedOver, KVHandoffFailed)
+register_messages(KVPull, KVPulled)

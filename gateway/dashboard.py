@@ -37,7 +37,17 @@ def engine_snapshot(s: EngineStats) -> dict:
             "generation_tokens": s.generation_tokens, "prefix_queries": s.prefix_cache_queried_tokens,
             "prefix_hits": s.prefix_cache_hit_tokens, "preemptions": s.preemptions,
             "spec_draft_tokens": s.spec_decode_draft_tokens, "spec_accepted_tokens": s.spec_decode_accepted_tokens,
-            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90}
+            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90,
+            **_tier(s)}
+
+
+def _tier(s: EngineStats) -> dict:
+    """The KV tier's hits (tokens), bytes moved in and out of it, and blocks held; empty without a tier."""
+    t = s.kv_tier
+    if t is None:
+        return {}
+    return {"tier_hits": s.prefix_cache_tier_hit_tokens, "tier_blocks": t.tier_blocks,
+            "tier_bytes": t.tier_bytes_saved + t.tier_bytes_loaded + t.tier_bytes_pulled}
 
 
 async def snapshot(state) -> dict:

@@ -228,7 +228,7 @@ class EnginePool:
         try:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
-                    engine, decode = await self._choose(prompt, req.cache_salt, params)
+                    engine, decode, pull_from = await self._choose(prompt, req.cache_salt, params)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
                     # No engine, or every decode engine is full: wait for the next change or stats.
@@ -255,11 +255,12 @@ class EnginePool:
             decode.reserved += self._blocks_for(prompt)
             handoff_to = decode.info.kv_receiver
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
-                                      handoff_to))
+                                      handoff_to, pull_from if handoff_to is None else None))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None,
-                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
-        """(the engine that runs the request, or prefills it; the decode engine it hands over to).
+                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None, ActorRef | None]:
+        """(the engine that runs the request, or prefills it; the decode engine it hands over to; the
+        KV transfer actor of an engine it should pull the prompt's prefix from first).
         With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1
         or prompt logprobs they run whole on the prefill engine, with a short prompt whole on the
         decode engine); otherwise colocated engines serve them whole, or any engine left."""
@@ -274,14 +275,15 @@ class EnginePool:
             whole = params.n > 1 or params.prompt_logprobs is not None
             target = None if whole else self._choose_decode(decode, prompt)
             if not whole and target is None:
-                return None, None
+                return None, None, None
             if target is not None and len(prompt) <= self.config.local_prefill_tokens:
-                return target, None   # short: its decode engine prefills it
+                return target, None, None   # short: its decode engine prefills it
             if target is not None:
                 prefill = [e for e in prefill if e.info.kv_layout == target.info.kv_layout]
-            return await self._choose_among(prefill, prompt, cache_salt), target
+            return (await self._choose_among(prefill, prompt, cache_salt))[0], target, None
         colocated = [e for e in routable if e.info.role == "engine"]
-        return await self._choose_among(colocated or routable, prompt, cache_salt), None
+        engine, pull_from = await self._choose_among(colocated or routable, prompt, cache_salt)
+        return engine, None, pull_from
 
     def _blocks_for(self, prompt: list[int]) -> int:
         return len(prompt) // self.hasher.block_size + 1 if self.hasher is not None else 1
@@ -297,13 +299,16 @@ class EnginePool:
         return min(fits, key=lambda e: (e.load().requests_running + e.load().requests_waiting,
                                          -(free[e.key] or 0)))
 
-    async def _choose_among(self, pool: list[_Engine], prompt: list[int], cache_salt: str | None) -> _Engine | None:
+    async def _choose_among(self, pool: list[_Engine], prompt: list[int],
+                            cache_salt: str | None) -> tuple[_Engine | None, ActorRef | None]:
+        """The engine, and the KV transfer actor of another that holds more of the prompt's prefix
+        (in its pool or KV tier, of the same KV layout) for it to pull from, if the policy says so."""
         if not pool:
-            return None
+            return None, None
         if self.config.routing == "round_robin":
             self.router.metrics.record_decision("round_robin", 0, 0)
             pool.sort(key=lambda e: e.info.engine_id)
-            return pool[next(self._turn) % len(pool)]
+            return pool[next(self._turn) % len(pool)], None
         by_id = {e.info.engine_id: e for e in pool}   # the newest run of an id wins
         loads = [e.load() for e in by_id.values()]
         if self.config.routing == "least_loaded" or self.hasher is None:
@@ -312,7 +317,10 @@ class EnginePool:
         else:
             hashes = self.hasher.block_hashes(prompt, cache_salt)
             decision = await self.router.route(hashes, loads)
-        return by_id.get(decision.engine_id)
+        engine, holder = by_id.get(decision.engine_id), by_id.get(decision.pull_from)
+        if engine is None or holder is None or holder.info.kv_layout != engine.info.kv_layout:
+            return engine, None
+        return engine, holder.info.kv_receiver
 
     def _fail(self, req: InflightRequest, error: Exception) -> None:
         entry = self._requests.get(req.request_id)

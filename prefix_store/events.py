@@ -22,8 +22,9 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     seq: int
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None  # parent of block_hashes[0]; None at a sequence start
-    token_ids: list[int]  # the tokens of all the blocks, concatenated
+    token_ids: list[int]  # the tokens of all the blocks, concatenated (none for the tier's)
     block_size: int
+    tier: bool = False  # the blocks entered the engine's KV tier, not its pool: reloadable, not mapped
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
@@ -31,15 +32,25 @@ class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
 
     seq: int
     block_hashes: list[BlockHash]
+    tier: bool = False  # they left the engine's KV tier
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
-    """The whole prefix cache was dropped (`reset_prefix_cache`)."""
+    """The whole prefix cache was dropped (`reset_prefix_cache`), its tier's blocks too."""
 
     seq: int
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+# The index keeps an engine's tier blocks beside its pool's, under the hash with this prefix (a
+# hash alone is 32 bytes, so the two never meet); a snapshot lists both kinds of keys.
+TIER_TAG = b"T"
+
+
+def index_keys(event: BlockStored | BlockRemoved) -> list[bytes]:
+    """The index keys an event's blocks go under: their hashes, tagged when they are the tier's."""
+    return [TIER_TAG + h for h in event.block_hashes] if event.tier else list(event.block_hashes)
 
 
 class ApplyResult(enum.Enum):

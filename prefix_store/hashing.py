@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import msgspec
 
 BlockHash = bytes  # a 32-byte sha256 digest
+# What a stored hash means; a disk KV tier written under another scheme is not read.
+HASH_SCHEME = "sha256(msgpack(parent, tokens, extra)); cache_salt in the first block's extra keys; v1"
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -89,7 +89,8 @@ return 1
 """
 
 # KEYS: engines. ARGV: blocks key prefix, k (prompts), k lengths, then every prompt's block
-# hashes in order. Returns {live engines, then for each prompt its matched count per engine}.
+# hashes in order. Returns {live engines, then for each prompt two counts per engine: the leading
+# blocks in its pool, and those in its pool or its KV tier (keys tagged 'T', prefix_store.events)}.
 # Reads each engine's hash in chunks and stops at its first miss, so a short match costs little.
 MATCH = _NOW + """
 local engines = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
@@ -101,16 +102,31 @@ for p = 1, k do
   local counts = {}
   for _, engine in ipairs(engines) do
     local key = ARGV[1] .. engine
-    local n, i, done = 0, start, false
+    local n, reach, i, pooled, done = 0, 0, start, true, false
     while i <= last and not done do
-      local j = math.min(i + 63, last)
-      local vals = redis.call('HMGET', key, unpack(ARGV, i, j))
-      for v = 1, #vals do
-        if vals[v] then n = n + 1 else done = true; break end
+      local j = math.min(i + 31, last)
+      local fields = {}
+      for f = i, j do
+        fields[#fields + 1] = ARGV[f]
+        fields[#fields + 1] = 'T' .. ARGV[f]
+      end
+      local vals = redis.call('HMGET', key, unpack(fields))
+      for v = 1, #vals, 2 do
+        if vals[v] and pooled then
+          n = n + 1
+          reach = reach + 1
+        elseif vals[v] or vals[v + 1] then
+          pooled = false
+          reach = reach + 1
+        else
+          done = true
+          break
+        end
       end
       i = j + 1
     end
     counts[#counts + 1] = n
+    counts[#counts + 1] = reach
   end
   out[#out + 1] = counts
   start = last + 1

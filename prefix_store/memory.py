@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prefix_store.events import AllBlocksCleared, ApplyResult, BlockStored, KVEvent, events_to_apply
+from prefix_store.events import TIER_TAG, AllBlocksCleared, ApplyResult, BlockStored, KVEvent, events_to_apply, index_keys
 from prefix_store.store import PrefixStore, validate_ttl
 
 
@@ -44,11 +44,11 @@ class InMemoryPrefixStore(PrefixStore):
         blocks = engine.blocks
         for event in todo:
             if isinstance(event, BlockStored):
-                blocks.update(event.block_hashes)
+                blocks.update(index_keys(event))
             elif isinstance(event, AllBlocksCleared):
                 blocks.clear()
             else:
-                for key in event.block_hashes:
+                for key in index_keys(event):
                     if blocks[key] <= 1:
                         del blocks[key]
                     else:
@@ -74,13 +74,20 @@ class InMemoryPrefixStore(PrefixStore):
         return True
 
     async def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        return {engine_id: pool for engine_id, (pool, _) in (await self.match_tiers(block_hashes)).items()}
+
+    async def match_tiers(self, block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
         result = {}
         for engine_id in await self.live_engines():
             blocks = self._engines[engine_id].blocks
-            n = 0
-            while n < len(block_hashes) and block_hashes[n] in blocks:
-                n += 1
-            result[engine_id] = n
+            pool = 0
+            while pool < len(block_hashes) and block_hashes[pool] in blocks:
+                pool += 1
+            reach = pool
+            while reach < len(block_hashes) and (block_hashes[reach] in blocks
+                                                 or TIER_TAG + block_hashes[reach] in blocks):
+                reach += 1
+            result[engine_id] = (pool, reach)
         return result
 
     async def live_engines(self) -> list[str]:

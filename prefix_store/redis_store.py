@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_store import lua
 from prefix_store.coalescer import Coalescer
-from prefix_store.events import AllBlocksCleared, ApplyResult, BlockStored, KVEvent
+from prefix_store.events import AllBlocksCleared, ApplyResult, BlockStored, KVEvent, index_keys
 from prefix_store.store import PrefixStore, validate_ttl
 
 
@@ -112,7 +112,7 @@ class RedisPrefixStore(PrefixStore):
                 args += (event.seq, _CLEARED, 0)
             else:
                 kind = _STORED if isinstance(event, BlockStored) else _REMOVED
-                args += (event.seq, kind, len(event.block_hashes), *event.block_hashes)
+                args += (event.seq, kind, len(event.block_hashes), *index_keys(event))
         applied = await self._apply(keys=self._keys(engine_id), args=args)
         return ApplyResult.APPLIED if applied == 1 else ApplyResult.NEED_SNAPSHOT
 
@@ -147,16 +147,19 @@ class RedisPrefixStore(PrefixStore):
         return await self._heartbeat(keys=self._keys(engine_id), args=[engine_id, self._ttl_ms]) == 1
 
     async def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        return {engine_id: pool for engine_id, (pool, _) in (await self.match_tiers(block_hashes)).items()}
+
+    async def match_tiers(self, block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
         """One round trip, shared with the lookups made at the same moment."""
         return await self._coalescer(block_hashes)
 
-    async def _match_many(self, prompts: list[Sequence[bytes]]) -> list[dict[str, int]]:
+    async def _match_many(self, prompts: list[Sequence[bytes]]) -> list[dict[str, tuple[int, int]]]:
         args: list[object] = [f"{self._prefix}:blocks:", len(prompts), *(len(p) for p in prompts)]
         for prompt in prompts:
             args += prompt
         engines, *counts = await self._match(keys=[self._engines_key], args=args)
         names = [e.decode() for e in engines]
-        return [dict(zip(names, per_prompt)) for per_prompt in counts]
+        return [dict(zip(names, zip(per_prompt[::2], per_prompt[1::2]))) for per_prompt in counts]
 
     async def live_engines(self) -> list[str]:
         return sorted(e.decode() for e in await self._live(keys=[self._engines_key]))

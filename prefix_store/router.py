@@ -42,8 +42,9 @@ class PrefixRouter:
         self._clock = clock
         self._skip_until = float("-inf")
 
-    async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, int] | None:
-        """The index's answer, or None when it is absent, failing, slow or cooling down."""
+    async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]] | None:
+        """The index's answer ({engine: (leading blocks in its pool, in its pool or KV tier)}), or
+        None when it is absent, failing, slow or cooling down."""
         if self.store is None or self._clock() < self._skip_until:
             return None
         if not block_hashes:
@@ -51,7 +52,7 @@ class PrefixRouter:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self.store.match(block_hashes)
+                return await self.store.match_tiers(block_hashes)
         except Exception as exc:  # any index failure only costs speed, never the request
             self.metrics.lookup_errors += 1
             if self._clock() >= self._skip_until:  # one line per outage, not per request

@@ -51,6 +51,11 @@ class PrefixStore(abc.ABC):
         """{engine_id: leading blocks of `block_hashes` it holds} for every live engine."""
 
     @abc.abstractmethod
+    async def match_tiers(self, block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
+        """{engine_id: (leading blocks in its pool, leading blocks in its pool or its KV tier)}: the
+        second count is what it can serve without computing, some blocks by copying them back."""
+
+    @abc.abstractmethod
     async def live_engines(self) -> list[str]:
         """The engines whose liveness has not lapsed, sorted."""
 

@@ -8,6 +8,8 @@ needed and they are the least recently freed; blocks without a hash are handed o
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
+from collections.abc import Callable
 
 from actors.kv.event_log import EventLog
 from prefix_store.hashing import BlockHash
@@ -26,8 +28,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, events: EventLog | None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: EventLog | None,
+                 on_evict: Callable[[list[int], list[BlockHash]], None] | None = None) -> None:
         self.block_size = block_size
+        self._on_evict = on_evict   # (block ids, hashes) of cached blocks about to be handed out again
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_cnt 0, in eviction order: the head is handed out next. An OrderedDict
         # gives O(1) pop from the head, push to either end and removal from the middle (a hit).
@@ -53,6 +57,11 @@ class BlockPool:
         """Hand out n blocks with ref_cnt 1, evicting the least recently freed cached ones."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
+        if self._on_evict is not None:   # their KV is still intact: the tier copies it out first
+            heads = [self.blocks[block_id] for block_id in islice(self._free, n)]
+            cached = [block for block in heads if block.block_hash is not None]
+            if cached:
+                self._on_evict([b.block_id for b in cached], [b.block_hash for b in cached])
         taken, evicted = [], []
         for _ in range(n):
             block = self.blocks[self._free.popitem(last=False)[0]]

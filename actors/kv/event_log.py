@@ -23,11 +23,12 @@ class EventLog:
         self._next_seq = 0
         self._events: deque[KVEvent] = deque(maxlen=max_events)
 
-    def stored(self, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int], block_size: int) -> None:
-        self._events.append(BlockStored(self._take_seq(), hashes, parent, token_ids, block_size))
+    def stored(self, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int], block_size: int,
+               tier: bool = False) -> None:
+        self._events.append(BlockStored(self._take_seq(), hashes, parent, token_ids, block_size, tier))
 
-    def removed(self, hashes: list[BlockHash]) -> None:
-        self._events.append(BlockRemoved(self._take_seq(), hashes))
+    def removed(self, hashes: list[BlockHash], tier: bool = False) -> None:
+        self._events.append(BlockRemoved(self._take_seq(), hashes, tier))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared(self._take_seq()))

@@ -8,16 +8,26 @@ step costs one round trip whatever its batch size. The manager's events leave on
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import TYPE_CHECKING, Any
 
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
+from actors.kv.tier import KVTier
 from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents,
-                             KVEventsWaiting, KVFree, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep,
-                             KVStepResult, SubscribeKVEvents)
+                             KVEventsWaiting, KVFree, KVHeldRun, KVPull, KVPulled, KVReserve, KVReserved, KVSnapshot,
+                             KVStats, KVStep, KVStepResult, KVTierPut, SubscribeKVEvents)
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
 from runtime import Actor, ActorRef
+
+if TYPE_CHECKING:
+    from actors.worker.kv_blocks import KVBlockIO   # torch: only where an engine runs
+
+
+# A block copied back from the tier costs the step a memory copy, not a forward: its tokens take an
+# eighth of the budget computing them would (counted like a short prefill chunk of the step).
+RELOADED_PER_BUDGET_TOKEN = 8
 
 
 def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
@@ -78,11 +88,12 @@ def apply_kv_step(kv: KVCacheManager, msg: KVStep) -> KVStepResult:
         reads_from = sorted({writers[b] for b in hit.block_ids if b in writers})
         admitted.append(KVAdmitted(admit.seq_id, hit.num_computed_tokens, num_new, kv.block_table(seq_id), reads_from))
         _note_writes(writers, kv, admit.seq_id, hit.num_computed_tokens)
-        budget -= num_new
+        budget -= num_new + -(-len(hit.loaded) * kv.block_size // RELOADED_PER_BUDGET_TOKEN)
     stats = kv.stats
     return KVStepResult(forked, grown, grow_failed, admitted, kv.num_free_blocks,
                         stats.queried_tokens - stats_before.queried_tokens,
-                        stats.hit_tokens - stats_before.hit_tokens, kv.num_table_blocks)
+                        stats.hit_tokens - stats_before.hit_tokens, kv.num_table_blocks,
+                        stats.tier_hit_tokens - stats_before.tier_hit_tokens)
 
 
 def _note_writes(writers: dict[int, int], kv: KVCacheManager, seq_id: int, start: int) -> None:
@@ -103,14 +114,29 @@ def apply_kv_free(kv: KVCacheManager, msg: KVFree) -> None:
 def apply_kv_reserve(kv: KVCacheManager, msg: KVReserve) -> KVReserved:
     """Blocks for a handed-over sequence: cached leading blocks where the prefix cache has them,
     fresh ones for the rest, held as lookahead slots so that nothing is hashed before the KV is
-    written (KVConfirm does that)."""
+    written (KVConfirm does that). Nothing is copied back from the tier: a reservation may come while
+    a forward runs, and the sender has the blocks anyway."""
     seq_id = str(msg.seq_id)
-    hit = kv.get_computed_blocks(KVRequest(seq_id, msg.token_ids, msg.cache_salt))
+    hit = kv.get_computed_blocks(KVRequest(seq_id, msg.token_ids, msg.cache_salt), from_tier=False)
     rest = msg.num_tokens - hit.num_computed_tokens
     if not kv.can_allocate(seq_id, 0, num_lookahead_tokens=rest, hit=hit):
         return KVReserved(None)
     kv.allocate_slots(seq_id, 0, num_lookahead_tokens=rest, hit=hit)
     return KVReserved(kv.block_table(seq_id), len(hit.block_ids))
+
+
+def kv_stats(kv: KVCacheManager) -> KVStats:
+    """The pool's occupancy and, with a tier, what the tier holds and has moved."""
+    tier = kv.tier
+    if tier is None:
+        return KVStats(kv.num_total_blocks, kv.num_free_blocks, kv.num_cached_blocks)
+    disk = tier.disk
+    return KVStats(kv.num_total_blocks, kv.num_free_blocks, kv.num_cached_blocks, True, tier.num_blocks,
+                   tier.memory_used, disk.bytes_used if disk is not None else 0, tier.hits_memory, tier.hits_disk,
+                   tier.bytes_saved, tier.bytes_loaded, tier.load_s, tier.save_s,
+                   disk.write_failures + disk.dropped if disk is not None else 0,
+                   disk.discarded if disk is not None else 0, tier.bytes_pulled, tier.pulls, tier.pull_failures,
+                   tier.pull_s)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
@@ -121,16 +147,32 @@ def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
 
 
 class KVManagerActor(Actor):
-    def __init__(self, config: KVCacheConfig):
+    """`blocks`: the cache as bytes, to give a peer engine the blocks it pulls."""
+
+    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None, blocks: KVBlockIO | None = None):
         self.config = config
-        self.kv = KVCacheManager(config)
+        self.blocks = blocks
+        self.kv = KVCacheManager(config, tier)
         self._subscribers: list[ActorRef] = []
+
+    async def on_stop(self) -> None:
+        """At shutdown and on a restart: what the pool caches goes to a disk tier too, and its writer
+        finishes what is queued (a restarted process finds it all) and goes on; the engine closes the
+        tier once every actor stopped."""
+        if self.kv.tier is not None and self.kv.tier.disk is not None:
+            self.kv.save_cached_to_tier()
+            await asyncio.to_thread(self.kv.tier.disk.flush)
 
     async def receive(self, msg: Any) -> Any:
         match msg:
             case KVStep():
                 before = self.kv.next_event_seq
-                result = apply_kv_step(self.kv, msg)
+                await self._read_ahead(msg)
+                try:
+                    result = apply_kv_step(self.kv, msg)
+                finally:
+                    if self.kv.tier is not None:
+                        self.kv.tier.unstage()
                 self._events_recorded(before)
                 return result
             case KVFree():
@@ -146,7 +188,17 @@ class KVManagerActor(Actor):
                 self._events_recorded(before)
                 return None
             case GetKVStats():
-                return KVStats(self.kv.num_total_blocks, self.kv.num_free_blocks, self.kv.num_cached_blocks)
+                return kv_stats(self.kv)
+            case KVHeldRun(block_hashes=hashes):
+                return self.kv.held_run(hashes)
+            case KVPull(block_hashes=hashes):
+                return KVPulled(self._share(hashes))
+            case KVTierPut(block_hashes=hashes, blocks=blocks, seconds=seconds, failed=failed):
+                before = self.kv.next_event_seq
+                if self.kv.tier is not None:
+                    self.kv.tier.pulled(hashes, blocks, seconds, failed)
+                self._events_recorded(before)
+                return None
             case DrainKVEvents():
                 return KVEvents(self.kv.take_events(), self.kv.next_event_seq)
             case GetKVSnapshot():
@@ -156,6 +208,23 @@ class KVManagerActor(Actor):
                 self._subscribers.append(subscriber)
                 return None
         return await super().receive(msg)
+
+    def _share(self, hashes: list[bytes]) -> list[bytes]:
+        if self.blocks is None:
+            return []
+        before = self.kv.next_event_seq
+        shared = [b if isinstance(b, bytes) else bytes(self.blocks.read([b])) for b in self.kv.shareable(hashes)]
+        self._events_recorded(before)
+        return shared
+
+    async def _read_ahead(self, msg: KVStep) -> None:
+        """Tier blocks the step's admissions will want from disk are read on a thread first: the
+        event loop (and, in one process, the gateway's streams) never waits on the disk."""
+        wanted = [h for admit in msg.admits
+                  for h in self.kv.disk_reads(KVRequest(str(admit.seq_id), admit.token_ids, admit.cache_salt,
+                                                        admit.read_prefix_cache))]
+        if wanted:
+            self.kv.tier.stage(await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted))))
 
     def _events_recorded(self, before: int) -> None:
         """Subscribers hear of a transaction's events; the events wait in the log for their drain."""

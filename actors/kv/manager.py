@@ -12,7 +12,8 @@ from collections import Counter
 from actors.kv.block_pool import Block, BlockPool
 from actors.kv.event_log import EventLog
 from actors.kv.structs import KVCacheConfig, KVRequest, PrefixCacheStats, PrefixHit, StalePrefixHit
-from prefix_store.events import KVEvent
+from actors.kv.tier import KVTier
+from prefix_store.events import TIER_TAG, KVEvent
 from prefix_store.hashing import BlockHash, hash_full_blocks
 
 
@@ -32,18 +33,25 @@ class _Seq:
 
 
 class KVCacheManager:
-    def __init__(self, config: KVCacheConfig) -> None:
+    """`tier`: where evicted cached blocks go, and come back from when a prompt's chain continues there."""
+
+    def __init__(self, config: KVCacheConfig, tier: KVTier | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self._events = EventLog(config.max_events) if config.record_events and config.enable_prefix_caching else None
-        self._pool = BlockPool(config.num_blocks, config.block_size, self._events)
+        self.tier = tier if config.enable_prefix_caching else None
+        if self.tier is not None:
+            self.tier.events = self._events
+        self._pool = BlockPool(config.num_blocks, config.block_size, self._events,
+                               self.tier.save if self.tier is not None else None)
         self._seqs: dict[str, _Seq] = {}
-        self._requests = self._queried_tokens = self._hit_tokens = 0
+        self._requests = self._queried_tokens = self._hit_tokens = self._tier_hit_tokens = 0
 
     # ---- admission ----------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: KVRequest) -> PrefixHit:
-        """Longest run of cached leading full blocks of a new sequence. Changes nothing.
+    def get_computed_blocks(self, request: KVRequest, *, from_tier: bool = True) -> PrefixHit:
+        """Longest run of cached leading full blocks of a new sequence: the pool's, then those the
+        tier holds where the pool's run ends (their bytes, read now). Changes nothing in the pool.
 
         At least one token is always left to compute, so the last position has logits.
         """
@@ -51,6 +59,47 @@ class KVCacheManager:
             raise ValueError(f"sequence {request.seq_id!r} already holds blocks")
         if not self.config.enable_prefix_caching or not request.read_cache:
             return PrefixHit(request, [], [], 0)
+        hashes, max_hit, block_ids = self._pool_run(request)
+        loaded, from_disk = [], 0
+        if from_tier and self.tier is not None and len(block_ids) < max_hit:
+            loaded, from_disk = self.tier.fetch(hashes[len(block_ids):max_hit])
+        return PrefixHit(request, block_ids, hashes, (len(block_ids) + len(loaded)) * self.block_size,
+                         loaded, from_disk)
+
+    def disk_reads(self, request: KVRequest) -> list[BlockHash]:
+        """The blocks a `get_computed_blocks` of this request would read from the tier's disk (to read
+        them ahead, off the event loop)."""
+        if self.tier is None or self.tier.disk is None or not request.read_cache:
+            return []
+        hashes, max_hit, block_ids = self._pool_run(request)
+        return self.tier.on_disk_only(hashes[len(block_ids):max_hit])
+
+    def held_run(self, hashes: list[BlockHash]) -> int:
+        """Leading blocks of `hashes` this engine serves without computing: the pool's, then the tier's."""
+        n = 0
+        while n < len(hashes) and self._pool.lookup(hashes[n]) is not None:
+            n += 1
+        while self.tier is not None and n < len(hashes) and hashes[n] in self.tier:
+            n += 1
+        return n
+
+    def shareable(self, hashes: list[BlockHash]) -> list[int | bytes]:
+        """For a peer engine, the leading blocks of `hashes` this one can give: a pool block's id where
+        no sequence holds it (so a step is not writing it now), else the tier's bytes."""
+        out: list[int | bytes] = []
+        for block_hash in hashes:
+            block = self._pool.lookup(block_hash)
+            if block is not None and block.ref_cnt == 0:
+                out.append(block.block_id)
+                continue
+            found = self.tier.fetch([block_hash])[0] if self.tier is not None and block is None else []
+            if not found:
+                break
+            out.append(found[0])
+        return out
+
+    def _pool_run(self, request: KVRequest) -> tuple[list[BlockHash], int, list[int]]:
+        """(the request's full-block hashes, how many may hit, the pool's blocks of its leading run)."""
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)
         max_hit = max(len(request.token_ids) - 1, 0) // self.block_size
         block_ids = []
@@ -59,7 +108,7 @@ class KVCacheManager:
             if block is None:
                 break
             block_ids.append(block.block_id)
-        return PrefixHit(request, block_ids, hashes, len(block_ids) * self.block_size)
+        return hashes, max_hit, block_ids
 
     def can_allocate(self, seq_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                      hit: PrefixHit | None = None) -> bool:
@@ -83,6 +132,7 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._admit(hit)
+            fresh -= len(hit.loaded)
         seq.blocks.extend(self._pool.take_fresh(fresh))
         seq.num_computed += num_new_tokens
         self._cache_full_blocks(seq)
@@ -181,11 +231,20 @@ class KVCacheManager:
         # shared prefix survives longest.
         self._pool.release(seq.blocks[::-1])
 
+    def save_cached_to_tier(self) -> None:
+        """Copy the blocks the pool caches and no sequence holds into the tier (at shutdown: a disk tier
+        then keeps them for the next start). A held block may be one a cut step never wrote."""
+        if self.tier is not None:
+            cached = [block for block in self._pool.blocks if block.block_hash is not None and block.ref_cnt == 0]
+            self.tier.save([b.block_id for b in cached], [b.block_hash for b in cached])
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (after a weight change, say); running sequences go on."""
         # Blocks already offered by running sequences are not offered again: their KV may
         # predate the change that made the cache stale.
         self._pool.clear_hashes()
+        if self.tier is not None:
+            self.tier.clear()
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -230,7 +289,7 @@ class KVCacheManager:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._requests, self._queried_tokens, self._hit_tokens)
+        return PrefixCacheStats(self._requests, self._queried_tokens, self._hit_tokens, self._tier_hit_tokens)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the recorded block stored / removed / cleared events, oldest first."""
@@ -243,8 +302,10 @@ class KVCacheManager:
 
     def snapshot(self) -> tuple[int, list[BlockHash]]:
         """(sequence number of the next event, hashes cached now): a consumer that saw a gap
-        replaces its view with these hashes and applies only events from that number on."""
-        return self.next_event_seq, self._pool.cached_hashes()
+        replaces its view with these hashes and applies only events from that number on. The tier's
+        blocks come under their index keys (`prefix_store.events.TIER_TAG`)."""
+        tier = [TIER_TAG + h for h in self.tier.hashes()] if self.tier is not None and self._events else []
+        return self.next_event_seq, self._pool.cached_hashes() + tier
 
     def check_invariants(self) -> None:
         """Raise RuntimeError when the bookkeeping is inconsistent (tests and debugging)."""
@@ -309,14 +370,23 @@ class KVCacheManager:
         return blocks
 
     def _admit(self, hit: PrefixHit) -> _Seq:
+        """The sequence starts from its hit: the pool's blocks mapped, the tier's copied into fresh
+        blocks (which enter the prefix cache as if computed)."""
         blocks = self._hit_blocks(hit)
         self._pool.touch(blocks)
+        if hit.loaded:
+            restored = self._pool.take_fresh(len(hit.loaded))
+            self.tier.restore([block.block_id for block in restored], hit.loaded, hit.loaded_from_disk)
+            blocks = blocks + restored
         request = hit.request
         seq = _Seq(list(request.token_ids), request.cache_salt, blocks, list(hit.block_hashes), hit.num_computed_tokens)
+        seq.num_cached_blocks = len(hit.block_ids)
         self._seqs[request.seq_id] = seq
         self._requests += 1
         self._queried_tokens += len(request.token_ids)
         self._hit_tokens += hit.num_computed_tokens
+        self._tier_hit_tokens += len(hit.loaded) * self.block_size
+        self._cache_full_blocks(seq)
         return seq
 
     def _cache_full_blocks(self, seq: _Seq) -> None:

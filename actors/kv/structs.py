@@ -48,7 +48,9 @@ class PrefixHit(msgspec.Struct, frozen=True):
     request: KVRequest
     block_ids: list[int]
     block_hashes: list[BlockHash]  # every full block of request.token_ids, reused at allocation
-    num_computed_tokens: int  # len(block_ids) * block_size: prefill starts here
+    num_computed_tokens: int  # (len(block_ids) + len(loaded)) * block_size: prefill starts here
+    loaded: list[bytes] = []  # the tier's blocks that continue block_ids, copied in at allocation
+    loaded_from_disk: int = 0  # of those, the ones read from disk
 
 
 class PrefixCacheStats(msgspec.Struct, frozen=True):
@@ -56,7 +58,8 @@ class PrefixCacheStats(msgspec.Struct, frozen=True):
 
     requests: int
     queried_tokens: int
-    hit_tokens: int
+    hit_tokens: int  # from the pool and the tier
+    tier_hit_tokens: int = 0  # of those, copied back from the tier
 
 
 class StalePrefixHit(ValueError):

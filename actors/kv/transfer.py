@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverAhead, HandOverCancel,
                              HandOverDone, HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandoffFailed, KVOffer,
-                             KVOfferReply, KVReserved, LayerWritten)
+                             KVOfferReply, KVPull, KVPulled, KVReserved, LayerWritten, SubmitRequest)
+from actors.kv.prefix_pull import PrefixPull
 from runtime import Actor, ActorRef, Terminated
 
 if TYPE_CHECKING:
@@ -97,12 +98,16 @@ class _CheckIdle:
 
 
 class KVTransfer(Actor):
+    """`kv`: the engine's KV manager, for prefix pulls between engines (actors/kv/prefix_pull.py)."""
+
     def __init__(self, blocks: KVBlockIO, scheduler: ActorRef, block_size: int,
-                 config: KVTransferConfig | None = None):
+                 config: KVTransferConfig | None = None, kv: ActorRef | None = None):
         self.blocks = blocks
         self.scheduler = scheduler
         self.block_size = block_size
         self.config = config or KVTransferConfig()
+        self.pull = PrefixPull(kv, scheduler, blocks.layout, block_size, blocks.bytes_per_block,
+                               self.config.chunk_bytes, self.config.timeout_s) if kv is not None else None
         self._incoming: dict[str, _Incoming] = {}
         self._outgoing: dict[int, _Outgoing] = {}   # by the sending engine's seq_id
         self._watched: set[ActorRef] = set()
@@ -134,6 +139,10 @@ class KVTransfer(Actor):
                 return await self._on_commit(msg)
             case KVCancel(transfer_id=tid):
                 self._let_go(tid)
+            case SubmitRequest() if self.pull is not None:   # from the scheduler: pull its prefix first
+                self._own(self.pull.pull_then_submit(msg))
+            case KVPull():
+                return await self.pull.serve(msg) if self.pull is not None else KVPulled([])
             case _CheckIdle(transfer_id=tid):
                 self._check_idle(tid)
             case Terminated(ref=ref):
@@ -185,9 +194,14 @@ class KVTransfer(Actor):
         out.changed.set()
 
     def _start(self, seq_id: int, out: _Outgoing) -> None:
-        out.task = asyncio.create_task(self._send(seq_id, out))
-        self._sends.add(out.task)
-        out.task.add_done_callback(self._sends.discard)
+        out.task = self._own(self._send(seq_id, out))
+
+    def _own(self, coro) -> asyncio.Task:
+        """A task of this actor's, cancelled when it stops."""
+        task = asyncio.create_task(coro)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+        return task
 
     def _cancel(self, seq_id: int) -> None:
         """A handoff sent ahead ends before its HandOver: its decode engine lets the blocks go."""

@@ -15,6 +15,7 @@ class Counters:
     preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_tier_hit_tokens: int = 0
     steps: int = 0
     kv_slots_allocated: int = 0     # slots in the running sequences' blocks, summed over steps
     kv_slots_used: int = 0          # of those, slots holding a token (KV waste = 1 - used / allocated)

@@ -26,6 +26,7 @@ from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
                              KVHandedOver, KVOffer, KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest,
                              TokenDeltas)
+from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
 from runtime import Actor, ActorDead, ActorRef, Turns
@@ -57,6 +58,7 @@ class SchedulerActor(Actor):
         self.block_layout = ""
         self.layer_stream = False   # prompts' blocks go layer by layer (the transfer reads the cache mid-forward)
         self.handoffs = _HandoffCounters()
+        self.pulls = PullGate()   # requests whose prefix the transfer actor pulls from a peer first
         # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
         # soon: no step until one of them ends.
         self._stalled = False
@@ -82,6 +84,10 @@ class SchedulerActor(Actor):
             case SubmitRequest():
                 if msg.handoff_to is not None and self.transfer is None:
                     msg = msgspec.structs.replace(msg, handoff_to=None)
+                if self.pulls.hold(msg):
+                    if msg.pull_from is not None:
+                        self.transfer.tell(msg)
+                    return None
                 try:
                     self.scheduler.add(msg)
                 except ValueError as e:
@@ -90,6 +96,8 @@ class SchedulerActor(Actor):
                 self._send_outputs()
                 await self._maybe_step()
             case AbortRequest(request_id=request_id, index=index):
+                if index is None:
+                    self.pulls.abort(request_id)
                 self.scheduler.abort(request_id, index)
                 self._pull_brake()
                 self._send_outputs()
@@ -341,7 +349,8 @@ class SchedulerActor(Actor):
             kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
             spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
-            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum)
+            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
+            prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None)
 
 
 class _HandoffCounters:

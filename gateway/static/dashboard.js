@@ -25,6 +25,9 @@ const CHARTS = [
   {id: "waiting", title: "Requests waiting", format: fmt.axisNum, engine: (e) => e.waiting},
   {id: "kv", title: "KV cache used", format: fmt.axisPct, max: 1, engine: (e) => e.kv_usage},
   {id: "hit", title: "Prefix-cache hit rate", format: fmt.axisPct, max: 1, rate: true, engine: (e, past) => ratio(e, past, "prefix_hits", "prefix_queries")},
+  {id: "tier", title: "Prefix hits from the KV tier", format: fmt.axisPct, max: 1, rate: true, engine: (e, past) => e.tier_hits === undefined ? null : ratio(e, past, "tier_hits", "prefix_queries")},
+  {id: "tierbytes", title: "KV tier MB moved/s", format: fmt.axisNum, rate: true, engine: (e, past, dt) => e.tier_bytes === undefined ? null : delta(e, past, "tier_bytes") / dt / 1e6},
+  {id: "tierblocks", title: "KV tier blocks", format: fmt.axisNum, engine: (e) => e.tier_blocks === undefined ? null : e.tier_blocks},
   {id: "spec", title: "Speculative acceptance", format: fmt.axisPct, max: 1, rate: true, engine: (e, past) => ratio(e, past, "spec_accepted_tokens", "spec_draft_tokens")},
   {id: "pre", title: "Preemptions/s", format: fmt.axisNum, rate: true, engine: (e, past, dt) => delta(e, past, "preemptions") / dt},
 ];

@@ -38,6 +38,7 @@ class ScriptedEngine(Actor):
         self.info = EngineInfo(engine_id, 4096, 16, "scripted")
         self.running: dict[str, list] = {}
         self.served: list[str] = []
+        self.pulls: list = []   # each request's pull_from
         self.stats = EngineStats(0, 0, 100, 100, 0, 0, 0, 0, 0)
 
     async def on_start(self) -> None:
@@ -51,6 +52,7 @@ class ScriptedEngine(Actor):
                 return msgspec.structs.replace(self.stats, requests_running=len(self.running))
             case SubmitRequest():
                 self.served.append(msg.request_id)
+                self.pulls.append(msg.pull_from)
                 self.running[msg.request_id] = [list(msg.prompt_token_ids), msg.params.max_tokens, msg.reply_to,
                                                 len(msg.prompt_token_ids)]
             case AbortRequest(request_id=rid):
@@ -67,7 +69,8 @@ class ScriptedEngine(Actor):
                         self.running[rid][1] = left
 
 
-async def _cluster(max_migrations: int = 3):
+async def _cluster(max_migrations: int = 3, router: PrefixRouter | None = None):
+    """Two scripted engines; with a router, routed by prefix, each its own KV receiver (one layout)."""
     registry = InMemoryRegistry()
     system = ActorSystem("pool-test", registry=registry)
     await system.start()
@@ -75,11 +78,13 @@ async def _cluster(max_migrations: int = 3):
     for name in ("a", "b"):
         actor = ScriptedEngine(name)
         ref = await system.spawn(actor, name=f"front-{name}")
+        if router is not None:
+            actor.info = msgspec.structs.replace(actor.info, kv_receiver=ref, kv_layout="same")
         await system.publish(f"engines/{name}", ref)
         engines[name] = (actor, ref)
-    pool = EnginePool(system, registry, PrefixRouter(None),
-                      PoolConfig(routing="least_loaded", discovery_interval_s=0.05, stats_interval_s=0.05,
-                                 max_migrations=max_migrations, no_engine_wait_s=2.0))
+    pool = EnginePool(system, registry, router or PrefixRouter(None),
+                      PoolConfig(routing="least_loaded" if router is None else "kv", discovery_interval_s=0.05,
+                                 stats_interval_s=0.05, max_migrations=max_migrations, no_engine_wait_s=2.0))
     await pool.start()
     async with asyncio.timeout(5):
         while len(pool.engines) < 2:
@@ -223,6 +228,26 @@ async def test_each_engine_keeps_its_own_stats_and_none_are_summed():
         assert sorted(stats) == ["a", "b"]
         assert (stats["a"].generation_tokens, stats["a"].kv_blocks_free, stats["a"].steps) == (7, 40, 10)
         assert (stats["b"].generation_tokens, stats["b"].requests_waiting, stats["b"].steps) == (9, 3, 30)
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+async def test_a_busy_engine_holding_the_prefix_is_named_for_the_chosen_one_to_pull_from():
+    from prefix_store import InMemoryPrefixStore, hash_full_blocks
+
+    store = InMemoryPrefixStore()
+    system, pool, engines = await _cluster(router=PrefixRouter(store, timeout_s=1.0))
+    try:
+        prompt = list(range(100, 180))   # five full blocks
+        await store.publish_snapshot("a", hash_full_blocks(prompt, 16), 0)
+        await store.publish_snapshot("b", [], 0)
+        engines["a"][0].stats = msgspec.structs.replace(engines["a"][0].stats, requests_waiting=10)
+        await asyncio.sleep(0.2)   # the pool hears a's queue
+        q: asyncio.Queue = asyncio.Queue()
+        pool.submit("p1", prompt, SamplingParams(max_tokens=2), q)
+        await _collect(q)
+        assert engines["b"][0].served == ["p1"] and engines["b"][0].pulls == [engines["a"][1]]
     finally:
         await pool.close()
         await system.shutdown()

@@ -231,3 +231,16 @@ def test_the_plan_page_in_chromium_matches_the_chapter_and_follows_a_slider(tiny
         assert _console_errors(driver) == []
     finally:
         driver.quit()
+
+
+def test_an_engine_with_a_kv_tier_shows_its_hits_bytes_and_blocks():
+    from actors.messages import EngineStats, KVStats
+    from gateway.dashboard import engine_snapshot
+
+    plain = EngineStats(0, 0, 10, 10, 100, 40, 100, 0, 0)
+    assert "tier_hits" not in engine_snapshot(plain)
+    tiered = EngineStats(0, 0, 10, 10, 100, 40, 100, 0, 0, prefix_cache_tier_hit_tokens=32,
+                         kv_tier=KVStats(10, 10, 0, True, 5, tier_bytes_saved=100, tier_bytes_loaded=50,
+                                         tier_bytes_pulled=7))
+    snap = engine_snapshot(tiered)
+    assert (snap["tier_hits"], snap["tier_blocks"], snap["tier_bytes"]) == (32, 5, 157)

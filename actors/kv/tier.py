@@ -1,0 +1,198 @@
+"""The KV tier: blocks the pool evicts, kept by their chained hash, copied back instead of recomputed.
+
+Host memory holds the most recently evicted blocks (an LRU of `memory_bytes`); with a disk store
+every saved block is also written there (by the store's own thread), so the tier outlives the
+memory LRU and the process. A block's bytes are what `KVBlockIO` reads and writes for it alone, the
+layout a KV handoff moves. The hash carries the tenant's salt like the pool's, so a block is only ever found by
+a request that would have computed the same bytes. Only the KV manager calls it, inside its step.
+Blocks entering and leaving the tier are announced in the manager's event log, tagged as the tier's,
+so the prefix index knows this engine can reload them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+from actors.kv.event_log import EventLog
+from actors.kv.tier_disk import DiskTier
+from prefix_store.hashing import BlockHash
+
+
+class BlockBytes(Protocol):
+    """The pool's blocks as bytes (actors.worker.kv_blocks.KVBlockIO)."""
+
+    bytes_per_block: int
+
+    def read(self, block_ids: list[int]) -> memoryview: ...
+
+    def write(self, block_ids: list[int], data: bytes) -> None: ...
+
+
+class KVTier:
+    def __init__(self, blocks: BlockBytes, memory_bytes: int = 0, disk: DiskTier | None = None):
+        if memory_bytes < 0:
+            raise ValueError(f"the tier's memory must not be negative, got {memory_bytes}")
+        if memory_bytes < blocks.bytes_per_block and disk is None:
+            raise ValueError(f"a KV tier of {memory_bytes} bytes holds no block of {blocks.bytes_per_block}")
+        self.blocks = blocks
+        self.memory_bytes = memory_bytes
+        self.disk = disk
+        self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
+        self.events: EventLog | None = None   # the KV manager's, once it takes the tier
+        self._staged: dict[BlockHash, bytes | None] = {}   # read from disk ahead of a step (None: damaged)
+        self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
+        self.bytes_saved = self.bytes_loaded = self.bytes_pulled = 0
+        self.save_s = self.load_s = self.pull_s = 0.0
+        self.pulls = self.pull_failures = 0
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
+
+    @property
+    def memory_used(self) -> int:
+        return len(self._memory) * self.blocks.bytes_per_block
+
+    def hashes(self) -> list[BlockHash]:
+        """Every block the tier holds, in memory or on disk, once."""
+        on_disk = self.disk.hashes() if self.disk is not None else []
+        return list(self._memory) + [h for h in on_disk if h not in self._memory]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes())
+
+    def save(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Copy out blocks the pool is about to hand out again (their KV is still there)."""
+        started = time.perf_counter()
+        gone = self._take_lost()
+        fresh = [(b, h) for b, h in zip(block_ids, hashes) if h not in self]
+        for block_hash in hashes:
+            if block_hash in self._memory:
+                self._memory.move_to_end(block_hash)
+        if not fresh:
+            self._announce([], gone)
+            return
+        for block_id, block_hash in fresh:   # one block at a time: a block's bytes stand alone
+            gone += self._add(block_hash, bytes(self.blocks.read([block_id])))
+        self.bytes_saved += len(fresh) * self.blocks.bytes_per_block
+        self._announce([h for _, h in fresh], gone)
+        self.save_s += time.perf_counter() - started
+
+    def pulled(self, hashes: list[BlockHash], blocks: list[bytes], seconds: float, failed: bool) -> None:
+        """A pull from a peer engine is over: its blocks (the same layout, as the pull checked) come in."""
+        self.pulls += 1
+        self.pull_failures += failed
+        self.pull_s += seconds
+        size = self.blocks.bytes_per_block
+        fresh = [(h, b) for h, b in zip(hashes, blocks) if h not in self and len(b) == size]
+        gone = []
+        for block_hash, block in fresh:
+            gone += self._add(block_hash, block)
+        self.bytes_pulled += len(fresh) * size
+        self._announce([h for h, _ in fresh], gone)
+
+    def _add(self, block_hash: BlockHash, block: bytes) -> list[BlockHash]:
+        """Into memory and onto disk; returns the blocks that left either to make room."""
+        gone = self._keep(block_hash, block)
+        if self.disk is not None:
+            gone += self.disk.put(block_hash, block)
+        return gone
+
+    def fetch(self, hashes: list[BlockHash]) -> tuple[list[bytes], int]:
+        """The bytes of the leading blocks of `hashes` the tier holds (up to the first it cannot
+        give: absent, or damaged on disk), and how many of them were read from disk."""
+        started = time.perf_counter()
+        found, from_disk, gone = [], 0, self._take_lost()
+        for block_hash in hashes:
+            block = self._memory.get(block_hash)
+            if block is not None:
+                self._memory.move_to_end(block_hash)
+            elif block_hash in self._staged or (self.disk is not None and block_hash in self.disk):
+                block = self._staged.pop(block_hash) if block_hash in self._staged else self.disk.get(block_hash)
+                if block is None:   # a damaged file, deleted: the block left the tier
+                    gone.append(block_hash)
+                    break
+                gone += self._keep(block_hash, block)
+                from_disk += 1
+            else:
+                break
+            found.append(block)
+        self._announce([], gone)
+        self.load_s += time.perf_counter() - started
+        return found, from_disk
+
+    def on_disk_only(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Of the leading blocks of `hashes` the tier holds, those that only the disk has."""
+        wanted = []
+        for block_hash in hashes:
+            if block_hash not in self:
+                break
+            if block_hash not in self._memory:
+                wanted.append(block_hash)
+        return wanted
+
+    def read_disk(self, hashes: list[BlockHash]) -> dict[BlockHash, bytes | None]:
+        """Read blocks from disk (None: damaged, deleted). For a thread, while the KV manager waits:
+        the disk store's index is the caller's alone meanwhile."""
+        return {block_hash: self.disk.get(block_hash) for block_hash in hashes}
+
+    def stage(self, blocks: dict[BlockHash, bytes | None]) -> None:
+        """Blocks `read_disk` read, for this step's `fetch`es; `unstage` drops what they left."""
+        self._staged = blocks
+
+    def unstage(self) -> None:
+        gone = [h for h, block in self._staged.items() if block is None]
+        self._staged = {}
+        self._announce([], gone)
+
+    def restore(self, block_ids: list[int], blocks: list[bytes], from_disk: int) -> None:
+        """Write fetched blocks into these pool blocks; `from_disk` of them were read from disk."""
+        started = time.perf_counter()
+        for block_id, block in zip(block_ids, blocks):
+            self.blocks.write([block_id], block)
+        self.hits_disk += from_disk
+        self.hits_memory += len(blocks) - from_disk
+        self.bytes_loaded += len(blocks) * self.blocks.bytes_per_block
+        self.load_s += time.perf_counter() - started
+
+    def clear(self) -> None:
+        """Forget everything (the weights changed): memory and disk. Nothing is announced: the pool's
+        `cleared` event clears the index's view of both."""
+        self._memory.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        """Let the disk writer finish what is queued (a restart then finds it)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def _keep(self, block_hash: BlockHash, block: bytes) -> list[BlockHash]:
+        """Into host memory; returns the least recently used blocks that leave it."""
+        if self.memory_bytes < len(block):
+            return []
+        self._memory[block_hash] = block
+        self._memory.move_to_end(block_hash)
+        gone = []
+        while self.memory_used > self.memory_bytes:
+            gone.append(self._memory.popitem(last=False)[0])
+        return gone
+
+    def _take_lost(self) -> list[BlockHash]:
+        return self.disk.take_lost() if self.disk is not None else []
+
+    def _announce(self, came: list[BlockHash], gone: list[BlockHash]) -> None:
+        """The index hears of the blocks `came` (new to the tier) that are still in it, and of those
+        `gone` (left memory or disk) that were in it before and are in neither now: every stored
+        event is matched by one removal."""
+        if self.events is None:
+            return
+        new = set(came)
+        stored = [h for h in came if h in self]
+        removed = [h for h in dict.fromkeys(gone) if h not in self and h not in new]
+        if stored:
+            self.events.stored(stored, None, [], 0, tier=True)
+        if removed:
+            self.events.removed(removed, tier=True)

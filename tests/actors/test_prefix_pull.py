@@ -1,0 +1,92 @@
+"""Pulling a prompt's prefix from the engine that holds it: the blocks go into the puller's KV tier over
+the transfer actors, and the puller's greedy tokens equal the holder's without prefilling them; a
+peer that is gone, another tenant's salt or another KV layout only cost the prefill."""
+from __future__ import annotations
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.engine import start_engine
+from actors.engine_node import attach_kv_transfer
+from actors.messages import GetStats, SubmitRequest
+from runtime import ActorSystem
+from tests.actors.test_kv_handoff import GREEDY, Front
+
+
+def _config(model: str, **kw) -> EngineConfig:
+    return EngineConfig(model=model, dtype="float32", num_threads=1, block_size=16, num_blocks=48,
+                        max_num_batched_tokens=128, kv_offload_memory=16 << 20, **kw)
+
+
+@pytest.fixture
+async def pair(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    system = ActorSystem("pull-test")
+    await system.start()
+    holder = await start_engine(_config(model), system, name="holder")
+    puller = await start_engine(_config(model), system, name="puller")
+    holder_tx = await attach_kv_transfer(system, holder, name="holder")
+    puller_tx = await attach_kv_transfer(system, puller, name="puller")
+    front = Front()
+    ref = await system.spawn(front, name="front")
+    yield system, holder, puller, holder_tx, puller_tx, front, ref
+    for tx in (holder_tx, puller_tx):
+        if tx.is_alive:
+            await system.stop(tx)
+    await holder.stop()
+    await puller.stop()
+    await system.shutdown()
+
+
+PROMPT = [(i * 37) % 300 + 4 for i in range(150)]
+
+
+async def run(engine, front, ref, rid, prompt, pull_from=None, salt=None):
+    engine.scheduler.tell(SubmitRequest(rid, prompt, GREEDY, ref, cache_salt=salt, pull_from=pull_from))
+    await front.wait(lambda: rid in front.finished)
+    return front.tokens[rid]
+
+
+async def test_a_pulled_prefix_decodes_the_holders_tokens_without_a_prefill(pair):
+    system, holder, puller, holder_tx, _, front, ref = pair
+    expected = await run(holder, front, ref, "h", PROMPT)
+    before = await puller.scheduler.ask(GetStats())
+    assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx) == expected
+    after = await puller.scheduler.ask(GetStats())
+    full = (len(PROMPT) - 1) // 16 * 16
+    assert after.prefix_cache_tier_hit_tokens - before.prefix_cache_tier_hit_tokens == full
+    assert after.prefill_tokens - before.prefill_tokens == len(PROMPT) - full
+    assert after.kv_tier.tier_bytes_pulled == full // 16 * puller.kv_blocks.bytes_per_block
+    assert (after.kv_tier.tier_pulls, after.kv_tier.tier_pull_failures) == (1, 0) and after.kv_tier.tier_pull_s > 0
+
+
+async def test_another_tenant_pulls_nothing(pair):
+    system, holder, puller, holder_tx, _, front, ref = pair
+    expected = await run(holder, front, ref, "h", PROMPT, salt="tenant-a")
+    assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx, salt="tenant-b") == expected
+    stats = await puller.scheduler.ask(GetStats())
+    assert stats.prefix_cache_tier_hit_tokens == 0 and stats.kv_tier.tier_bytes_pulled == 0
+
+
+async def test_a_peer_that_is_gone_costs_only_the_prefill(pair):
+    system, holder, puller, holder_tx, _, front, ref = pair
+    expected = await run(holder, front, ref, "h", PROMPT)
+    await system.stop(holder_tx)
+    assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx) == expected
+    stats = await puller.scheduler.ask(GetStats())
+    assert stats.prefix_cache_tier_hit_tokens == 0 and stats.prefill_tokens == len(PROMPT)
+    assert (stats.kv_tier.tier_pulls, stats.kv_tier.tier_pull_failures) == (1, 1)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_a_request_aborted_while_its_prefix_is_pulled_never_runs(pair):
+    from actors.messages import AbortRequest
+
+    system, holder, puller, holder_tx, _, front, ref = pair
+    expected = await run(holder, front, ref, "h", PROMPT)
+    puller.scheduler.tell(SubmitRequest("gone", PROMPT, GREEDY, ref, pull_from=holder_tx))
+    puller.scheduler.tell(AbortRequest("gone"))
+    assert await run(puller, front, ref, "next", PROMPT) == expected   # after the pull: from the tier
+    stats = await puller.scheduler.ask(GetStats())
+    assert "gone" not in front.tokens and stats.prompt_tokens == len(PROMPT)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
