@@ -109,6 +109,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     priority: int = 0                 # lower value = more important, as in vLLM
     cache_salt: str | None = None     # separates tenants' prefix caches
     handoff_to: ActorRef | None = None  # a decode engine's KV receiver: prefill here, decode there
+    ballast: bool = False             # a batch line: runs only in room interactive requests leave
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -449,6 +450,7 @@ class KVOffer(msgspec.Struct, tag=True):
     cache_salt: str | None
     num_cached_tokens: int            # the prefill engine's prefix hit, as the client is told
     block_layout: str                 # KVBlockIO.layout: both caches must agree on it
+    ballast: bool = False             # a batch line (SubmitRequest.ballast)
 
 
 class KVOfferReply(msgspec.Struct, tag=True):

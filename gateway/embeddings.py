@@ -37,7 +37,7 @@ async def embeddings(request: web.Request) -> web.Response:
                       code="context_length_exceeded")
     priority_checked(req.priority, engine)
     state.check_capacity(len(prompts))
-    rid, _ = handlers.request_ids(request, req)
+    rid, _ = handlers.request_ids(handlers.ids_of(request), req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
     gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics, arrival)
     vectors: list[list[float] | None] = [None] * len(prompts)

@@ -27,6 +27,7 @@ from actors.draft.controller import SpecController
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
                              StepResult, SubmitRequest, TokenDelta)
+from actors.scheduler.ballast import BallastObjective, BallastPolicy
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
@@ -57,6 +58,7 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     priority_scheduling: bool = False   # off: every request is first come, first served
     max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
+    ballast: BallastObjective = BallastObjective()   # when batch lines wait for interactive latency
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Scheduler:
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
         self.handoffs = HandoffTracker(cfg.block_size)
         self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
+        self.ballast = BallastPolicy(cfg.ballast, self.latency)   # batch lines in the room left over
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
@@ -110,7 +113,7 @@ class Scheduler:
         if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
         req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
-                                msg.cache_salt)
+                                msg.cache_salt, msg.ballast)
         req.arrived_s = self.clock()
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
         # forward: such a request stays whole.
@@ -168,7 +171,7 @@ class Scheduler:
         if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
             return None
         req = self._new_request(offer.request_id, offer.prompt_token_ids, offer.params, offer.reply_to,
-                                offer.priority, offer.cache_salt)
+                                offer.priority, offer.cache_salt, offer.ballast)
         req.num_cached_tokens = offer.num_cached_tokens
         return self.handoffs.reserve(self._new_seq(req, 0), offer.output_token_ids)
 
@@ -192,12 +195,14 @@ class Scheduler:
         """Pick the next step's batch; the KV transaction that gives it blocks."""
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
+        displaced = self._displace_ballast()
         spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
         # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
         # arrival order: a prefill that sorts first (a more important request, a preempted older
-        # one) must not take the budget from a stream that already emits tokens.
+        # one) must not take the budget from a stream that already emits tokens. Batch lines
+        # (ballast) get what the interactive requests leave.
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        for seq in decodes + [s for s in self.running if s.num_tokens - s.num_computed > 1]:
+        for seq in self.ballast.budget_order(self.running, self.waiting):
             n = min(seq.num_tokens - seq.num_computed, budget)
             seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:
@@ -209,7 +214,7 @@ class Scheduler:
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
         self._forks = []
-        frees, self._deferred_frees = self._deferred_frees, []
+        frees, self._deferred_frees = self._deferred_frees + displaced, []
         trims, self._trims = self._trims, []
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
@@ -382,11 +387,11 @@ class Scheduler:
         return SeqFailure(seq.request.request_id, seq.index, detail)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
-                     priority: int, cache_salt: str | None) -> RequestState:
+                     priority: int, cache_salt: str | None, ballast: bool) -> RequestState:
         self._arrivals += 1
         priority = priority if self.cfg.priority_scheduling else 0
         return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
-                            cache_salt, self.cfg.max_model_len)
+                            cache_salt, self.cfg.max_model_len, ballast)
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -413,6 +418,17 @@ class Scheduler:
         seq.num_computed = 0
         self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
+
+    def _displace_ballast(self) -> list[int]:
+        """Running ballast that gives its row to a waiting interactive request: requeued, its
+        blocks freed in this step's transaction (a fork parent keeps its blocks until it forked)."""
+        parents = {f.parent_seq_id for f, _ in self._forks}
+        victims = [s for s in self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
+                   if s.seq_id not in parents]
+        for victim in victims:
+            self._requeue(victim)
+            self.counters.preemptions += 1
+        return [v.seq_id for v in victims]
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
         """The pool is out of blocks for left[0]: the least important, newest running sequence gives

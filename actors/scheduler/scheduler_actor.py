@@ -277,7 +277,7 @@ class SchedulerActor(Actor):
         req = seq.request
         return KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
                        seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
-                       req.num_cached_tokens, self.block_layout)
+                       req.num_cached_tokens, self.block_layout, req.ballast)
 
     async def _reserve(self, offer: KVOffer) -> KVReserved:
         """Blocks for a request another engine prefilled; a table of None when there is no room."""
