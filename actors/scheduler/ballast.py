@@ -54,6 +54,13 @@ class BallastPolicy:
         victims = [s for s in reversed(running) if s.request.ballast]
         return victims[:max(wanted, 0)]
 
+    def block_victim(self, refused: list[Sequence], running: list[Sequence], budget_left: int) -> Sequence | None:
+        """The running ballast to preempt when the pool refused an interactive request that the
+        token budget still had room for: the newest; None when the first refused is ballast."""
+        if not refused or refused[0].request.ballast or budget_left <= 0:
+            return None
+        return next((s for s in reversed(running) if s.request.ballast), None)
+
     def budget_order(self, running: list[Sequence], waiting: list[Sequence]) -> list[Sequence]:
         """Who gets the step's token budget, in order: interactive decodes, interactive prefill
         chunks, then ballast the same way. Ballast sits out entirely while interactive latency

@@ -73,6 +73,7 @@ class _Step:
     num_table_blocks: int = 0                                     # blocks in all tables after the transaction
     readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
     burst: int = 0                                                # further decode steps the worker may run
+    admit_budget: int = 0                                         # tokens the admits may take
 
 
 class Scheduler:
@@ -211,6 +212,7 @@ class Scheduler:
         step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
         step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
+        step.admit_budget = budget
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
         self._forks = []
@@ -245,6 +247,7 @@ class Scheduler:
                 step.admits = []
                 return KVStep([], [], [self._grow_msg(s, n) for s, n in left], [], 0)
             return self._preempt_and_retry(left)
+        refused = step.admits[len(res.admitted):]
         for seq, adm in zip(step.admits, res.admitted):
             for writer in adm.reads_from:
                 step.readers.setdefault(writer, []).append(seq.seq_id)
@@ -259,7 +262,8 @@ class Scheduler:
             if seq.request.queued_at is not None:
                 self.counters.queue_time.observe(time.monotonic() - seq.request.queued_at)
                 seq.request.queued_at = None
-        return None
+        step.admit_budget -= sum(adm.num_new_tokens for adm in res.admitted)
+        return self._displace_ballast_for(refused)
 
     def plan(self) -> StepPlan:
         seqs, new, starts = [], [], {}
@@ -429,6 +433,19 @@ class Scheduler:
             self._requeue(victim)
             self.counters.preemptions += 1
         return [v.seq_id for v in victims]
+
+    def _displace_ballast_for(self, refused: list[Sequence]) -> KVStep | None:
+        """An interactive request the pool had no blocks for (budget was left): the newest running
+        ballast gives its blocks back and the admission is retried; None when none does."""
+        step = self._step
+        victim = self.ballast.block_victim(refused, self.running, step.admit_budget)
+        if victim is None:
+            return None
+        self._requeue(victim)
+        self.counters.preemptions += 1
+        step.scheduled = [(s, n) for s, n in step.scheduled if s is not victim]
+        step.grows, step.fork_children, step.admits = [], [], [s for s in refused if not s.request.ballast]
+        return KVStep([victim.seq_id], [], [], [self._admit_msg(s) for s in step.admits], step.admit_budget)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
         """The pool is out of blocks for left[0]: the least important, newest running sequence gives

@@ -137,6 +137,8 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
+FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
+          "--batch-ttft-objective", "--batch-itl-objective"]
 
 
 def _serve_flags(parser) -> list[str]:
