@@ -200,6 +200,8 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
     itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
     itl_sum: float = 0.0
+    ballast_rows: int = 0             # batch-line (ballast) sequences in a step, summed over steps
+    ballast_finished: int = 0         # batch-line requests finished
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------

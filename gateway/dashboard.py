@@ -37,7 +37,8 @@ def engine_snapshot(s: EngineStats) -> dict:
             "generation_tokens": s.generation_tokens, "prefix_queries": s.prefix_cache_queried_tokens,
             "prefix_hits": s.prefix_cache_hit_tokens, "preemptions": s.preemptions,
             "spec_draft_tokens": s.spec_decode_draft_tokens, "spec_accepted_tokens": s.spec_decode_accepted_tokens,
-            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90}
+            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90,
+            "steps": s.steps, "batch_rows": s.ballast_rows, "batch_finished": s.ballast_finished}
 
 
 async def snapshot(state) -> dict:

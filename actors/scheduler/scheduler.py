@@ -295,6 +295,7 @@ class Scheduler:
         self._step_id += 1
         self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0)
         self.counters.steps += 1
+        self.counters.ballast_rows += self._ballast_rows(starts)
         self.counters.prefill_steps += prefill_tokens > 0
         self.counters.prefill_tokens += prefill_tokens
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
@@ -308,6 +309,7 @@ class Scheduler:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
+        self.counters.ballast_rows += (result.num_steps - 1) * self._ballast_rows(step.starts)
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
@@ -423,6 +425,9 @@ class Scheduler:
         self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
 
+    def _ballast_rows(self, seq_ids) -> int:
+        return sum(1 for i in seq_ids if (s := self.seqs.get(i)) is not None and s.request.ballast)
+
     def _displace_ballast(self) -> list[int]:
         """Running ballast that gives its row to a waiting interactive request: requeued, its
         blocks freed in this step's transaction (a fork parent keeps its blocks until it forked)."""
@@ -505,6 +510,7 @@ class Scheduler:
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)
+            self.counters.ballast_finished += req.ballast
 
     def _end(self, request_id: str, index: int | None, reason: str, error: str | None = None) -> bool:
         """End a request, or one of its samples, with `reason`. Sample 0 before the others started

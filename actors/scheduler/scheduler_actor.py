@@ -341,7 +341,8 @@ class SchedulerActor(Actor):
             kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
             spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
-            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum)
+            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
+            ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished)
 
 
 class _HandoffCounters:

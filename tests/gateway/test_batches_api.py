@@ -86,6 +86,7 @@ def lines_of(client, file_id: str | None) -> list[dict]:
 
 def test_a_batch_answers_each_line_as_the_live_endpoint_does(gateway):
     gw = gateway()
+    finished_before = gw.metric("matinee_batch_requests_finished_total")
     prompts = {"a": "Hello world!", "b": "Name three colours.", "c": "What is two plus two?"}
     f = upload(gw.client, jsonl(chat_line(cid, text) for cid, text in prompts.items()))
     assert f.purpose == "batch" and f.bytes > 0 and gw.client.files.retrieve(f.id).filename == "in.jsonl"
@@ -109,6 +110,8 @@ def test_a_batch_answers_each_line_as_the_live_endpoint_does(gateway):
         assert body["choices"][0]["message"]["content"] == live.choices[0].message.content
     assert [b.id for b in gw.client.batches.list().data] == [batch.id]
     assert gw.metric('matinee_batch_lines_total{outcome="completed"}') == 3
+    assert gw.metric("matinee_batch_requests_finished_total") == finished_before + 3   # ballast in the engine
+    assert gw.metric("matinee_batch_rows_total") >= 3 * 6
     assert gw.client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         gw.client.files.retrieve(f.id)
