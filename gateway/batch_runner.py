@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
+from aiohttp import web
 
 from gateway import batch_lines
 from gateway.batch_lines import Line
@@ -203,6 +204,9 @@ class BatchRunner:
         if status == "cancelling":
             job.batch["cancelling_at"] = now()
         self.store.save_batch(job.record)
+
+
+BATCHES = web.AppKey("batches", BatchRunner)   # the app's Files and Batches store and runner
 
 
 def _cancelling_me() -> bool:

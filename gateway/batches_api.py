@@ -14,8 +14,8 @@ import msgspec
 from aiohttp import web
 
 from gateway import api_types, batch_lines, protocol
-from gateway.app_keys import BATCHES, STATE
-from gateway.batch_runner import BatchRunner
+from gateway.app_keys import STATE
+from gateway.batch_runner import BATCHES, BatchRunner
 from gateway.batch_store import BatchStore, new_id, now
 from gateway.errors import APIError, invalid, not_found
 from gateway.files_api import find_file, json_response, owner

@@ -44,8 +44,8 @@ async def embed(call: handlers.Call) -> dict:
     state.check_capacity(len(prompts))
     rid, _ = handlers.request_ids(call.ids, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics, call.arrival,
-                     ballast=call.ballast)
+    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics.of(call.ballast),
+                     call.arrival, ballast=call.ballast)
     vectors: list[list[float] | None] = [None] * len(prompts)
     with handlers.running(state, gen):
         while not gen.done:

@@ -13,8 +13,8 @@ import msgspec
 from aiohttp import web
 
 from gateway import api_types
-from gateway.app_keys import BATCHES, STATE
-from gateway.batch_runner import owner_of, save_file
+from gateway.app_keys import STATE
+from gateway.batch_runner import BATCHES, owner_of, save_file
 from gateway.batch_store import now
 from gateway.errors import APIError, invalid, not_found
 from gateway.openapi import Endpoint

@@ -142,7 +142,7 @@ async def chat_generation(ids: Ids, state: GatewayState, req: protocol.ChatReque
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
                      thinking)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
-                     req.priority or 0, state.metrics, arrival, req.cache_salt, ballast)
+                     req.priority or 0, state.metrics.of(ballast), arrival, req.cache_salt, ballast)
     return gen, fmt
 
 
@@ -215,7 +215,7 @@ async def prepare_completion(call: Call) -> Prepared:
                            params.n * len(prompts), req.logprobs, echo,
                            [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
-                     state.metrics, call.arrival, req.cache_salt, call.ballast)
+                     state.metrics.of(call.ballast), call.arrival, req.cache_salt, call.ballast)
     return Prepared(gen, fmt, bool(req.stream), _stream_usage(req))
 
 

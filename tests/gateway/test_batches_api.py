@@ -112,6 +112,8 @@ def test_a_batch_answers_each_line_as_the_live_endpoint_does(gateway):
     assert gw.metric('matinee_batch_lines_total{outcome="completed"}') == 3
     assert gw.metric("matinee_batch_requests_finished_total") == finished_before + 3   # ballast in the engine
     assert gw.metric("matinee_batch_rows_total") >= 3 * 6
+    # The gateway's latency histograms are interactive requests': 3 live calls above, no batch line.
+    assert gw.metric("matinee_time_to_first_token_seconds_count") == 3
     assert gw.client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         gw.client.files.retrieve(f.id)
