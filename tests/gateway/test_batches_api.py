@@ -218,3 +218,51 @@ def test_a_restart_mid_batch_answers_every_line_exactly_once(gateway, tmp_path):
     indices = [json.loads(r)["index"] for r in results.read_bytes().splitlines()]
     assert sorted(indices) == list(range(n))
     assert os.path.exists(tmp_path / "batches" / "lock")
+
+
+def test_each_api_key_sees_only_its_own_files_and_batches(gateway):
+    gw = gateway(api_key=["key-a", "key-b"])
+    a = openai.OpenAI(base_url=gw.url + "/v1", api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=gw.url + "/v1", api_key="key-b", max_retries=0)
+    f = upload(a, jsonl([chat_line("x")]))
+    batch = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: b.files.retrieve(f.id), lambda: b.files.content(f.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert b.files.list().data == [] and b.batches.list().data == []
+    assert wait(a, batch.id).status == "completed"
+
+
+def test_files_expire(gateway):
+    gw = gateway(batch_file_ttl_s=1.0)
+    f = upload(gw.client, jsonl([chat_line("x")]))
+    assert gw.client.files.retrieve(f.id).expires_at == f.created_at + 1
+    time.sleep(2.1)   # whole seconds, as OpenAI's timestamps
+    with pytest.raises(openai.NotFoundError):
+        gw.client.files.retrieve(f.id)
+    assert gw.client.files.list().data == []
+
+
+def test_a_batch_past_its_window_at_restart_expires_with_its_lines_in_the_error_file(gateway, tmp_path):
+    gw = gateway()
+    f = upload(gw.client, jsonl(chat_line(f"l{i}") for i in range(3)))
+    batch = gw.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait(gw.client, batch.id)
+    gw.stop()
+    # As if the server had stopped mid-batch and come back after its window: in progress, one line done.
+    path = tmp_path / "batches" / "batches" / f"{batch.id}.json"
+    record = json.loads(path.read_bytes())
+    record["batch"].update(status="in_progress", expires_at=int(time.time()) - 1, output_file_id=None,
+                           error_file_id=None, completed_at=None)
+    path.write_text(json.dumps(record))
+    results = path.with_suffix(".results")
+    results.write_bytes(results.read_bytes().splitlines(keepends=True)[0])
+    gw.start()
+    done = wait(gw.client, batch.id)
+    assert done.status == "expired" and done.expired_at
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 0)
+    assert len(lines_of(gw.client, done.output_file_id)) == 1
+    errors = lines_of(gw.client, done.error_file_id)
+    assert len(errors) == 2 and {e["error"]["code"] for e in errors} == {"batch_expired"}
