@@ -9,7 +9,8 @@ block tables the KV manager returned (the scheduler keeps none); `update()` take
 tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
 
 Admission, the budget and preemption are here; the rest is delegated: speculative decoding to a
-SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py).
+SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py), and which
+rows, tokens and blocks batch lines (ballast) may take to a BallastPolicy (ballast.py).
 """
 
 from __future__ import annotations
