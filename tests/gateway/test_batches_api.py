@@ -5,6 +5,10 @@ import io
 import json
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import openai
@@ -266,3 +270,53 @@ def test_a_batch_past_its_window_at_restart_expires_with_its_lines_in_the_error_
     assert len(lines_of(gw.client, done.output_file_id)) == 1
     errors = lines_of(gw.client, done.error_file_id)
     assert len(errors) == 2 and {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def _serve(model_folder: str, port: int, batch_dir: str):
+    """A real `matinee serve` process on the tiny model, with its batches in `batch_dir`; once ready."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--model", model_folder, "--port", str(port),
+                             "--num-blocks", "128", "--max-num-seqs", "8", "--served-model-name", "tiny",
+                             "--num-threads", "1", "--batch-dir", batch_dir, "--batch-concurrency", "2",
+                             "--disable-access-log", "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "matinee serve exited early"
+        try:
+            if http.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("matinee serve did not get ready")
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_batch_answers_every_line_exactly_once_after_it_restarts(tiny_model_folder, tmp_path):
+    """SIGKILL, not a clean stop: nothing gets to abort or flush; the restarted process takes the
+    directory (the dead one's lock went with it) and finishes the batch."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    batch_dir, n = str(tmp_path / "batches"), 12
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    proc = _serve(tiny_model_folder, port, batch_dir)
+    try:
+        f = upload(client, jsonl(chat_line(f"l{i}", content=f"Line {i}", max_tokens=32) for i in range(n)))
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait(client, batch.id, until=lambda b: b.request_counts.completed >= 2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        results = tmp_path / "batches" / "batches" / f"{batch.id}.results"
+        assert len(results.read_bytes().splitlines()) < n
+        proc = _serve(tiny_model_folder, port, batch_dir)
+        done = wait(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == n
+        ids = [line["custom_id"] for line in lines_of(client, done.output_file_id)]
+        assert sorted(ids) == sorted(f"l{i}" for i in range(n))
+        assert sorted(json.loads(r)["index"] for r in results.read_bytes().splitlines()) == list(range(n))
+    finally:
+        proc.kill()
+        proc.wait(30)
