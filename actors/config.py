@@ -11,6 +11,7 @@ from typing import Any
 
 from actors.draft.config import SpeculativeConfig
 from actors.hub_model import local_model_path
+from actors.scheduler.ballast import BallastObjective
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")   # weight formats; auto: a GGUF file's own types, served packed
@@ -89,6 +90,13 @@ class EngineConfig:
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "priority: requests' `priority` field orders them (lower first); fcfs refuses it",
         "choices": SCHEDULING_POLICIES})
+    batch_ttft_objective_s: float | None = field(default=None, metadata={
+        "help": "batch lines (/v1/batches) stop taking rows while interactive requests' p90 time to first "
+                "token of the last seconds is above this many seconds (unset: no objective)",
+        "flag": "batch-ttft-objective"})
+    batch_itl_objective_s: float | None = field(default=None, metadata={
+        "help": "batch lines stop taking rows while interactive p90 inter-token latency is above this many "
+                "seconds (unset: no objective)", "flag": "batch-itl-objective"})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
         "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
@@ -97,7 +105,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | dict[str, Any] | None = None   # see actors.draft.config
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def ballast_objective(self) -> BallastObjective:
+        return BallastObjective(self.batch_ttft_objective_s, self.batch_itl_objective_s)
+
     def __post_init__(self) -> None:
+        self.ballast_objective()   # validates the objectives
         if self.model is None:
             self.model = default_model_path()
         self.model = local_model_path(self.model)   # a hub id: its snapshot folder

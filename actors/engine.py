@@ -108,7 +108,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         worker_actor.runner.tokenizer = tokenizer   # a draft's vocabulary check reads it: not loaded twice
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.step_tokens(), info.block_size,
-                              max_model_len, eos, config.scheduling_policy == "priority", config.decode_burst)
+                              max_model_len, eos, config.scheduling_policy == "priority", config.decode_burst,
+                              config.ballast_objective())
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)

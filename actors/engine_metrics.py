@@ -93,6 +93,12 @@ SERIES = (
     Series("matinee_prompt_tokens", "counter", "Prompt tokens processed.", lambda s: s.prompt_tokens),
     Series("matinee_generation_tokens", "counter", "Tokens generated.", lambda s: s.generation_tokens),
     Series("matinee_preemptions", "counter", "Requests preempted.", lambda s: s.preemptions),
+    Series("matinee_engine_steps", "counter", "Steps the engine ran (each decode step of a burst counts).",
+           lambda s: s.steps),
+    Series("matinee_batch_rows", "counter", "Batch-line (ballast) sequences in a step, summed over steps: over "
+           "matinee_engine_steps, the batch rows per step.", lambda s: s.ballast_rows),
+    Series("matinee_batch_requests_finished", "counter", "Batch-line requests the engine finished.",
+           lambda s: s.ballast_finished),
     Series("matinee_spec_decode_draft_tokens", "counter",
            "Drafted tokens the target verified (speculative decoding).", lambda s: s.spec_decode_draft_tokens),
     Series("matinee_spec_decode_accepted_tokens", "counter", "Drafted tokens the target accepted.",

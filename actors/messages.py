@@ -111,6 +111,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     handoff_to: ActorRef | None = None  # a decode engine's KV receiver: prefill here, decode there
     pull_from: ActorRef | None = None   # a peer engine's KV transfer actor that holds more of the prompt's
                                         # prefix: pull its blocks into this engine's KV tier first
+    ballast: bool = False             # a batch line: runs only in room interactive requests leave
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -203,6 +204,8 @@ class EngineStats(msgspec.Struct, tag=True):
     itl_sum: float = 0.0
     prefix_cache_tier_hit_tokens: int = 0   # of prefix_cache_hit_tokens, those copied back from the KV tier
     kv_tier: KVStats | None = None    # the KV manager's stats, with its tier's (None without a tier)
+    ballast_rows: int = 0             # batch-line (ballast) sequences in a step, summed over steps
+    ballast_finished: int = 0         # batch-line requests finished
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -471,6 +474,7 @@ class KVOffer(msgspec.Struct, tag=True):
     cache_salt: str | None
     num_cached_tokens: int            # the prefill engine's prefix hit, as the client is told
     block_layout: str                 # KVBlockIO.layout: both caches must agree on it
+    ballast: bool = False             # a batch line (SubmitRequest.ballast)
 
 
 class KVOfferReply(msgspec.Struct, tag=True):

@@ -177,3 +177,76 @@ class DetokenizeResponse(msgspec.Struct):
 class Status(msgspec.Struct):
     status: str
     model: str | None = None
+
+
+class FileObject(msgspec.Struct):
+    id: str
+    object: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    expires_at: int | None
+    status_details: str | None
+
+
+class FileList(msgspec.Struct):
+    object: str
+    data: list[FileObject]
+    has_more: bool
+
+
+class FileDeleted(msgspec.Struct):
+    id: str
+    object: str
+    deleted: bool
+
+
+class BatchError(msgspec.Struct):
+    code: str
+    message: str
+    param: str | None
+    line: int | None
+
+
+class BatchErrors(msgspec.Struct):
+    object: str
+    data: list[BatchError]
+
+
+class BatchRequestCounts(msgspec.Struct):
+    total: int
+    completed: int
+    failed: int
+
+
+class Batch(msgspec.Struct):
+    id: str
+    object: str
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(msgspec.Struct):
+    object: str
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -12,6 +12,7 @@ import hmac
 from aiohttp import web
 
 from gateway.app_keys import STATE
+from gateway.batches_api import batch_lifecycle
 from gateway.config import GatewayConfig
 from gateway.cors import CorsPolicy
 from gateway.errors import APIError, internal
@@ -90,6 +91,7 @@ def create_app(config: GatewayConfig, launcher: EngineLauncher,
     app[RESPONSE_STORE] = response_store(config)
     app.add_routes(ROUTES)
     app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(batch_lifecycle)
     app.on_shutdown.append(_drain)
     return app
 

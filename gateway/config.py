@@ -72,6 +72,19 @@ class GatewayConfig:
         "help": "the bytes the stored responses may take together (e.g. 64MiB)", "type": "bytes"})
     response_store_ttl_s: float = field(default=3600.0, metadata={
         "help": "seconds a stored response is kept after it was made", "flag": "response-store-ttl"})
+    batch_dir: str | None = field(default=None, metadata={
+        "help": "where /v1/files and /v1/batches keep files, batches and finished lines, so a batch resumes "
+                "after a restart (unset: a temporary directory, gone when the server stops)"})
+    batch_max_file_bytes: int = field(default=200 << 20, metadata={
+        "help": "the largest file /v1/files takes (e.g. 200MiB); a batch line may be at most --max-body-bytes",
+        "type": "bytes"})
+    batch_max_lines: int = field(default=50000, metadata={"help": "request lines one batch may hold"})
+    batch_concurrency: int = field(default=64, metadata={
+        "help": "batch lines (of all batches) in the engine at once; each runs only in room interactive "
+                "requests leave"})
+    batch_file_ttl_s: float = field(default=30 * 86400.0, metadata={
+        "help": "seconds a file (a batch's input, output or errors) is kept after it was made",
+        "flag": "batch-file-ttl"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 
@@ -101,6 +114,10 @@ class GatewayConfig:
             raise ValueError("response_store_entries and response_store_memory must not be negative")
         if self.response_store_ttl_s <= 0:
             raise ValueError(f"response_store_ttl_s must be positive, got {self.response_store_ttl_s}")
+        if self.batch_max_file_bytes < 1 or self.batch_max_lines < 1 or self.batch_concurrency < 1:
+            raise ValueError("batch_max_file_bytes, batch_max_lines and batch_concurrency must be at least 1")
+        if self.batch_file_ttl_s <= 0:
+            raise ValueError(f"batch_file_ttl_s must be positive, got {self.batch_file_ttl_s}")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

@@ -38,7 +38,7 @@ def engine_snapshot(s: EngineStats) -> dict:
             "prefix_hits": s.prefix_cache_hit_tokens, "preemptions": s.preemptions,
             "spec_draft_tokens": s.spec_decode_draft_tokens, "spec_accepted_tokens": s.spec_decode_accepted_tokens,
             "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "itl_p50": s.itl_p50, "itl_p90": s.itl_p90,
-            **_tier(s)}
+            "steps": s.steps, "batch_rows": s.ballast_rows, "batch_finished": s.ballast_finished, **_tier(s)}
 
 
 def _tier(s: EngineStats) -> dict:

@@ -7,7 +7,6 @@ one forward. `encoding_format: base64` is the vector as little-endian float32, a
 from __future__ import annotations
 
 import base64
-import time
 
 import msgspec
 import numpy as np
@@ -23,9 +22,15 @@ _encode = msgspec.json.Encoder().encode
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    arrival = time.monotonic()
-    state, req, client, engine = await handlers.accept(request, protocol.EmbeddingRequest,
-                                                        protocol.validate_embedding)
+    return web.Response(body=_encode(await embed(await handlers.http_call(request))),
+                        content_type="application/json")
+
+
+async def embed(call: handlers.Call) -> dict:
+    """The embeddings of a call's inputs, as the one JSON body the route answers."""
+    state = call.state
+    req, client, engine = handlers.accept_body(state, call.body, protocol.EmbeddingRequest,
+                                               protocol.validate_embedding)
     tok = engine.tokenizer
     given = protocol.completion_prompts(req.input, tok.vocab_size, param="input")
     prompts = [p if isinstance(p, list) else await handlers.off_loop(len(p), tok.encode, p) for p in given]
@@ -37,9 +42,10 @@ async def embeddings(request: web.Request) -> web.Response:
                       code="context_length_exceeded")
     priority_checked(req.priority, engine)
     state.check_capacity(len(prompts))
-    rid, _ = handlers.request_ids(request, req)
+    rid, _ = handlers.request_ids(call.ids, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics, arrival)
+    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics.of(call.ballast),
+                     call.arrival, ballast=call.ballast)
     vectors: list[list[float] | None] = [None] * len(prompts)
     with handlers.running(state, gen):
         while not gen.done:
@@ -54,10 +60,8 @@ async def embeddings(request: web.Request) -> web.Response:
     usage = gen.usage()
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return web.Response(body=_encode({"object": "list", "data": data, "model": state.model_name,
-                                      "usage": {"prompt_tokens": usage["prompt_tokens"],
-                                                "total_tokens": usage["prompt_tokens"]}}),
-                        content_type="application/json")
+    return {"object": "list", "data": data, "model": state.model_name,
+            "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["prompt_tokens"]}}
 
 
 def _encoded(vector: list[float], encoding_format: str | None) -> list[float] | str:

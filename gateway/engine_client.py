@@ -70,14 +70,16 @@ class EngineClient:
         return self.scheduler.is_alive
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None) -> None:
+               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
+               ballast: bool = False) -> None:
         """Deltas for `request_id` go to `queue` until `release(request_id)`; its prompt blocks
         are salted for the tenant of the HTTP request being handled, and with the request's own
         `request_salt` (vLLM's cache_salt)."""
         self._queues[request_id] = queue
         self.scheduler.tell(SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                           params=params, reply_to=self._receiver, priority=priority,
-                                          cache_salt=current_cache_salt(self.salts, request_salt)))
+                                          cache_salt=current_cache_salt(self.salts, request_salt),
+                                          ballast=ballast))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort one sample (`index`) or the whole request; the engine frees its blocks."""

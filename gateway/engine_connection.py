@@ -19,10 +19,12 @@ class EngineConnection(Protocol):
         """An engine is there to take requests."""
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None) -> None:
+               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
+               ballast: bool = False) -> None:
         """Start a request: its TokenDeltas (or an EngineLost / RequestFailed) go to `queue` until
         `release(request_id)`; its prompt blocks are salted for the tenant of the HTTP request, and
-        with `request_salt` (vLLM's cache_salt) when the request sends one."""
+        with `request_salt` (vLLM's cache_salt) when the request sends one. `ballast`: a batch
+        line, scheduled below every interactive request."""
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort one sample (`index`) or the whole request; the engine frees its blocks."""

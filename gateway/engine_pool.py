@@ -173,11 +173,12 @@ class EnginePool:
         return len(self._requests)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None) -> None:
+               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
+               ballast: bool = False) -> None:
         """As EngineClient.submit: the prompt's blocks salted for the tenant of the HTTP request
         being handled, and with the request's own `request_salt` (vLLM's cache_salt)."""
         cache_salt = current_cache_salt(self.salts, request_salt)
-        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
+        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, ballast=ballast)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))
 
@@ -255,7 +256,8 @@ class EnginePool:
             decode.reserved += self._blocks_for(prompt)
             handoff_to = decode.info.kv_receiver
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
-                                      handoff_to, pull_from if handoff_to is None else None))
+                                      handoff_to, pull_from if handoff_to is None else None,
+                                      ballast=req.ballast))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None,
                       params: SamplingParams) -> tuple[_Engine | None, _Engine | None, ActorRef | None]:

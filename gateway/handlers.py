@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -52,26 +54,71 @@ async def read_body(request: web.Request) -> bytes:
                        code="request_timeout", headers={"Connection": "close"}) from None
 
 
-async def accept(request: web.Request, type_: type, validate):
+class Ids(NamedTuple):
+    """Who asks: the id of the HTTP request (or of a batch line) and whether its client chose it."""
+
+    given: str
+    client_chose: bool = False
+
+
+def ids_of(request: web.Request) -> Ids:
+    return Ids(request_id(request), request[CLIENT_REQUEST_ID])
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generation call as the routes take it: an HTTP request's body, or a batch line's."""
+
+    state: GatewayState
+    body: bytes
+    ids: Ids
+    arrival: float
+    ballast: bool = False   # a batch line: the engine runs it only in room interactive requests leave
+
+
+@dataclass
+class Prepared:
+    """A validated call's Generation (not started) and how its output is shaped."""
+
+    gen: Generation
+    fmt: ChatFormat | CompletionFormat
+    stream: bool
+    usage: tuple[bool, bool]   # see _stream_usage
+
+
+async def http_call(request: web.Request) -> Call:
+    return Call(request.app[STATE], await read_body(request), ids_of(request), time.monotonic())
+
+
+def accept_body(state: GatewayState, body: bytes, type_: type, validate):
     """The body decoded and checked, and the engine that will serve it: the generation routes'
     common start, before anything is tokenized."""
-    state = request.app[STATE]
-    req = protocol.decode(await read_body(request), type_)
+    req = protocol.decode(body, type_)
     validate(req)
     client, engine = state.require_engine()
     state.check_model(req.model)
-    return state, req, client, engine
+    return req, client, engine
+
+
+async def accept(request: web.Request, type_: type, validate):
+    state = request.app[STATE]
+    return (state, *accept_body(state, await read_body(request), type_, validate))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state, req, client, engine = await accept(request, protocol.ChatRequest, protocol.validate_chat)
-    gen, fmt = await chat_generation(request, state, req, client, engine, arrival)
-    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+    return await _respond(request, await prepare_chat(await http_call(request)))
 
 
-async def chat_generation(request: web.Request, state: GatewayState, req: protocol.ChatRequest, client, engine,
-                          arrival: float, id_prefix: str = "chatcmpl") -> tuple[Generation, ChatFormat]:
+async def prepare_chat(call: Call) -> Prepared:
+    req, client, engine = accept_body(call.state, call.body, protocol.ChatRequest, protocol.validate_chat)
+    gen, fmt = await chat_generation(call.ids, call.state, req, client, engine, call.arrival,
+                                     ballast=call.ballast)
+    return Prepared(gen, fmt, bool(req.stream), _stream_usage(req))
+
+
+async def chat_generation(ids: Ids, state: GatewayState, req: protocol.ChatRequest, client, engine,
+                          arrival: float, id_prefix: str = "chatcmpl",
+                          ballast: bool = False) -> tuple[Generation, ChatFormat]:
     """A validated chat request's Generation (not started) and the ChatFormat of its output, every
     check that needs the engine done. Chat Completions and the APIs translated into a chat request
     share it, so a conversation becomes tokens and sampling parameters in one place."""
@@ -90,12 +137,12 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
                              structured=structured and structured.spec)
     state.check_capacity(params.n)   # before compiling: a full queue refuses at once
     await compiled(structured, config.grammar_timeout_s)
-    rid, shown = request_ids(request, req)
+    rid, shown = request_ids(ids, req)
     fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
                      thinking)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
-                     req.priority or 0, state.metrics, arrival, req.cache_salt)
+                     req.priority or 0, state.metrics.of(ballast), arrival, req.cache_salt, ballast)
     return gen, fmt
 
 
@@ -136,9 +183,12 @@ def _template_kwargs(req: protocol.ChatRequest, tools) -> dict:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state, req, client, engine = await accept(request, protocol.CompletionRequest,
-                                               protocol.validate_completion)
+    return await _respond(request, await prepare_completion(await http_call(request)))
+
+
+async def prepare_completion(call: Call) -> Prepared:
+    state = call.state
+    req, client, engine = accept_body(state, call.body, protocol.CompletionRequest, protocol.validate_completion)
     tok = engine.tokenizer
     given = protocol.completion_prompts(req.prompt, tok.vocab_size)
     if req.suffix is not None:
@@ -158,15 +208,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
                              structured=structured and structured.spec)
     state.check_capacity(params.n * len(prompts))   # before compiling: a full queue refuses at once
     await compiled(structured, config.grammar_timeout_s)
-    rid, shown = request_ids(request, req)
+    rid, shown = request_ids(call.ids, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None
     fmt = CompletionFormat(Envelope("cmpl", shown, state.model_name), _token_strings(state, req),
                            params.n * len(prompts), req.logprobs, echo,
                            [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
-                     state.metrics, arrival, req.cache_salt)
-    return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
+                     state.metrics.of(call.ballast), call.arrival, req.cache_salt, call.ballast)
+    return Prepared(gen, fmt, bool(req.stream), _stream_usage(req))
 
 
 async def render_chat(tokenizer, messages: list[protocol.ChatMessage], add_generation_prompt: bool = True,
@@ -194,15 +244,15 @@ async def off_loop(size: int, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def request_ids(request: web.Request, req: protocol._Common) -> tuple[str, str]:
+def request_ids(ids: Ids, req: protocol._Common) -> tuple[str, str]:
     """The engine's id for this request and the id its response shows. The engine's is the HTTP
     request's unless the client chose that (its `X-Request-Id`, or vLLM's `request_id` field):
     engine ids must be unique. The response shows the client's choice, the header first as vLLM."""
-    if request[CLIENT_REQUEST_ID]:
-        return uuid.uuid4().hex, request_id(request)
+    if ids.client_chose:
+        return uuid.uuid4().hex, ids.given
     if req.request_id is not None:
         return uuid.uuid4().hex, req.request_id
-    return request_id(request), request_id(request)
+    return ids.given, ids.given
 
 
 def _token_strings(state: GatewayState, req: protocol._Common):
@@ -238,15 +288,22 @@ def running(state: GatewayState, gen: Generation):
             state.generations.discard(gen)
 
 
-async def _respond(request, state: GatewayState, gen: Generation, fmt, stream: bool,
-                   usage: tuple[bool, bool]) -> web.StreamResponse:
+async def _respond(request, prepared: Prepared) -> web.StreamResponse:
+    state = request.app[STATE]
+    if prepared.stream:
+        with running(state, prepared.gen):
+            return await _stream(request, state, prepared.gen, prepared.fmt, *prepared.usage)
+    return web.Response(body=_encode(await whole(state, prepared)), content_type="application/json")
+
+
+async def whole(state: GatewayState, prepared: Prepared) -> dict:
+    """The call run to its end, as the one JSON body a non-streamed response is."""
+    gen, fmt = prepared.gen, prepared.fmt
     with running(state, gen):
-        if stream:
-            return await _stream(request, state, gen, fmt, *usage)
         while not gen.done:
             for cd in await gen.next():
                 fmt.add(cd)
-        return web.Response(body=_encode(fmt.whole(gen.usage())), content_type="application/json")
+        return fmt.whole(gen.usage())
 
 
 async def _stream(request, state: GatewayState, gen: Generation, fmt, include_usage: bool,

@@ -46,6 +46,7 @@ class InflightRequest:
     resubmits: int = 0          # continuations made, for their engine request ids
     num_cached_tokens: int | None = None
     aborted: bool = False
+    ballast: bool = False       # a batch line (scheduled below interactive requests)
 
     def __post_init__(self) -> None:
         n = self.params.n

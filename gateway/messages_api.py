@@ -80,7 +80,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state, req, chat, client, engine = await _accept(request, MessagesRequest)
     with _anthropic_names():
-        gen, fmt = await handlers.chat_generation(request, state, chat, client, engine, arrival, id_prefix="msg")
+        gen, fmt = await handlers.chat_generation(handlers.ids_of(request), state, chat, client, engine, arrival,
+                                                  id_prefix="msg")
     with handlers.running(state, gen):
         if req.stream:
             return await _stream(request, state, gen, fmt)

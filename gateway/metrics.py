@@ -39,6 +39,20 @@ class Latency:
         self.recent.add(value, times)
 
 
+class _Untimed:
+    def observe(self, value: float, times: int = 1) -> None:
+        pass
+
+
+class BatchLineMetrics:
+    """What a batch line's Generation reports: its finish, not its latencies. Ballast waits by
+    design; the latency histograms and the dashboard's tiles are interactive requests' alone."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.finished = metrics.finished
+        self.ttft = self.itl = self.e2e = self.queue = _Untimed()
+
+
 class GatewayMetrics:
     """The metric names dashboards and tests rely on."""
 
@@ -58,6 +72,10 @@ class GatewayMetrics:
         self._finished = Counter("matinee_requests", "Finished requests.", ("finish_reason",), registry=r)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 VLLM_LABELS + ("finished_reason",), registry=r)
+        self._batch_lines = Counter("matinee_batch_lines", "Batch lines answered (/v1/batches), by outcome: "
+                                    "completed (200) or failed (in the error file).", ("outcome",), registry=r)
+        self._batches = Counter("matinee_batches_ended", "Batches that ended, by their final status.",
+                                ("status",), registry=r)
 
     def set_model(self, name: str, engine: str = "0") -> None:
         self.model_name = name
@@ -70,6 +88,16 @@ class GatewayMetrics:
         self._finished.labels(reason).inc(n)
         if reason in ("stop", "length", "abort"):   # vLLM's finished_reason values
             self._success.labels(self.model_name, reason).inc(n)
+
+    def of(self, ballast: bool) -> GatewayMetrics | BatchLineMetrics:
+        """The metrics a Generation reports to: a batch line's finish only (see BatchLineMetrics)."""
+        return BatchLineMetrics(self) if ballast else self
+
+    def batch_line(self, ok: bool) -> None:
+        self._batch_lines.labels("completed" if ok else "failed").inc()
+
+    def batch_ended(self, status: str) -> None:
+        self._batches.labels(status).inc()
 
     def update_engine(self, stats) -> None:
         if self.engine is not None:

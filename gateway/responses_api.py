@@ -100,7 +100,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     chat = rp.chat_request(req, conversation)
     with _in_our_names():
         protocol.validate_chat(chat)
-        gen, fmt = await handlers.chat_generation(request, state, chat, client, engine, arrival, "resp")
+        gen, fmt = await handlers.chat_generation(handlers.ids_of(request), state, chat, client, engine, arrival,
+                                                  "resp")
     builder = ResponseBuilder(_fields(req, state.model_name))
 
     def keep(body: dict) -> None:

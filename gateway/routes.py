@@ -9,7 +9,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, dashboard, embeddings, handlers, messages_api, openapi, planner, protocol
+from gateway import api_types, batches_api, dashboard, embeddings, files_api, handlers, messages_api, openapi
+from gateway import planner, protocol
 from gateway import responses_api, responses_protocol, responses_types
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
@@ -142,6 +143,7 @@ def _dashboard(route: web.RouteDef) -> Endpoint:
 
 
 ENDPOINTS += messages_api.ENDPOINTS
+ENDPOINTS += files_api.ENDPOINTS + batches_api.ENDPOINTS
 ENDPOINTS += [_dashboard(r) for r in dashboard.ROUTES + planner.ROUTES]
 ROUTES = [web.route(e.method, e.path, e.handler) for e in ENDPOINTS]
 UNPROTECTED = frozenset(e.path for e in ENDPOINTS if not e.protected)

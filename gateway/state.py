@@ -93,8 +93,9 @@ class GatewayState:
     def check_capacity(self, num_sequences: int) -> None:
         """429 unless `num_sequences` more fit under max_waiting: sequences count, not requests,
         so one request with many prompts and a large `n` cannot fill the queue alone. An empty
-        queue takes any one request (its size is capped per request)."""
-        waiting = sum(g.num_waiting for g in self.generations)
+        queue takes any one request (its size is capped per request). Batch lines wait apart: they
+        never fill the queue that interactive requests are refused by."""
+        waiting = sum(g.num_waiting for g in self.generations if not g.ballast)
         if waiting and waiting + num_sequences > self.config.max_waiting:
             raise APIError(429, f"Too many sequences waiting ({waiting}); retry later.",
                            type="rate_limit_error", code="queue_full",

@@ -24,6 +24,8 @@ class Counters:
     spec_num_drafts: int = 0        # verifications with at least one drafted token
     # Seconds from arrival here to first scheduled (a preempted request's wait again is not counted).
     queue_time: Histogram = field(default_factory=lambda: Histogram(QUEUE_TIME_BUCKETS))
+    ballast_rows: int = 0           # batch-line sequences in a step, summed over steps
+    ballast_finished: int = 0       # batch-line requests finished here
     prefill_steps: int = 0          # steps that computed some sequence's prompt (or its recompute)
     prefill_tokens: int = 0
     ttft_count: int = 0             # first tokens sampled, and their time split: queue, then prefill

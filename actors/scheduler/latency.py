@@ -19,6 +19,9 @@ class LatencyMeter:
         self.counters = counters
         self.recent_ttft = RecentSamples(clock=clock)
         self.recent_itl = RecentSamples(clock=clock)   # per token: a step's gap over the tokens it emitted
+        # Interactive requests' alone, which batch lines (ballast) must not slow down.
+        self.interactive_ttft = RecentSamples(clock=clock)
+        self.interactive_itl = RecentSamples(clock=clock)
 
     def first_token(self, req: RequestState, now: float) -> None:
         """The request's first token (of sample 0) came out at `now`."""
@@ -28,6 +31,8 @@ class LatencyMeter:
         c.ttft_prefill_s += now - req.first_step_s
         c.ttft.observe(now - req.arrived_s)
         self.recent_ttft.add(now - req.arrived_s)
+        if not req.ballast:
+            self.interactive_ttft.add(now - req.arrived_s)
 
     def tokens(self, seq: Sequence, kept: int, now: float) -> None:
         """`kept` tokens of the sequence came out at `now`. A sequence's first tokens here (its first
@@ -38,4 +43,6 @@ class LatencyMeter:
             gap = (now - seq.last_token_s) / kept
             self.counters.itl.observe(gap, kept)
             self.recent_itl.add(gap, kept)
+            if not seq.request.ballast:
+                self.interactive_itl.add(gap, kept)
         seq.last_token_s = now

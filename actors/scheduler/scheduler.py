@@ -9,7 +9,8 @@ block tables the KV manager returned (the scheduler keeps none); `update()` take
 tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
 
 Admission, the budget and preemption are here; the rest is delegated: speculative decoding to a
-SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py).
+SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py), and which
+rows, tokens and blocks batch lines (ballast) may take to a BallastPolicy (ballast.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from actors.draft.controller import SpecController
 from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
                              KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
                              StepResult, SubmitRequest, TokenDelta)
+from actors.scheduler.ballast import BallastObjective, BallastPolicy
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
@@ -57,6 +59,7 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     priority_scheduling: bool = False   # off: every request is first come, first served
     max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
+    ballast: BallastObjective = BallastObjective()   # when batch lines wait for interactive latency
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Step:
     num_table_blocks: int = 0                                     # blocks in all tables after the transaction
     readers: dict[int, list[int]] = field(default_factory=dict)   # see InFlightStep
     burst: int = 0                                                # further decode steps the worker may run
+    admit_budget: int = 0                                         # tokens the admits may take
 
 
 class Scheduler:
@@ -88,6 +92,7 @@ class Scheduler:
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
         self.handoffs = HandoffTracker(cfg.block_size)
         self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
+        self.ballast = BallastPolicy(cfg.ballast, self.latency)   # batch lines in the room left over
         self._next_seq_id = 0
         self._arrivals = 0
         self._step_id = 0
@@ -110,7 +115,7 @@ class Scheduler:
         if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
         req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
-                                msg.cache_salt)
+                                msg.cache_salt, msg.ballast)
         req.arrived_s = self.clock()
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
         # forward: such a request stays whole.
@@ -168,7 +173,7 @@ class Scheduler:
         if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
             return None
         req = self._new_request(offer.request_id, offer.prompt_token_ids, offer.params, offer.reply_to,
-                                offer.priority, offer.cache_salt)
+                                offer.priority, offer.cache_salt, offer.ballast)
         req.num_cached_tokens = offer.num_cached_tokens
         return self.handoffs.reserve(self._new_seq(req, 0), offer.output_token_ids)
 
@@ -192,12 +197,14 @@ class Scheduler:
         """Pick the next step's batch; the KV transaction that gives it blocks."""
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
+        displaced = self._displace_ballast()
         spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
         # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
         # arrival order: a prefill that sorts first (a more important request, a preempted older
-        # one) must not take the budget from a stream that already emits tokens.
+        # one) must not take the budget from a stream that already emits tokens. Batch lines
+        # (ballast) get what the interactive requests leave.
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        for seq in decodes + [s for s in self.running if s.num_tokens - s.num_computed > 1]:
+        for seq in self.ballast.budget_order(self.running, self.waiting):
             n = min(seq.num_tokens - seq.num_computed, budget)
             seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:
@@ -206,10 +213,11 @@ class Scheduler:
         step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
         step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
+        step.admit_budget = budget
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
         self._forks = []
-        frees, self._deferred_frees = self._deferred_frees, []
+        frees, self._deferred_frees = self._deferred_frees + displaced, []
         trims, self._trims = self._trims, []
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
@@ -241,6 +249,7 @@ class Scheduler:
                 step.admits = []
                 return KVStep([], [], [self._grow_msg(s, n) for s, n in left], [], 0)
             return self._preempt_and_retry(left)
+        refused = step.admits[len(res.admitted):]
         for seq, adm in zip(step.admits, res.admitted):
             for writer in adm.reads_from:
                 step.readers.setdefault(writer, []).append(seq.seq_id)
@@ -255,7 +264,8 @@ class Scheduler:
             if seq.request.queued_at is not None:
                 self.counters.queue_time.observe(time.monotonic() - seq.request.queued_at)
                 seq.request.queued_at = None
-        return None
+        step.admit_budget -= sum(adm.num_new_tokens for adm in res.admitted)
+        return self._displace_ballast_for(refused)
 
     def plan(self) -> StepPlan:
         seqs, new, starts = [], [], {}
@@ -287,6 +297,7 @@ class Scheduler:
         self._step_id += 1
         self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0)
         self.counters.steps += 1
+        self.counters.ballast_rows += self._ballast_rows(starts)
         self.counters.prefill_steps += prefill_tokens > 0
         self.counters.prefill_tokens += prefill_tokens
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
@@ -300,6 +311,7 @@ class Scheduler:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
+        self.counters.ballast_rows += (result.num_steps - 1) * self._ballast_rows(step.starts)
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
@@ -383,11 +395,11 @@ class Scheduler:
         return SeqFailure(seq.request.request_id, seq.index, detail)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
-                     priority: int, cache_salt: str | None) -> RequestState:
+                     priority: int, cache_salt: str | None, ballast: bool) -> RequestState:
         self._arrivals += 1
         priority = priority if self.cfg.priority_scheduling else 0
         return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
-                            cache_salt, self.cfg.max_model_len)
+                            cache_salt, self.cfg.max_model_len, ballast)
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -414,6 +426,33 @@ class Scheduler:
         seq.num_computed = 0
         self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
+
+    def _ballast_rows(self, seq_ids) -> int:
+        return sum(1 for i in seq_ids if (s := self.seqs.get(i)) is not None and s.request.ballast)
+
+    def _displace_ballast(self) -> list[int]:
+        """Running ballast that gives its row to a waiting interactive request: requeued, its
+        blocks freed in this step's transaction (a fork parent keeps its blocks until it forked)."""
+        parents = {f.parent_seq_id for f, _ in self._forks}
+        victims = [s for s in self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
+                   if s.seq_id not in parents]
+        for victim in victims:
+            self._requeue(victim)
+            self.counters.preemptions += 1
+        return [v.seq_id for v in victims]
+
+    def _displace_ballast_for(self, refused: list[Sequence]) -> KVStep | None:
+        """An interactive request the pool had no blocks for (budget was left): the newest running
+        ballast gives its blocks back and the admission is retried; None when none does."""
+        step = self._step
+        victim = self.ballast.block_victim(refused, self.running, step.admit_budget)
+        if victim is None:
+            return None
+        self._requeue(victim)
+        self.counters.preemptions += 1
+        step.scheduled = [(s, n) for s, n in step.scheduled if s is not victim]
+        step.grows, step.fork_children, step.admits = [], [], [s for s in refused if not s.request.ballast]
+        return KVStep([victim.seq_id], [], [], [self._admit_msg(s) for s in step.admits], step.admit_budget)
 
     def _preempt_and_retry(self, left: list[tuple[Sequence, int]]) -> KVStep:
         """The pool is out of blocks for left[0]: the least important, newest running sequence gives
@@ -473,6 +512,7 @@ class Scheduler:
         req = seq.request
         if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
             self.requests.pop(req.request_id, None)
+            self.counters.ballast_finished += req.ballast
 
     def _end(self, request_id: str, index: int | None, reason: str, error: str | None = None) -> bool:
         """End a request, or one of its samples, with `reason`. Sample 0 before the others started

@@ -285,7 +285,7 @@ class SchedulerActor(Actor):
         req = seq.request
         return KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
                        seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
-                       req.num_cached_tokens, self.block_layout)
+                       req.num_cached_tokens, self.block_layout, req.ballast)
 
     async def _reserve(self, offer: KVOffer) -> KVReserved:
         """Blocks for a request another engine prefilled; a table of None when there is no room."""
@@ -350,7 +350,8 @@ class SchedulerActor(Actor):
             spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
             ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
-            prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None)
+            prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
+            ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished)
 
 
 class _HandoffCounters:

@@ -24,10 +24,11 @@ class RequestState:
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
                  "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at", "handoff_to",
-                 "arrived_s", "first_step_s")
+                 "arrived_s", "first_step_s", "ballast")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int):
+                 reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int,
+                 ballast: bool = False):
         self.request_id = request_id
         self.reply_to = reply_to
         self.params = params
@@ -45,6 +46,7 @@ class RequestState:
         self.handoff_to: Any = None           # a decode engine's KV receiver (prefill engines)
         self.arrived_s = 0.0                  # when it reached the scheduler, and when it first ran
         self.first_step_s: float | None = None
+        self.ballast = ballast                # a batch line: below every interactive request (ballast.py)
 
 
 class Sequence:
@@ -60,8 +62,9 @@ class Sequence:
         self.num_computed = 0             # tokens whose KV is in the cache (or being written this step)
         self.status = SeqStatus.WAITING
         self.known_to_worker = False      # the worker holds its sampler state
-        # Lower sorts first: the most important, then the oldest request, then sample order.
-        self.sort_key = (request.priority, request.arrival, index)
+        # Lower sorts first: interactive before ballast, the most important, then the oldest request,
+        # then sample order.
+        self.sort_key = (request.ballast, request.priority, request.arrival, index)
         self.spec_k = 0                   # tokens to draft in the step being planned (lookahead slots)
         self.last_token_s: float | None = None   # when this engine last emitted its tokens (inter-token latency)
 

@@ -30,6 +30,8 @@ const CHARTS = [
   {id: "tierblocks", title: "KV tier blocks", format: fmt.axisNum, engine: (e) => e.tier_blocks === undefined ? null : e.tier_blocks},
   {id: "spec", title: "Speculative acceptance", format: fmt.axisPct, max: 1, rate: true, engine: (e, past) => ratio(e, past, "spec_accepted_tokens", "spec_draft_tokens")},
   {id: "pre", title: "Preemptions/s", format: fmt.axisNum, rate: true, engine: (e, past, dt) => delta(e, past, "preemptions") / dt},
+  {id: "batchrows", title: "Batch rows per step", format: fmt.axisNum, rate: true, engine: (e, past) => ratio(e, past, "batch_rows", "steps")},
+  {id: "batchlines", title: "Batch lines/s", format: fmt.axisNum, rate: true, engine: (e, past, dt) => delta(e, past, "batch_finished") / dt},
 ];
 
 // A counter's growth; an engine that restarted (its counter fell) counts from zero.

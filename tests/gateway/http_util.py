@@ -46,3 +46,13 @@ def get(url: str, **kw) -> Reply:
 
 def post(url: str, **kw) -> Reply:
     return request("POST", url, **kw)
+
+
+def upload(url: str, data: bytes, purpose: str = "batch", headers: dict | None = None) -> Reply:
+    """POST a file as multipart/form-data, as OpenAI's files.create sends it."""
+    boundary = "matinee-test-boundary"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            f'Content-Type: application/jsonl\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return post(url, content=body, headers={**(headers or {}),
+                                            "Content-Type": f"multipart/form-data; boundary={boundary}"})

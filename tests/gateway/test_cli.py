@@ -138,6 +138,8 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
 FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
+FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
+          "--batch-ttft-objective", "--batch-itl-objective"]
 
 
 def _serve_flags(parser) -> list[str]:
