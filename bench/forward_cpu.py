@@ -6,13 +6,19 @@ batch, on the default model (or `--model`) as `matinee serve` loads it.
 
 Prints the median and best milliseconds of each (the worker's own forward timer, so no scheduling or
 sampling), and the prefill's tokens per second. The caches hold random tokens' KV; the decode step reads
-`--context` positions per sequence. Asserts nothing about speed.
+`--context` positions per sequence. It also measures this machine's memory read rate (a sum over a
+buffer four times the last-level cache) and gives the decode step's memory floor, the resident weight
+bytes over that rate, and the fraction of it the best decode step reached (1.0: at the floor; meaningful
+at `--decodes 1`, where a step reads each weight once and little else). Asserts nothing about speed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
+
+import torch
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
@@ -35,6 +41,20 @@ def decode_batch(decodes: int, context: int) -> ForwardBatch:
     blocks = blocks_for(context + 1)
     return ForwardBatch([SequenceInput([123 + i], context, list(range(i * blocks, (i + 1) * blocks)))
                          for i in range(decodes)])
+
+
+def read_gb_s(repeats: int = 5) -> float:
+    """The best rate, over `repeats` passes, at which the torch threads sum a float32 buffer four times the
+    last-level cache: what a step that streams its weights from memory can read at."""
+    from kernels import cpu_native
+
+    buffer = torch.ones(4 * cpu_native.last_level_cache_bytes() // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
 
 
 def timed(runner: ModelRunner, batch: ForwardBatch, repeats: int) -> dict:
@@ -65,8 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
     prefill = timed(runner, prefill_batch(args.prompts, args.prompt_len, vocab), args.repeats)
     prefill["tokens_per_s"] = round(args.prompts * args.prompt_len / prefill["median_ms"] * 1e3)
     decode = timed(runner, decode_batch(args.decodes, args.context), args.repeats)
+    rate = read_gb_s()
+    floor_ms = runner.weight_bytes / (rate * 1e9) * 1e3
     out = {"dtype": args.dtype, "prefill": {"prompts": args.prompts, "prompt_len": args.prompt_len, **prefill},
-           "decode": {"decodes": args.decodes, "context": args.context, **decode}}
+           "decode": {"decodes": args.decodes, "context": args.context, **decode},
+           "memory": {"read_gb_s": round(rate, 1), "weight_bytes": runner.weight_bytes,
+                      "decode_floor_ms": round(floor_ms, 2), "floor_frac": round(floor_ms / decode["best_ms"], 3)}}
     print(json.dumps(out))
     return out
 

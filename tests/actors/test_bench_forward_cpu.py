@@ -1,4 +1,5 @@
-"""bench/forward_cpu.py runs end to end at toy sizes on the default model and reports both steps."""
+"""bench/forward_cpu.py runs end to end at toy sizes on the default model and reports both steps and the
+decode step's memory floor."""
 
 import json
 
@@ -13,3 +14,8 @@ def test_forward_bench_times_a_prefill_and_a_decode_step(smollm2_gguf, capsys):
     for step in (out["prefill"], out["decode"]):
         assert 0 < step["best_ms"] <= step["median_ms"]
     assert out["prefill"]["tokens_per_s"] > 0
+    memory = out["memory"]   # the floor: the resident weights read once at the measured rate
+    assert memory["read_gb_s"] > 0 and memory["weight_bytes"] > 50e6
+    floor = memory["weight_bytes"] / (memory["read_gb_s"] * 1e6)   # the rate is printed to 0.1 GB/s
+    assert abs(memory["decode_floor_ms"] - floor) < 0.01 * floor
+    assert abs(memory["floor_frac"] - memory["decode_floor_ms"] / out["decode"]["best_ms"]) < 0.001
