@@ -64,7 +64,8 @@ static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *
 
 /* MR rows of x (float32, stride K) times one packed block of w into tile[MR][NR], columns in order. */
 #define KERNEL(MR)                                                                                 \
-    static void kernel_##MR(const float *x, long K, const uint16_t *w, float *tile) {              \
+    static void kernel_##MR(const void *xv, long K, const uint16_t *w, float *tile) {              \
+        const float *x = (const float *)xv;                                                        \
         vf acc[MR][NV];                                                                            \
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NV; j++) acc[i][j] = VZERO();                                      \
@@ -81,7 +82,8 @@ static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *
             for (int j = 0; j < NV; j++) VSTORE(tile + i * NR + COLUMN[j], acc[i][j]);             \
     }
 
-typedef void (*kernel_fn)(const float *, long, const uint16_t *, float *);
+/* MR rows of x (stride K; float32 here, bf16 for the dot kernels) times one packed block into a tile. */
+typedef void (*kernel_fn)(const void *, long, const uint16_t *, float *);
 
 KERNEL(1)
 KERNEL(2)
@@ -186,43 +188,48 @@ static inline __attribute__((always_inline)) void dot_kernel(const int MR, const
 }
 
 #define DOT_KERNEL(MR) \
-    static void dot_##MR(const uint16_t *x, long K, const uint16_t *w, float *tile) { dot_kernel(MR, x, K, w, tile); }
+    static void dot_##MR(const void *x, long K, const uint16_t *w, float *tile) { dot_kernel(MR, x, K, w, tile); }
 
-typedef void (*dot_fn)(const uint16_t *, long, const uint16_t *, float *);
 DOT_KERNEL(1) DOT_KERNEL(2) DOT_KERNEL(3) DOT_KERNEL(4) DOT_KERNEL(5) DOT_KERNEL(6)
 DOT_KERNEL(7) DOT_KERNEL(8) DOT_KERNEL(9) DOT_KERNEL(10) DOT_KERNEL(11) DOT_KERNEL(12)
-static const dot_fn DOTS[MR_DOT + 1] = {0, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6, dot_7, dot_8, dot_9, dot_10,
+static const kernel_fn DOTS[MR_DOT + 1] = {0, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6, dot_7, dot_8, dot_9, dot_10,
                                         dot_11, dot_12};
 
-static void gemm_dot(const uint16_t *x, const uint16_t *w, const float *bias, void *y, int y_bf16, long M, long N,
-                     long K, int threads) {
-    long blocks = (N + NR - 1) / NR;
-    long chunk = (1L << 20) / (K * (long)sizeof(uint16_t) + 1);
-    if (chunk < MR_DOT) chunk = MR_DOT;
-    size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    for (long m0 = 0; m0 < M; m0 += chunk) {
-        long rows = M - m0 < chunk ? M - m0 : chunk;
-#pragma omp for schedule(static) nowait
-        for (long b = 0; b < blocks; b++) {
-            float tile[MR_DOT * NR] __attribute__((aligned(64)));
-            int cols = N - b * NR < NR ? (int)(N - b * NR) : NR;
-            const uint16_t *wb = w + b * K * NR;
-            long m = m0, left = rows;
-            for (long groups = (rows + MR_DOT - 1) / MR_DOT; left > 0; groups--) {
-                int mr = (int)((left + groups - 1) / groups);
-                DOTS[mr](x + m * K, K, wb, tile);
-                emit(tile, mr, cols, bias ? bias + b * NR : 0, (char *)y + (m * N + b * NR) * elem, y_bf16, N);
-                m += mr;
-                left -= mr;
-            }
-        }
-    }
-}
 #define HAS_DOT 1
 #else
 #define HAS_DOT 0
+#define MR_DOT 1
+static const kernel_fn DOTS[MR_DOT + 1] = {0};
 #endif
+
+/* Rows [m0, m0 + rows) of x (x_size bytes a value) times every block of w, through kernels[1..mr_max]; the
+ * blocks are shared among the threads of the caller's parallel region. */
+static void pass(const kernel_fn *kernels, int mr_max, const char *x, size_t x_size, long m0, long rows,
+                 const uint16_t *w, const float *bias, void *y, int y_bf16, long N, long K) {
+    const long blocks = (N + NR - 1) / NR;
+    const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp for schedule(static) nowait
+    for (long b = 0; b < blocks; b++) {
+        float tile[(MR_MAX > MR_DOT ? MR_MAX : MR_DOT) * NR] __attribute__((aligned(64)));
+        int cols = N - b * NR < NR ? (int)(N - b * NR) : NR;
+        const uint16_t *wb = w + b * K * NR;
+        long m = m0, left = rows;
+        /* Groups of near-equal size: 9 rows as 5 + 4, not 8 + 1. */
+        for (long groups = (rows + mr_max - 1) / mr_max; left > 0; groups--) {
+            int mr = (int)((left + groups - 1) / groups);
+            kernels[mr](x + m * K * x_size, K, wb, tile);
+            emit(tile, mr, cols, bias ? bias + b * NR : 0, (char *)y + (m * N + b * NR) * elem, y_bf16, N);
+            m += mr;
+            left -= mr;
+        }
+    }
+}
+
+/* Rows per pass over the weights: as many as keep x's rows (x_size bytes a value) within half of L2. */
+static long chunk_rows(long K, size_t x_size, int mr_max) {
+    long chunk = (1L << 20) / (K * (long)x_size + 1);
+    return chunk < mr_max ? mr_max : chunk;
+}
 
 /* Whether this build has the vdpbf16ps path (`dot` below). */
 int matinee_packed_dot(void) { return HAS_DOT; }
@@ -232,50 +239,27 @@ int matinee_packed_dot(void) { return HAS_DOT; }
  * Returns 0, -1 when out of memory, -2 for `dot` with float32 x or in a build without it. */
 int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
                         long M, long N, long K, int threads, int dot) {
-    if (dot) {
-        if (!x_bf16 || !HAS_DOT) return -2;
-#if HAS_DOT
-        gemm_dot((const uint16_t *)x, w, bias, y, y_bf16, M, N, K, threads);
-#endif
-        return 0;
-    }
-    const float *xf = (const float *)x;
+    if (dot && (!x_bf16 || !HAS_DOT)) return -2;
+    const void *xs = x;   /* the rows the kernels read: bf16 for dot, else float32 */
     float *scratch = 0;
-    if (x_bf16) {
+    if (x_bf16 && !dot) {
         size_t bytes = ((size_t)M * K * sizeof(float) + 63) & ~(size_t)63;
         scratch = aligned_alloc(64, bytes ? bytes : 64);
         if (!scratch) return -1;
-        xf = scratch;
+        xs = scratch;
     }
-    long blocks = (N + NR - 1) / NR;
-    /* Rows per pass over the weights: as many as keep their float32 copy within half of L2. */
-    long chunk = (1L << 20) / (K * (long)sizeof(float) + 1);
-    if (chunk < MR_MAX) chunk = MR_MAX;
-    size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const kernel_fn *kernels = dot ? DOTS : KERNELS;
+    const int mr_max = dot ? MR_DOT : MR_MAX;
+    const size_t x_size = dot ? sizeof(uint16_t) : sizeof(float);
+    const long chunk = chunk_rows(K, x_size, mr_max);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        if (x_bf16) {
+        if (scratch) {
 #pragma omp for schedule(static)
             for (long i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         }
-        for (long m0 = 0; m0 < M; m0 += chunk) {
-            long rows = M - m0 < chunk ? M - m0 : chunk;
-#pragma omp for schedule(static) nowait
-            for (long b = 0; b < blocks; b++) {
-                float tile[MR_MAX * NR] __attribute__((aligned(64)));
-                int cols = N - b * NR < NR ? (int)(N - b * NR) : NR;
-                const uint16_t *wb = w + b * K * NR;
-                long m = m0, left = rows;
-                /* Groups of near-equal size: 9 rows as 5 + 4, not 8 + 1. */
-                for (long groups = (rows + MR_MAX - 1) / MR_MAX; left > 0; groups--) {
-                    int mr = (int)((left + groups - 1) / groups);
-                    KERNELS[mr](xf + m * K, K, wb, tile);
-                    emit(tile, mr, cols, bias ? bias + b * NR : 0, (char *)y + (m * N + b * NR) * elem, y_bf16, N);
-                    m += mr;
-                    left -= mr;
-                }
-            }
-        }
+        for (long m0 = 0; m0 < M; m0 += chunk)
+            pass(kernels, mr_max, xs, x_size, m0, M - m0 < chunk ? M - m0 : chunk, w, bias, y, y_bf16, N, K);
     }
     free(scratch);
     return 0;
