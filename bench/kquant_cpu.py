@@ -7,7 +7,7 @@ super-blocks, which SmolLM2's 576 is not) over LAYERS layers, so each call reads
 as a decode step does. The blocks are random bytes with a small fixed scale: the time does not depend on
 the values. Prints ms per step (best of REPEATS) and weight GB/s; asserts nothing about speed.
 
-    python -m bench.kquant_cpu [--threads 2] [--layers 2] [--repeats 5]
+    python -m bench.kquant_cpu [--threads 2] [--layers 2] [--repeats 5] [--rows 1,8,32] [--types Q4_0,Q4_K,...]
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
+    parser.add_argument("--types", default=",".join(t.name for t in TYPES), help="GGUF types, comma-separated")
     args = parser.parse_args(argv)
     if not cpu_native.available():
         raise SystemExit("the CPU C kernels are not available here")
@@ -55,9 +57,10 @@ def main(argv=None) -> None:
     def run(name: str, weights: list, linear, dtype: torch.dtype) -> None:
         weight_bytes = sum(w.packed.numel() * w.packed.element_size() for w in weights)
         results.extend(measure_rows(name, weights, weight_bytes, linear, dtype, (HIDDEN, INTER), args.repeats, gen,
-                                    ROWS))
+                                    rows))
 
-    for qtype in TYPES:
+    rows = [int(r) for r in args.rows.split(",")]
+    for qtype in [Q[name] for name in args.types.split(",")]:
         weights = [quant_linear.pack(QuantTensor(int(qtype), random_rows(qtype, n, k, rng), k), torch.bfloat16)
                    for n, k in shapes]
         run(qtype.name, weights, quant_linear.matmul, torch.bfloat16)
