@@ -80,6 +80,16 @@ class EngineConfig:
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "priority: requests' `priority` field orders them (lower first); fcfs refuses it",
         "choices": SCHEDULING_POLICIES})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters of the model (implied by --lora-modules)"})
+    lora_modules: list[str] | None = field(default=None, metadata={
+        "help": "LoRA adapters loaded at start, each NAME=PATH of a PEFT folder (adapter_config.json and "
+                "adapter_model.safetensors); a request picks one by giving its NAME as `model`",
+        "nargs": "+", "metavar": "NAME=PATH"})
+    max_loras: int = field(default=1, metadata={
+        "help": "LoRA adapters resident at once; the running requests read at most this many, a request "
+                "for another waits for a slot (least recently used out first)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
         "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
@@ -117,6 +127,27 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [self.lora_modules]
+        self.lora_paths()   # a malformed NAME=PATH fails here
+        _positive(self, "max_loras", "max_lora_rank")
+
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> folder."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules or ():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+            if name in out:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            out[name] = path
+        return out
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for adapters: 0 when LoRA is off."""
+        return self.max_loras if self.enable_lora or self.lora_modules else 0
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -24,7 +25,8 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
-                             KVHandedOver, KVOffer, KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest,
+                             KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
+                             UnloadLoRAAdapter, StepPlan, StepProgress, StepResult, SubmitRequest,
                              TokenDeltas)
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
@@ -115,6 +117,8 @@ class SchedulerActor(Actor):
                 await self._unstall()
             case GetStats():
                 return await self._stats()
+            case LoadLoRAAdapter() | UnloadLoRAAdapter() | ListLoRAAdapters():
+                return await self.worker.ask(msg, timeout=self.step_timeout_s)   # the worker holds them
             case _:
                 return await super().receive(msg)
         return None
@@ -341,7 +345,9 @@ class SchedulerActor(Actor):
             kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
             spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
-            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum)
+            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
+            max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
+            lora_requests=dict(c.lora_requests))
 
 
 class _HandoffCounters:
@@ -362,6 +368,12 @@ class _HandoffCounters:
             self.seconds += done.seconds
         else:
             self.failed += 1
+
+
+def _per_adapter(seqs) -> dict[str, int]:
+    """LoRA adapter -> requests among `seqs` (a request's samples counted once)."""
+    requests = {s.request.request_id: s.request.lora_name for s in seqs if s.request.lora_name is not None}
+    return dict(Counter(requests.values()))
 
 
 def _step_error(error: BaseException) -> str:

@@ -24,17 +24,20 @@ class RequestState:
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
                  "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at", "handoff_to",
-                 "arrived_s", "first_step_s")
+                 "arrived_s", "first_step_s", "lora_name")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int):
+                 reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int,
+                 lora_name: str | None = None):
         self.request_id = request_id
         self.reply_to = reply_to
         self.params = params
         self.priority = priority
         self.arrival = arrival
         self.prompt_token_ids = prompt_token_ids
-        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        # One prompt under two adapters (or under one and the base model) has different KV.
+        self.cache_salt = cache_salt if lora_name is None else f"lora:{len(lora_name)}:{lora_name}:{cache_salt or ''}"
         self.num_cached_tokens = 0
         self.seqs: list[Sequence] = []
         # The context length caps every request's output, whatever max_tokens says.
