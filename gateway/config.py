@@ -72,6 +72,8 @@ class GatewayConfig:
         "help": "the bytes the stored responses may take together (e.g. 64MiB)", "type": "bytes"})
     response_store_ttl_s: float = field(default=3600.0, metadata={
         "help": "seconds a stored response is kept after it was made", "flag": "response-store-ttl"})
+    enable_lora_runtime_updates: bool = field(default=False, metadata={
+        "help": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), behind the API key"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 

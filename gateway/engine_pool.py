@@ -20,7 +20,8 @@ from typing import Any
 
 from actors.engine_node import REGISTRY_PREFIX
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
-                             KVHandoffFailed, SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas)
+                             KVHandoffFailed, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
+                             SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas, UnloadLoRAAdapter)
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
@@ -173,11 +174,12 @@ class EnginePool:
         return len(self._requests)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None) -> None:
+               queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
+               lora_name: str | None = None) -> None:
         """As EngineClient.submit: the prompt's blocks salted for the tenant of the HTTP request
         being handled, and with the request's own `request_salt` (vLLM's cache_salt)."""
         cache_salt = current_cache_salt(self.salts, request_salt)
-        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt)
+        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, lora_name)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))
 
@@ -203,6 +205,18 @@ class EnginePool:
         """Each routable engine's latest stats, by engine id, for the dashboard (never summed: each
         engine serves its own /metrics, and a sum across gateways would count it twice)."""
         return {e.info.engine_id: e.stats for e in self.engines.values() if e.stats is not None and e.routable}
+
+    async def manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters,
+                          timeout: float = 600.0) -> LoRAOutcome | LoRAAdapters:
+        """Every routable engine loads (or unloads) the adapter, so any of them can serve it; the first
+        refusal is the answer. A list is the adapters every engine holds."""
+        engines = [e for e in self.engines.values() if e.routable]
+        replies = await asyncio.gather(*(e.ref.ask(msg, timeout=timeout) for e in engines))
+        if isinstance(msg, ListLoRAAdapters):
+            held = [r.adapters for r in replies]
+            common = {n: p for n, p in held[0].items() if all(n in h for h in held)} if held else {}
+            return LoRAAdapters(common, min((r.max_loras for r in replies), default=0))
+        return next((r for r in replies if r.error), LoRAOutcome())
 
     async def wait_for_engine(self) -> EngineInfo:
         while not self.alive:
@@ -255,7 +269,7 @@ class EnginePool:
             decode.reserved += self._blocks_for(prompt)
             handoff_to = decode.info.kv_receiver
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
-                                      handoff_to))
+                                      handoff_to if req.lora_name is None else None, req.lora_name))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None,
                       params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:

@@ -91,11 +91,12 @@ async def chat_generation(request: web.Request, state: GatewayState, req: protoc
     state.check_capacity(params.n)   # before compiling: a full queue refuses at once
     await compiled(structured, config.grammar_timeout_s)
     rid, shown = request_ids(request, req)
-    fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
+    lora = state.check_model(req.model)
+    fmt = ChatFormat(Envelope(id_prefix, shown, lora or state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
                      thinking)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
-                     req.priority or 0, state.metrics, arrival, req.cache_salt)
+                     req.priority or 0, state.metrics, arrival, req.cache_salt, lora)
     return gen, fmt
 
 
@@ -161,11 +162,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid, shown = request_ids(request, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None
-    fmt = CompletionFormat(Envelope("cmpl", shown, state.model_name), _token_strings(state, req),
+    lora = state.check_model(req.model)
+    fmt = CompletionFormat(Envelope("cmpl", shown, lora or state.model_name), _token_strings(state, req),
                            params.n * len(prompts), req.logprobs, echo,
                            [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
-                     state.metrics, arrival, req.cache_salt)
+                     state.metrics, arrival, req.cache_salt, lora)
     return await _respond(request, state, gen, fmt, bool(req.stream), _stream_usage(req))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from actors.engine_metrics import model_name_from_path
+from actors.messages import ListLoRAAdapters
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.engine_connection import EngineConnection
@@ -50,6 +51,7 @@ class GatewayState:
     token_strings: TokenStrings | None = None
     model_name: str = ""                 # the name responses report: the first of model_names
     model_names: list[str] = field(default_factory=list)   # every name `model` may give
+    loras: dict[str, str] = field(default_factory=dict)    # LoRA adapters `model` may name -> their folders
     draining: bool = False
     startup_error: str | None = None
     generations: set[Generation] = field(default_factory=set)
@@ -69,6 +71,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_names = self.config.model_names or [model_name_from_path(engine.model_path) or "matinee"]
         self.model_name = self.model_names[0]
+        self.loras = (await self.client.manage_lora(ListLoRAAdapters())).adapters
         self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
@@ -83,11 +86,14 @@ class GatewayState:
             raise unavailable()
         return self.client, self.engine
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for a name served by neither."""
         if model is None or model in self.model_names:
-            return
+            return None
         if self.engine is not None and model == self.engine.model_path:
-            return
+            return None
+        if model in self.loras:
+            return model
         raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def check_capacity(self, num_sequences: int) -> None:

@@ -176,8 +176,9 @@ class DecodeCursor:
         n = flat.seq_lens.shape[0]
         return flat.max_query_len == 1 and flat.input_ids.shape[0] == n == flat.logits_indices.shape[0]
 
-    def batch(self, token_ids: list[int], adapters: list[LoRAAdapter | None]) -> ForwardBatch:
-        """The next step as a ForwardBatch, for `flatten`."""
+    def batch(self, token_ids: list[int], adapters: list[LoRAAdapter | None] | None = None) -> ForwardBatch:
+        """The next step as a ForwardBatch, for `flatten`, its sequences reading `adapters` (None: the base model)."""
+        adapters = adapters or [None] * len(token_ids)
         return ForwardBatch([SequenceInput([t], p + 1, table, adapter=adapter)
                              for t, p, table, adapter in zip(token_ids, self._positions, self.tables, adapters)])
 

@@ -43,8 +43,9 @@ def modules(folders: dict[str, str]) -> list[str]:
 def test_each_adapter_alone_and_all_mixed_match_peft(arch, models):
     base, folders, want, prompts = models[arch]
     assert all(want[name] != want[None] for name in ADAPTERS)   # every adapter changes the output
+    # 24-token steps: prompts go in chunks beside other sequences' decodes.
     with LLM(base, dtype="float32", num_threads=1, num_blocks=64, lora_modules=modules(folders),
-             max_loras=3, max_lora_rank=16) as llm:
+             max_loras=3, max_lora_rank=16, max_num_batched_tokens=24) as llm:
         for name in ADAPTERS:
             outs = llm.generate(prompts, GREEDY, lora_request=name)
             assert [o.outputs[0].token_ids for o in outs] == want[name], name

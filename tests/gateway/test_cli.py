@@ -137,6 +137,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
+FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
 
 
 def _serve_flags(parser) -> list[str]:
