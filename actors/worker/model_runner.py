@@ -134,14 +134,14 @@ class ModelRunner:
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
         self._cursor: DecodeCursor | None = None   # the last step, when it was decodes alone: execute_next
-        self._cursor_adapters: list = []            # its sequences' LoRA adapters
+        self._cursor_adapters: list = []            # its sequences' LoRA adapters, and their LoRABatch
+        self._cursor_lora: LoRABatch | None = None
         # Called with each layer's index once the forward wrote its KV (model.forward's layer_written),
         # while the worker runs a step whose prompts go layer by layer to a decode engine.
         self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
         self.loras = LoRASlots(config, max_loras, max_lora_rank, self.dtype, self.device) if max_loras else None
         self.max_lora_rank = max_lora_rank
-        self._lora: LoRABatch | None = None        # the last step's adapters, which execute_next reuses
         self.pooling = read_pooling(self.source.path if self.source.kind == "hf" else None)
         self.last_pooled: torch.Tensor | None = None   # the last forward's pooled rows (FlatBatch.pool_indices)
 
@@ -191,12 +191,12 @@ class ModelRunner:
         self._cursor = None
         caches = self.kv_caches if kv_caches is None else kv_caches
         flat = flatten(batch, self.block_size, caches[0][0].shape[0], self.model_config.vocab_size)
-        self._lora = self._lora_batch(batch)
-        logits = self._timed_forward(flat, caches, t0)
+        lora = self._lora_batch(batch)
+        logits = self._timed_forward(flat, caches, t0, lora)
         if kv_caches is None and DecodeCursor.fits(flat):
             self._cursor = DecodeCursor(flat, [s.block_table for s in batch.seqs], self.block_size,
                                         self.model_config.vocab_size)
-            self._cursor_adapters = [s.adapter for s in batch.seqs]
+            self._cursor_adapters, self._cursor_lora = [s.adapter for s in batch.seqs], lora
         return logits
 
     def _lora_batch(self, batch: ForwardBatch) -> LoRABatch | None:
@@ -217,26 +217,28 @@ class ModelRunner:
             raise RuntimeError("execute_next follows a step of decodes alone")
         if not cursor.advance(token_ids):
             return self.execute(cursor.batch(token_ids, self._cursor_adapters))
-        logits = self._timed_forward(cursor.flat, self.kv_caches, t0)
+        logits = self._timed_forward(cursor.flat, self.kv_caches, t0, self._cursor_lora)
         self._cursor = cursor
         return logits
 
-    def _timed_forward(self, flat: FlatBatch, caches: list[LayerKV], t0: float) -> torch.Tensor:
+    def _timed_forward(self, flat: FlatBatch, caches: list[LayerKV], t0: float,
+                       lora: LoRABatch | None = None) -> torch.Tensor:
         if flat.max_seq_len > self.max_model_len:
             raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
                              f"context length {self.max_model_len}")
         t1 = time.perf_counter()
-        logits = self.forward(flat, caches)
+        logits = self.forward(flat, caches, lora)
         self.last_prepare_s, self.last_forward_s = t1 - t0, time.perf_counter() - t1
         return logits
 
-    def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
-        """The step's logits; the hidden states its embeddings pool go to `last_pooled`."""
+    def forward(self, flat: FlatBatch, kv_caches: list[LayerKV], lora: LoRABatch | None = None) -> torch.Tensor:
+        """The step's logits; the hidden states its embeddings pool go to `last_pooled`. `lora`: each
+        row's LoRA adapter (LoRASlots.batch)."""
         self.last_pooled = None
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         pool = flat.pool_indices if flat.pool_indices.shape[0] else None
-        if pool is None and self._lora is None and self.decode_graphs is not None \
+        if pool is None and lora is None and self.decode_graphs is not None \
                 and self.decode_graphs.fits(flat, kv_caches):
             return self.decode_graphs.run(flat)
         input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._on_device(flat)
@@ -245,7 +247,7 @@ class ModelRunner:
         with torch.inference_mode():
             out = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices,
                                      layer_written=self.layer_written,
-                                     pool_indices=None if pool is None else pool.to(self.device), lora=self._lora)
+                                     pool_indices=None if pool is None else pool.to(self.device), lora=lora)
             if pool is not None:
                 out, self.last_pooled = out[0], out[1].float().cpu()
             return out.float()

@@ -86,3 +86,36 @@ def test_same_prompt_under_two_adapters_shares_no_kv(models):
         assert other.outputs[0].token_ids == want["attn"][2]
         assert plain.outputs[0].token_ids == want[None][2]
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == want["all"][2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+def test_speculative_decoding_with_adapters_is_lossless(method, models):
+    """The draft proposes for the base model; the target verifies under each sequence's adapter, so
+    greedy tokens are the adapter's own (repetitive prompts: the n-gram draft proposes often)."""
+    base, folders, want, prompts = models["llama"]
+    rng = random.Random(9)
+    periodic = [(lambda p: (p * 8)[:n])([rng.randrange(4, TINY_VOCAB) for _ in range(k)]) for n, k in ((30, 5), (44, 7))]
+    names = [None, *ADAPTERS]
+    refs = {name: peft_greedy(base, folders.get(name), periodic, NUM_NEW) for name in names}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False, "disable_batch_size": None}
+    if method == "layerskip":
+        spec["draft_layers"] = 1
+    with LLM(base, dtype="float32", num_threads=1, num_blocks=96, lora_modules=modules(folders), max_loras=3,
+             max_lora_rank=16, speculative=spec) as llm:
+        batch = [(p, name) for name in names for p in periodic]
+        outs = llm.generate([p for p, _ in batch], GREEDY, lora_request=[n for _, n in batch])
+        for (p, name), out in zip(batch, outs):
+            assert out.outputs[0].token_ids == refs[name][periodic.index(p)], name
+        assert llm.stats().spec_decode_draft_tokens > 0
+
+
+def test_structured_output_with_an_adapter(models):
+    """The grammar's mask applies to the adapter's logits: the output matches the pattern."""
+    base, folders, want, prompts = models["llama"]
+    from actors.messages import StructuredOutput
+
+    with LLM(base, dtype="float32", num_threads=1, num_blocks=64, lora_modules=modules(folders),
+             max_loras=3, max_lora_rank=16) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=24, structured=StructuredOutput("choice", '["yes", "no"]'))
+        out = llm.generate(["Hello world"], params, lora_request="all")[0].outputs[0]
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
