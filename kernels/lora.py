@@ -21,12 +21,3 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     for start, end, slot in segments:
         rows = x[start:end]
         out[start:end] += (rows @ a[slot].to(rows.dtype)) @ b[slot].to(rows.dtype)
-
-
-def add_lora_for(device: torch.device):
-    """The batched LoRA add for tensors on `device`: Triton's on CUDA, else the reference."""
-    if torch.device(device).type == "cuda":
-        from kernels.lora_triton import add_lora as add_lora_triton
-
-        return add_lora_triton
-    return add_lora

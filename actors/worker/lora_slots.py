@@ -15,7 +15,8 @@ import torch
 
 from actors.worker.lora_adapter import MODULES, LoRAAdapter, module_shapes
 from actors.worker.model_config import ModelConfig
-from kernels.lora import Segment, add_lora_for
+from kernels.lora import Segment
+from kernels.lora import add_lora as lora_reference
 
 # The model's matmuls and the modules each one holds, in the order of their output columns.
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -42,7 +43,8 @@ class LoRABatch:
 
 class LoRASlots:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, add_lora=None) -> None:
+        """add_lora: the ops' batched LoRA add (kernels/lora.py's signature); default the torch reference."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -55,7 +57,7 @@ class LoRASlots:
                   for m in MODULES}
         self.modules: list[frozenset[str]] = [frozenset()] * max_loras   # what each slot's adapter adapts
         self._slot_of: OrderedDict[int, int] = OrderedDict()   # adapter uid -> slot, least recent first
-        self.add = add_lora_for(device)
+        self.add = add_lora or lora_reference
         self.loads = 0                                          # adapters copied into a slot so far
 
     def resident(self, adapter: LoRAAdapter) -> bool:

@@ -140,7 +140,8 @@ class ModelRunner:
         # while the worker runs a step whose prompts go layer by layer to a decode engine.
         self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
-        self.loras = LoRASlots(config, max_loras, max_lora_rank, self.dtype, self.device) if max_loras else None
+        self.loras = LoRASlots(config, max_loras, max_lora_rank, self.dtype, self.device,
+                               self.ops.add_lora) if max_loras else None
         self.max_lora_rank = max_lora_rank
         self.pooling = read_pooling(self.source.path if self.source.kind == "hf" else None)
         self.last_pooled: torch.Tensor | None = None   # the last forward's pooled rows (FlatBatch.pool_indices)

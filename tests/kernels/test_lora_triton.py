@@ -1,19 +1,16 @@
 """The batched LoRA kernel against its torch reference on odd shapes: segments of 1 to 37 rows,
 ranks 1 to 24 padded into a stack of 32, base-model rows between segments left alone, and the
-output a column slice of a wider fused projection (Triton's interpreter without a GPU)."""
+output a column slice of a wider fused projection; then a tiny model with an adapter on the Triton
+kernels against the torch ones (Triton's interpreter without a GPU)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 from kernels.lora import add_lora as reference
+from tests.kernels.conftest import DEVICE
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton_lora = pytest.importorskip("kernels.lora_triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
@@ -37,3 +34,24 @@ def test_kernel_matches_reference(dtype, tol, rank):
     assert torch.allclose(got.float().cpu(), want, atol=tol, rtol=tol)
     assert torch.equal(got[:3].float().cpu(), base[:3].to(dtype).float())    # base rows untouched
     assert torch.equal(got[:, :17].float().cpu(), base[:, :17].to(dtype).float())   # other columns too
+
+
+def test_a_model_with_an_adapter_on_triton_kernels_matches_torch(tmp_path):
+    from actors.worker.forward_batch import ForwardBatch, SequenceInput
+    from actors.worker.lora_adapter import read_adapter
+    from actors.worker.model_runner import ModelRunner
+    from tests.actors.conftest import build_tiny_model
+    from tests.actors.lora_adapters import make_adapter
+
+    base = build_tiny_model("qwen2", str(tmp_path / "base"))
+    folder = make_adapter(base, str(tmp_path / "lora"), "mlp")
+    runners = [ModelRunner(base, dtype="float32", kernels=k, device=DEVICE, block_size=8, num_blocks=16,
+                           num_threads=1, max_loras=2, max_lora_rank=16) for k in ("triton", "torch")]
+    adapter = read_adapter("mlp", folder, runners[0].model_config, 16)
+    # A prompt with the adapter, one without, then a decode of each: segments of 11 rows and of 1.
+    batch = ForwardBatch([SequenceInput(list(range(5, 16)), 0, [0, 1], 11, adapter=adapter),
+                          SequenceInput([7, 8, 9], 0, [2], 3)])
+    step = ForwardBatch([SequenceInput([3], 11, [0, 1], adapter=adapter), SequenceInput([4], 3, [2])])
+    for b in (batch, step):
+        got, want = (r.execute(b) for r in runners)
+        assert torch.allclose(got.cpu(), want.cpu(), atol=1e-3, rtol=1e-3)
