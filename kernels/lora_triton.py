@@ -16,17 +16,21 @@ BLOCK_M, BLOCK_K, BLOCK_N = 16, 32, 32
 
 
 @triton.jit
+def _segment_rows(seg_start_ptr, seg_len_ptr, seg, row_block, BLOCK_M: tl.constexpr):
+    """Row block `row_block` of segment `seg`: the rows' indices in the batch, and which of them exist."""
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return (tl.load(seg_start_ptr + seg) + rows).to(tl.int64), rows < tl.load(seg_len_ptr + seg)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                    stride_x, stride_a_slot, stride_a_in, stride_t, d_in, rank,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     seg, row_block = tl.program_id(0), tl.program_id(1)
-    start, length = tl.load(seg_start_ptr + seg), tl.load(seg_len_ptr + seg)
-    if row_block * BLOCK_M >= length:
+    if row_block * BLOCK_M >= tl.load(seg_len_ptr + seg):
         return
+    rows, row_ok = _segment_rows(seg_start_ptr, seg_len_ptr, seg, row_block, BLOCK_M)
     slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < length
-    rows = (start + rows).to(tl.int64)
     cols_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, d_in, BLOCK_K):
@@ -45,13 +49,10 @@ def _expand_kernel(t_ptr, b_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_slot_p
                    stride_t, stride_b_slot, stride_b_r, stride_out, d_out, rank,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     seg, row_block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, length = tl.load(seg_start_ptr + seg), tl.load(seg_len_ptr + seg)
-    if row_block * BLOCK_M >= length:
+    if row_block * BLOCK_M >= tl.load(seg_len_ptr + seg):
         return
+    rows, row_ok = _segment_rows(seg_start_ptr, seg_len_ptr, seg, row_block, BLOCK_M)
     slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
-    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < length
-    rows = (start + rows).to(tl.int64)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     t = tl.load(t_ptr + rows[:, None] * stride_t + rs[None, :], mask=row_ok[:, None] & (rs[None, :] < rank),
