@@ -18,6 +18,6 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
              segments: list[Segment]) -> None:
     """out[start:end] += x[start:end] @ a[slot] @ b[slot] for each segment, in place (`out` may be
     a column slice of a fused projection's output)."""
+    x = x.to(a.dtype)   # the stacks may be float32 under a bfloat16 model (see LoRASlots)
     for start, end, slot in segments:
-        rows = x[start:end]
-        out[start:end] += (rows @ a[slot].to(rows.dtype)) @ b[slot].to(rows.dtype)
+        out[start:end] += (x[start:end] @ a[slot]) @ b[slot]

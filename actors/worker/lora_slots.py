@@ -1,10 +1,11 @@
 """The device-resident adapters: a pool of --max-loras slots, filled on demand and least recently
 used out first, and each step's LoRABatch, which adds every row's adapter to the projections.
 
-Per adaptable module, one stacked A [slots, in, max_rank] and B [slots, max_rank, out] per layer:
-an adapter of a smaller rank (or without that module) leaves zeros, so one batched call serves
-every slot. The model's fused projections (q|k|v, gate|up) take each module's delta in the columns
-where that module's output sits. Plain class, used on the worker's compute thread alone.
+The model's matmuls fuse q|k|v and gate|up; so do the slots. Per matmul (a group) and layer, one
+stacked A [slots, in, n * max_rank] holds the group's n modules' A side by side, and one B
+[slots, n * max_rank, out] their B block-diagonally, each in the output columns of its module: one
+shrink and one expand per group serve all its modules. An adapter of a smaller rank, or without a
+module, leaves zeros. Plain class, used on the worker's compute thread alone.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from actors.worker.lora_adapter import MODULES, LoRAAdapter, module_shapes
+from actors.worker.lora_adapter import LoRAAdapter, module_shapes
 from actors.worker.model_config import ModelConfig
 from kernels.lora import Segment
 from kernels.lora import add_lora as lora_reference
@@ -23,22 +24,17 @@ GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down"
 
 
 class LoRABatch:
-    """One step's adapters: for each module, the row segments whose adapter adapts it."""
+    """One step's adapters: for each group, the row segments whose adapter adapts any of its modules."""
 
     def __init__(self, slots: LoRASlots, segments: list[Segment]) -> None:
         self.slots = slots
-        self.by_module = {m: [s for s in segments if m in slots.modules[s[2]]] for m in MODULES}
+        self.by_group = {g: [s for s in segments if g in slots.groups[s[2]]] for g in GROUPS}
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out (the `group` matmul's output for input x) += each row's adapter delta, in place."""
-        column = 0
-        for module in GROUPS[group]:
-            width = self.slots.widths[module]
-            segments = self.by_module[module]
-            if segments:
-                self.slots.add(out[:, column:column + width], x, self.slots.a[module][layer],
-                               self.slots.b[module][layer], segments)
-            column += width
+        segments = self.by_group[group]
+        if segments:
+            self.slots.add(out, x, self.slots.a[group][layer], self.slots.b[group][layer], segments)
 
 
 class LoRASlots:
@@ -49,19 +45,24 @@ class LoRASlots:
             raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
         shapes = module_shapes(cfg)
-        self.widths = {m: shapes[m][1] for m in MODULES}
-        zeros = dict(dtype=dtype, device=device)
-        self.a = {m: [torch.zeros(max_loras, shapes[m][0], max_rank, **zeros) for _ in range(cfg.num_layers)]
-                  for m in MODULES}
-        self.b = {m: [torch.zeros(max_loras, max_rank, shapes[m][1], **zeros) for _ in range(cfg.num_layers)]
-                  for m in MODULES}
-        self.modules: list[frozenset[str]] = [frozenset()] * max_loras   # what each slot's adapter adapts
+        # Where each module sits in its group: (group, its rank columns' start, its output columns' start, width).
+        self.place: dict[str, tuple[str, int, int, int]] = {}
+        self.a: dict[str, list[torch.Tensor]] = {}
+        self.b: dict[str, list[torch.Tensor]] = {}
+        for group, modules in GROUPS.items():
+            column = 0
+            for j, module in enumerate(modules):
+                self.place[module] = (group, j * max_rank, column, shapes[module][1])
+                column += shapes[module][1]
+            d_in, ranks = shapes[modules[0]][0], len(modules) * max_rank
+            self.a[group] = [torch.zeros(max_loras, d_in, ranks, dtype=dtype, device=device)
+                             for _ in range(cfg.num_layers)]
+            self.b[group] = [torch.zeros(max_loras, ranks, column, dtype=dtype, device=device)
+                             for _ in range(cfg.num_layers)]
+        self.groups: list[frozenset[str]] = [frozenset()] * max_loras   # the groups each slot's adapter adapts
         self._slot_of: OrderedDict[int, int] = OrderedDict()   # adapter uid -> slot, least recent first
         self.add = add_lora or lora_reference
         self.loads = 0                                          # adapters copied into a slot so far
-
-    def resident(self, adapter: LoRAAdapter) -> bool:
-        return adapter.uid in self._slot_of
 
     def batch(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> LoRABatch | None:
         """The LoRABatch of a step whose sequences read `adapters` (None: the base model) and compute
@@ -102,15 +103,14 @@ class LoRASlots:
         return self._slot_of.pop(victim)
 
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
+        for stacks in (*self.a.values(), *self.b.values()):
+            for layer_stack in stacks:
+                layer_stack[slot].zero_()
         r = adapter.rank
-        for module in MODULES:
-            for layer, (a_stack, b_stack) in enumerate(zip(self.a[module], self.b[module])):
-                a_stack[slot].zero_()
-                b_stack[slot].zero_()
-                weights = adapter.weights.get((layer, module))
-                if weights is not None:
-                    a_stack[slot, :, :r].copy_(weights[0])
-                    b_stack[slot, :r].copy_(weights[1])
-        self.modules[slot] = adapter.modules
+        for (layer, module), (a, b) in adapter.weights.items():
+            group, rank_at, column, width = self.place[module]
+            self.a[group][layer][slot, :, rank_at:rank_at + r].copy_(a)
+            self.b[group][layer][slot, rank_at:rank_at + r, column:column + width].copy_(b)
+        self.groups[slot] = frozenset(self.place[m][0] for m in adapter.modules)
         self._slot_of[adapter.uid] = slot
         self.loads += 1
