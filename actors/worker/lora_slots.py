@@ -16,7 +16,7 @@ import torch
 
 from actors.worker.lora_adapter import LoRAAdapter, module_shapes
 from actors.worker.model_config import ModelConfig
-from kernels.lora import Segment
+from kernels.lora import Segment, Segments
 from kernels.lora import add_lora as lora_reference
 
 # The model's matmuls and the modules each one holds, in the order of their output columns.
@@ -28,7 +28,7 @@ class LoRABatch:
 
     def __init__(self, slots: LoRASlots, segments: list[Segment]) -> None:
         self.slots = slots
-        self.by_group = {g: [s for s in segments if g in slots.groups[s[2]]] for g in GROUPS}
+        self.by_group = {g: Segments(s for s in segments if g in slots.groups[s[2]]) for g in GROUPS}
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out (the `group` matmul's output for input x) += each row's adapter delta, in place."""

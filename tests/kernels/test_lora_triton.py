@@ -55,3 +55,18 @@ def test_a_model_with_an_adapter_on_triton_kernels_matches_torch(tmp_path):
     for b in (batch, step):
         got, want = (r.execute(b) for r in runners)
         assert torch.allclose(got.cpu(), want.cpu(), atol=1e-3, rtol=1e-3)
+
+
+def test_the_reference_batched_over_slots_equals_it_segment_by_segment():
+    """Many short segments (decodes under many adapters) take the padded batched path: the same sums."""
+    from kernels.lora import Segments
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, 40, 8, generator=g), torch.randn(5, 8, 30, generator=g)
+    x, base = torch.randn(12, 40, generator=g), torch.randn(12, 30, generator=g)
+    segments = [(0, 2, 4), (2, 3, 0), (4, 6, 2), (6, 8, 1), (9, 11, 3)]   # rows 3, 8 and 11: the base model's
+    loop, batched = base.clone(), base.clone()
+    reference(loop, x, a, b, segments)
+    reference(batched, x, a, b, Segments(segments))
+    assert torch.allclose(batched, loop, atol=1e-5) and not torch.equal(loop, base)
+    assert torch.equal(batched[[3, 8, 11]], base[[3, 8, 11]])
