@@ -67,6 +67,7 @@ class WorkerActor(Actor):
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.states.clear()  # a restarted worker forgets sequences; the scheduler fails their step
+        self._adapter_of.clear()
 
     async def on_stop(self) -> None:
         if self._executor is not None:
