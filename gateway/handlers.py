@@ -59,7 +59,7 @@ async def accept(request: web.Request, type_: type, validate):
     req = protocol.decode(await read_body(request), type_)
     validate(req)
     client, engine = state.require_engine()
-    state.check_model(req.model)
+    await state.resolve_model(req.model)
     return state, req, client, engine
 
 

@@ -49,6 +49,7 @@ def _model_card(state, name: str) -> dict:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
+    await state.refresh_loras()
     names = state.model_names + sorted(state.loras)
     return _json({"object": "list", "data": [_model_card(state, name) for name in names]})
 

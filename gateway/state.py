@@ -71,7 +71,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_names = self.config.model_names or [model_name_from_path(engine.model_path) or "matinee"]
         self.model_name = self.model_names[0]
-        self.loras = (await self.client.manage_lora(ListLoRAAdapters())).adapters
+        await self.refresh_loras()
         self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
@@ -86,15 +86,27 @@ class GatewayState:
             raise unavailable()
         return self.client, self.engine
 
+    async def refresh_loras(self) -> None:
+        """The LoRA adapters the engines hold now (a cluster's engines may start after this gateway)."""
+        self.loras = (await self.client.manage_lora(ListLoRAAdapters())).adapters
+
+    async def resolve_model(self, model: str | None) -> str | None:
+        """check_model, after asking the engines for their adapters when `model` names nothing known here."""
+        if not self._is_base(model) and model not in self.loras:
+            await self.refresh_loras()
+        return self.check_model(model)
+
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, None for the base model; 404 for a name served by neither."""
-        if model is None or model in self.model_names:
-            return None
-        if self.engine is not None and model == self.engine.model_path:
+        if self._is_base(model):
             return None
         if model in self.loras:
             return model
         raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _is_base(self, model: str | None) -> bool:
+        """A name of the base model, or none given."""
+        return model is None or model in self.model_names or (self.engine is not None and model == self.engine.model_path)
 
     def check_capacity(self, num_sequences: int) -> None:
         """429 unless `num_sequences` more fit under max_waiting: sequences count, not requests,
