@@ -26,7 +26,7 @@ from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
 from gateway.tenant import current_cache_salt
-from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts
+from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts, adapter_salt
 from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 
 log = get_logger(component="engine-pool")
@@ -242,7 +242,7 @@ class EnginePool:
         try:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
-                    engine, decode = await self._choose(prompt, req.cache_salt, params)
+                    engine, decode = await self._choose(prompt, req.cache_salt, params, req.lora_name)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
                     # No engine, or every decode engine is full: wait for the next change or stats.
@@ -271,13 +271,18 @@ class EnginePool:
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
                                       handoff_to if req.lora_name is None else None, req.lora_name))
 
-    async def _choose(self, prompt: list[int], cache_salt: str | None,
-                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None]:
+    async def _choose(self, prompt: list[int], cache_salt: str | None, params: SamplingParams,
+                      lora_name: str | None = None) -> tuple[_Engine | None, _Engine | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to).
         With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1
         or prompt logprobs they run whole on the prefill engine, with a short prompt whole on the
-        decode engine); otherwise colocated engines serve them whole, or any engine left."""
+        decode engine); otherwise colocated engines serve them whole, or any engine left. A request
+        with a LoRA adapter runs whole, on an engine that holds its adapter or has a slot free."""
         routable = [e for e in self.engines.values() if e.routable]
+        if lora_name is not None:
+            colocated = [e for e in routable if e.info.role == "engine"] or routable
+            return await self._choose_among(_with_adapter(colocated, lora_name), prompt,
+                                            adapter_salt(cache_salt, lora_name)), None
         prefill = [e for e in routable if e.info.role == "prefill"]
         # A handoff needs one KV layout (dtype, layers, heads) at both ends: `--dtype auto` can
         # resolve differently on two machines. A decode engine no prefill engine can feed is no target.
@@ -506,3 +511,14 @@ class EnginePool:
             self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
 
+
+def _with_adapter(engines: list[_Engine], lora_name: str) -> list[_Engine]:
+    """Where a request for adapter `lora_name` may go, by the engines' latest stats: those running its
+    requests (its slot is loaded there) while nothing waits on them; else those with a slot free (an
+    engine without stats yet counts as free); else all of them. The router picks by prefix and load."""
+    holding = [e for e in engines if e.stats is not None and lora_name in e.stats.lora_running
+               and not e.stats.requests_waiting]
+    if holding:
+        return holding
+    free = [e for e in engines if e.stats is None or len(e.stats.lora_running) < e.stats.max_loras]
+    return free or engines

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from actors.messages import SamplingParams
+from prefix_store.hashing import adapter_salt
 
 
 class SeqStatus(enum.Enum):
@@ -36,8 +37,7 @@ class RequestState:
         self.arrival = arrival
         self.prompt_token_ids = prompt_token_ids
         self.lora_name = lora_name
-        # One prompt under two adapters (or under one and the base model) has different KV.
-        self.cache_salt = cache_salt if lora_name is None else f"lora:{len(lora_name)}:{lora_name}:{cache_salt or ''}"
+        self.cache_salt = adapter_salt(cache_salt, lora_name)
         self.num_cached_tokens = 0
         self.seqs: list[Sequence] = []
         # The context length caps every request's output, whatever max_tokens says.
