@@ -119,3 +119,18 @@ def test_structured_output_with_an_adapter(models):
         params = SamplingParams(temperature=0.0, max_tokens=24, structured=StructuredOutput("choice", '["yes", "no"]'))
         out = llm.generate(["Hello world"], params, lora_request="all")[0].outputs[0]
         assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_the_offline_api_loads_and_unloads_adapters(models, tmp_path):
+    base, folders, want, prompts = models["qwen2"]
+    with LLM(base, dtype="float32", num_threads=1, num_blocks=64, enable_lora=True, max_loras=1) as llm:
+        with pytest.raises(ValueError, match="has no adapter_config.json"):
+            llm.load_lora("empty", str(tmp_path))
+        llm.load_lora("attn", folders["attn"])
+        with pytest.raises(ValueError, match="already been loaded"):
+            llm.load_lora("attn", folders["attn"])
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request="attn")] == want["attn"]
+        llm.unload_lora("attn")
+        failed = llm.generate(prompts[:1], GREEDY, lora_request="attn")[0].outputs[0]
+        assert failed.finish_reason == "error"
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want[None]
