@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from actors.config import default_model_path
-from actors.worker.lora_adapter import _PATHS, module_shapes
+from actors.worker.lora_adapter import MODULE_PATHS, module_shapes
 
 
 def write_adapter(folder: str, cfg, rank: int, seed: int) -> str:
@@ -32,14 +32,14 @@ def write_adapter(folder: str, cfg, rank: int, seed: int) -> str:
     tensors = {}
     for layer in range(cfg.num_layers):
         for module, (d_in, d_out) in module_shapes(cfg).items():
-            key = f"base_model.model.model.layers.{layer}.{_PATHS[module]}"
+            key = f"base_model.model.model.layers.{layer}.{MODULE_PATHS[module]}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * 0.01
             tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                   "target_modules": [p.split(".")[-1] for p in _PATHS.values()]}, f)
+                   "target_modules": [p.split(".")[-1] for p in MODULE_PATHS.values()]}, f)
     return folder
 
 

@@ -1,9 +1,11 @@
 """A LoRA adapter read from a PEFT folder (adapter_config.json + adapter_model.safetensors), checked
 against the base model's shapes.
 
-Each target projection's A [in, r] and B [r, out] are kept on the CPU in float32, B already scaled by
-lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)); the slot pool (lora_slots.py) copies them to the
-device when a request needs them. Anything the engine cannot serve is a LoRAError naming the problem.
+Each target projection's A [r, in] and B [out, r] are kept on the CPU as the file stores them, with the
+scale lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)); the slot pool (lora_slots.py) lays them out, scaled,
+on the device when a request needs them. Reading does no tensor arithmetic, so it may run on any thread
+(a parallel torch op off the compute thread slows every later forward: worker_actor.compute_thread).
+Anything the engine cannot serve is a LoRAError naming the problem.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from actors.worker.model_config import ModelConfig
 
 # PEFT's module names for the projections the engine adapts, and where each lives in a layer.
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")
-_PATHS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+MODULE_PATHS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _ids = itertools.count(1)
@@ -43,7 +45,7 @@ class LoRAAdapter:
     rank: int
     scale: float
     modules: frozenset[str]                  # which of MODULES it adapts
-    # (layer, module) -> (A [in, r], B [r, out] * scale), float32 on the CPU
+    # (layer, module) -> (A [r, in], B [out, r]), as stored, on the CPU
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     uid: int = field(default_factory=lambda: next(_ids))   # a reload of the same name is another adapter
 
@@ -62,7 +64,7 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise LoRAError(f"adapter {name!r}: {key}={config.get(key)!r} is not supported")
     alpha = config.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weights = _read_weights(name, path, cfg, rank, scale)
+    weights = _read_weights(name, path, cfg, rank)
     modules = frozenset(m for _, m in weights)
     if not modules:
         raise LoRAError(f"adapter {name!r} adapts none of the projections "
@@ -93,14 +95,13 @@ _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(?:gate
                   r"\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
 
-def _read_weights(name: str, path: str, cfg: ModelConfig, rank: int,
-                  scale: float) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _read_weights(name: str, path: str, cfg: ModelConfig, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise LoRAError(f"adapter folder {path!r} has no {WEIGHTS_FILE}")
-    module_of = {p: m for m, p in _PATHS.items()}
+    module_of = {p: m for m, p in MODULE_PATHS.items()}
     shapes = module_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
@@ -116,7 +117,7 @@ def _read_weights(name: str, path: str, cfg: ModelConfig, rank: int,
                 if layer >= cfg.num_layers:
                     raise LoRAError(f"adapter {name!r}: tensor {key!r} is for layer {layer}, the base model "
                                     f"has {cfg.num_layers}")
-                halves.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key).float()
+                halves.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key)
     except SafetensorError as e:
         raise LoRAError(f"{file} is not a readable safetensors file: {e}") from None
     weights = {}
@@ -130,5 +131,5 @@ def _read_weights(name: str, path: str, cfg: ModelConfig, rank: int,
             raise LoRAError(f"adapter {name!r}: layer {layer} {module}_proj has lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)}; rank {rank} on the base model needs "
                             f"{(rank, d_in)} and {(d_out, rank)} (wrong base model?)")
-        weights[(layer, module)] = (a.t().contiguous(), (b * scale).t().contiguous())
+        weights[(layer, module)] = (a, b)
     return weights

@@ -109,8 +109,10 @@ class LoRASlots:
         r = adapter.rank
         for (layer, module), (a, b) in adapter.weights.items():
             group, rank_at, column, width = self.place[module]
-            self.a[group][layer][slot, :, rank_at:rank_at + r].copy_(a)
-            self.b[group][layer][slot, rank_at:rank_at + r, column:column + width].copy_(b)
+            self.a[group][layer][slot, :, rank_at:rank_at + r].copy_(a.t())
+            b_slot = self.b[group][layer][slot, rank_at:rank_at + r, column:column + width]
+            b_slot.copy_(b.t())
+            b_slot.mul_(adapter.scale)
         self.groups[slot] = frozenset(self.place[m][0] for m in adapter.modules)
         self._slot_of[adapter.uid] = slot
         self.loads += 1

@@ -96,8 +96,8 @@ class WorkerActor(Actor):
         return await super().receive(msg)
 
     async def _load_lora(self, name: str, path: str) -> LoRAOutcome:
-        """Reads and checks the adapter off the loop and off the compute thread (file reads, a few
-        small tensor copies); it goes to a device slot when a step first needs it."""
+        """Reads and checks the adapter off the loop and off the compute thread (file reads, no tensor
+        arithmetic); it is laid out in a device slot when a step first needs it."""
         if self.runner.loras is None:
             return LoRAOutcome(400, "LoRA adapters are not enabled on this engine (--max-loras 0)")
         if name in self.loras:
@@ -125,10 +125,11 @@ class WorkerActor(Actor):
         refused: dict[int, str] = {}
         for new in plan.new_seqs:
             if new.lora_name is not None:
-                if new.lora_name not in self.loras:   # unloaded after the front end took the request
+                adapter = self.loras.get(new.lora_name)   # one read: the loop's thread may unload it
+                if adapter is None:   # unloaded after the front end took the request
                     refused[new.seq_id] = f"the LoRA adapter {new.lora_name!r} is not loaded"
                     continue
-                self._adapter_of[new.seq_id] = self.loras[new.lora_name]
+                self._adapter_of[new.seq_id] = adapter
             try:
                 state = self.states[new.seq_id] = self._new_state(new)
                 state.append(new.output_token_ids)   # generated before a handover
