@@ -59,4 +59,4 @@ async def _accept(request: web.Request, type_: type):
 async def _apply(state, msg: LoadLoRAAdapter | UnloadLoRAAdapter) -> None:
     outcome = await state.client.manage_lora(msg)
     if outcome.error:
-        raise APIError(outcome.status, outcome.error, param="lora_path" if outcome.status == 400 else "lora_name")
+        raise APIError(outcome.status, outcome.error)

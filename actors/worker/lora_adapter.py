@@ -54,7 +54,7 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
     """The adapter in folder `path`, checked against the base model `cfg` and `max_rank`."""
     config = _read_config(path)
     rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAError(f"adapter {name!r}: `r` in {CONFIG_FILE} must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
@@ -63,6 +63,8 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
         if config.get(key) not in allowed:
             raise LoRAError(f"adapter {name!r}: {key}={config.get(key)!r} is not supported")
     alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAError(f"adapter {name!r}: `lora_alpha` in {CONFIG_FILE} must be a number, got {alpha!r}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights = _read_weights(name, path, cfg, rank)
     modules = frozenset(m for _, m in weights)

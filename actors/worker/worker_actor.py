@@ -107,6 +107,8 @@ class WorkerActor(Actor):
             adapter = await asyncio.to_thread(read_adapter, name, path, r.model_config, r.max_lora_rank)
         except LoRAError as e:
             return LoRAOutcome(400, str(e))
+        except (OSError, ValueError) as e:   # an unreadable file past the checks: still the folder's fault
+            return LoRAOutcome(400, f"adapter {name!r} cannot be read from {path!r}: {e}")
         if name in self.loras:   # loaded meanwhile by another call
             return LoRAOutcome(400, f"The lora adapter '{name}' has already been loaded.")
         self.loras[name] = adapter

@@ -63,6 +63,8 @@ def test_scaling_and_modules_as_peft_has_them(base, adapters):
     ("rank too large", "rank 8, more than --max-lora-rank 4"),
     ("dora", "use_dora=True is not supported"),
     ("bad json", "cannot be read as JSON"),
+    ("alpha a string", "`lora_alpha` in adapter_config.json must be a number"),
+    ("not safetensors", "is not a readable safetensors file"),
 ])
 def test_a_broken_folder_is_refused_by_name(base, adapters, tmp_path, breakage, message):
     folder = copy(adapters["all"], tmp_path)
@@ -77,6 +79,11 @@ def test_a_broken_folder_is_refused_by_name(base, adapters, tmp_path, breakage, 
         max_rank = 4
     elif breakage == "dora":
         edit_config(folder, use_dora=True)
+    elif breakage == "alpha a string":
+        edit_config(folder, lora_alpha="16")
+    elif breakage == "not safetensors":
+        with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+            f.write(b"\x00" * 64)
     elif breakage == "bad json":
         with open(os.path.join(folder, "adapter_config.json"), "w") as f:
             f.write("{not json")
