@@ -62,14 +62,16 @@ def test_each_adapter_alone_and_all_mixed_match_peft(arch, models):
 
 
 def test_fewer_slots_than_adapters_requests_wait_for_one(models):
+    """Three adapters over two slots, in a KV pool small enough to preempt: had a step held all three,
+    the worker would have failed it; a preempted sequence recomputes under its own adapter."""
     base, folders, want, prompts = models["llama"]
-    with LLM(base, dtype="float32", num_threads=1, num_blocks=64, lora_modules=modules(folders),
-             max_loras=2, max_lora_rank=16) as llm:
+    with LLM(base, dtype="float32", num_threads=1, block_size=8, num_blocks=14, lora_modules=modules(folders),
+             max_loras=2, max_lora_rank=16, max_num_batched_tokens=32, enable_prefix_caching=False) as llm:
         names = [*ADAPTERS, None] * 2
-        outs = llm.generate([prompts[1]] * len(names), GREEDY, lora_request=names)
-        assert [o.outputs[0].token_ids for o in outs] == [want[n][1] for n in names]
-        # Three adapters over two slots: had a step held all three, the worker would have failed it.
+        outs = llm.generate([prompts[2]] * len(names), GREEDY, lora_request=names)
+        assert [o.outputs[0].token_ids for o in outs] == [want[n][2] for n in names]
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert llm.stats().preemptions > 0
 
 
 def test_same_prompt_under_two_adapters_shares_no_kv(models):
