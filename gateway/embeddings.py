@@ -39,7 +39,9 @@ async def embeddings(request: web.Request) -> web.Response:
     state.check_capacity(len(prompts))
     rid, _ = handlers.request_ids(request, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics, arrival)
+    lora = state.check_model(req.model)   # an adapter's embeddings pool its own hidden states
+    gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics, arrival,
+                     lora_name=lora)
     vectors: list[list[float] | None] = [None] * len(prompts)
     with handlers.running(state, gen):
         while not gen.done:
@@ -54,7 +56,7 @@ async def embeddings(request: web.Request) -> web.Response:
     usage = gen.usage()
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return web.Response(body=_encode({"object": "list", "data": data, "model": state.model_name,
+    return web.Response(body=_encode({"object": "list", "data": data, "model": lora or state.model_name,
                                       "usage": {"prompt_tokens": usage["prompt_tokens"],
                                                 "total_tokens": usage["prompt_tokens"]}}),
                         content_type="application/json")

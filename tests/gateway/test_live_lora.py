@@ -187,3 +187,15 @@ def test_metrics_name_the_adapters(served):
     assert re.search(r'^vllm:lora_requests_info\{[^}]*max_lora="2"[^}]*\} \S+$', text, re.M), text
     count = re.search(r'^matinee_lora_requests_total\{lora_name="all"\} (\S+)$', text, re.M)
     assert count and float(count.group(1)) >= 2
+
+
+def test_embeddings_under_an_adapter_differ_from_the_base_models(served):
+    def embed(model):
+        reply = http.post(served.url + "/v1/embeddings", headers=AUTH, json_body={"model": model, "input": [served.prompt]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == model
+        return reply.json()["data"][0]["embedding"]
+
+    base, adapted = embed("tiny"), embed("all")
+    assert len(base) == len(adapted) and base != adapted
+    assert embed("all") == adapted
