@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import Segment
+from kernels.lora import Segment, Segments
 
 BLOCK_M, BLOCK_K, BLOCK_N = 16, 32, 32
 
@@ -65,6 +65,19 @@ def _expand_kernel(t_ptr, b_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_slot_p
     tl.store(out, (tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _segment_table(segments: list[Segment], device: torch.device) -> tuple[torch.Tensor, int]:
+    """[3, segments] int32 on the device (starts, lengths, slots) and the longest segment; made once a step
+    for a step's Segments (every layer reads the same), not once a call."""
+    cached = getattr(segments, "_table", None)
+    if cached is None:
+        starts, ends, slots = zip(*segments)
+        lengths = [e - s for s, e in zip(starts, ends)]
+        cached = torch.tensor([starts, lengths, slots], dtype=torch.int32, device=device), max(lengths)
+        if isinstance(segments, Segments):
+            segments._table = cached
+    return cached
+
+
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              segments: list[Segment]) -> None:
     """As lora.add_lora: out[start:end] += x[start:end] @ a[slot] @ b[slot] per segment, in place."""
@@ -73,9 +86,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     rank, d_in, d_out = a.shape[2], a.shape[1], b.shape[2]
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not a.is_contiguous() or not b.is_contiguous():
         raise ValueError("add_lora wants unit-stride rows and contiguous A and B stacks")
-    starts, ends, slots = zip(*segments)
-    meta = torch.tensor([starts, [e - s for s, e in zip(starts, ends)], slots], dtype=torch.int32, device=x.device)
-    longest = max(e - s for s, e in zip(starts, ends))
+    meta, longest = _segment_table(segments, x.device)
     t = torch.empty(x.shape[0], rank, dtype=torch.float32, device=x.device)
     block_r = max(16, triton.next_power_of_2(rank))
     rows = triton.cdiv(longest, BLOCK_M)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import add_lora as reference
+from kernels.lora import Segments, add_lora as reference
 from tests.kernels.conftest import DEVICE
 
 triton_lora = pytest.importorskip("kernels.lora_triton")
@@ -30,7 +30,9 @@ def test_kernel_matches_reference(dtype, tol, rank):
     reference(want[:, 17:17 + d_out], x, a, b, segments)
     to = dict(device=DEVICE, dtype=dtype)
     got = base.to(**to)
-    triton_lora.add_lora(got[:, 17:17 + d_out], x.to(**to), a.to(**to), b.to(**to), segments)
+    table = Segments(segments)   # its device table made at the first call, read again at the second
+    triton_lora.add_lora(got[:, 17:17 + d_out], x.to(**to), a.to(**to), b.to(**to), table)
+    assert table._table[1] == 37
     assert torch.allclose(got.float().cpu(), want, atol=tol, rtol=tol)
     assert torch.equal(got[:3].float().cpu(), base[:3].to(dtype).float())    # base rows untouched
     assert torch.equal(got[:, :17].float().cpu(), base[:, :17].to(dtype).float())   # other columns too
