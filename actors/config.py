@@ -5,6 +5,7 @@ validated here with clear ValueErrors. Nothing below the engine reads the enviro
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,7 +85,8 @@ class EngineConfig:
         "help": "serve LoRA adapters of the model (implied by --lora-modules)"})
     lora_modules: list[str] | None = field(default=None, metadata={
         "help": "LoRA adapters loaded at start, each NAME=PATH of a PEFT folder (adapter_config.json and "
-                "adapter_model.safetensors); a request picks one by giving its NAME as `model`",
+                "adapter_model.safetensors), or vLLM's JSON form {\"name\": ..., \"path\": ...}; a request "
+                "picks one by giving its NAME as `model`",
         "nargs": "+", "metavar": "NAME=PATH"})
     max_loras: int = field(default=1, metadata={
         "help": "LoRA adapters resident at once; the running requests read at most this many, a request "
@@ -136,9 +138,7 @@ class EngineConfig:
         """--lora-modules as name -> folder."""
         out: dict[str, str] = {}
         for item in self.lora_modules or ():
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+            name, path = _lora_module(item)
             if name in out:
                 raise ValueError(f"lora_modules: the name {name!r} is given twice")
             out[name] = path
@@ -180,6 +180,21 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} does not fit in the KV pool "
                              f"({num_blocks} blocks x {self.block_size} = {capacity} tokens)")
         return self.max_model_len
+
+
+def _lora_module(item: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}."""
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+        except ValueError:
+            spec = None
+        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+    else:
+        name, sep, path = item.partition("=")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise ValueError(f'lora_modules: {item!r} is neither NAME=PATH nor {{"name": ..., "path": ...}}')
+    return name, path
 
 
 def _positive(cfg: EngineConfig, *names: str) -> None:

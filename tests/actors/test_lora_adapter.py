@@ -106,3 +106,14 @@ def test_half_an_adapter_pair_is_refused(adapters, base, tmp_path):
     save_file({k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj.lora_B" not in k}, path)
     with pytest.raises(LoRAError, match="layer 0 q_proj has lora_A without its other half"):
         read_adapter("x", folder, read_hf_config(base), 16)
+
+
+def test_lora_modules_take_name_equals_path_and_vllms_json(base):
+    from actors.config import EngineConfig
+
+    cfg = EngineConfig(model=base, lora_modules=["sql=/a/sql", '{"name": "fr", "path": "/a/fr", "base_model_name": "m"}'])
+    assert cfg.lora_paths() == {"sql": "/a/sql", "fr": "/a/fr"} and cfg.lora_slots == 1
+    assert EngineConfig(model=base).lora_slots == 0   # off without adapters or --enable-lora
+    for bad in ("sql", "=/a", '{"name": "x"}', "{not json", "a=/x a=/y".split()):
+        with pytest.raises(ValueError, match="lora_modules"):
+            EngineConfig(model=base, lora_modules=bad if isinstance(bad, list) else [bad])
