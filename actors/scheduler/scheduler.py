@@ -453,11 +453,13 @@ class Scheduler:
         return sum(1 for i in seq_ids if (s := self.seqs.get(i)) is not None and s.request.ballast)
 
     def _displace_ballast(self) -> list[int]:
-        """Running ballast that gives its row to a waiting interactive request: requeued, its
-        blocks freed in this step's transaction (a fork parent keeps its blocks until it forked)."""
+        """Running ballast that gives its row, or its LoRA adapter's slot, to a waiting interactive
+        request: requeued, its blocks freed in this step's transaction (a fork parent keeps its blocks
+        until it forked)."""
         parents = {f.parent_seq_id for f, _ in self._forks}
-        victims = [s for s in self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
-                   if s.seq_id not in parents]
+        rows = self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
+        slots = self.ballast.slots_to_free(self.running, self.waiting, self.cfg.max_loras)
+        victims = [s for s in dict.fromkeys(rows + slots) if s.seq_id not in parents]
         for victim in victims:
             self._requeue(victim)
             self.counters.preemptions += 1
