@@ -9,6 +9,7 @@ import random
 import re
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -199,3 +200,34 @@ def test_embeddings_under_an_adapter_differ_from_the_base_models(served):
     base, adapted = embed("tiny"), embed("all")
     assert len(base) == len(adapted) and base != adapted
     assert embed("all") == adapted
+
+
+def test_a_batch_line_names_an_adapter_as_a_live_request_does(served):
+    """Batch lines run through the live routes' code as ballast: `model` picks the adapter there too,
+    and a name neither the base model nor an adapter has is that line's own 404."""
+    def line(cid: str, model: str) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {
+            "model": model, "prompt": served.prompt, "max_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}}
+
+    data = b"".join(json.dumps(line(cid, model)).encode() + b"\n"
+                    for cid, model in (("lora", "all"), ("base", "tiny"), ("gone", "nope")))
+    file_id = http.upload(served.url + "/v1/files", data, headers=AUTH).json()["id"]
+    batch = http.post(served.url + "/v1/batches", headers=AUTH, json_body={
+        "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}).json()
+    deadline = time.monotonic() + 120
+    while batch["status"] not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        batch = http.get(served.url + f"/v1/batches/{batch['id']}", headers=AUTH).json()
+    assert batch["status"] == "completed", batch
+
+    def lines(key: str) -> dict[str, dict]:
+        text = http.get(served.url + f"/v1/files/{batch[key]}/content", headers=AUTH).text
+        return {(d := json.loads(t))["custom_id"]: d["response"] for t in text.splitlines()}
+
+    out, errors = lines("output_file_id"), lines("error_file_id")
+    for cid, name in (("lora", "all"), ("base", None)):
+        body = out[cid]["body"]
+        tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == served.want[name] and body["model"] == (name or "tiny")
+    assert errors["gone"]["status_code"] == 404 and errors["gone"]["body"]["error"]["code"] == "model_not_found"
