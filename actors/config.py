@@ -5,6 +5,7 @@ validated here with clear ValueErrors. Nothing below the engine reads the enviro
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,17 @@ class EngineConfig:
     batch_itl_objective_s: float | None = field(default=None, metadata={
         "help": "batch lines stop taking rows while interactive p90 inter-token latency is above this many "
                 "seconds (unset: no objective)", "flag": "batch-itl-objective"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters of the model (implied by --lora-modules)"})
+    lora_modules: list[str] | None = field(default=None, metadata={
+        "help": "LoRA adapters loaded at start, each NAME=PATH of a PEFT folder (adapter_config.json and "
+                "adapter_model.safetensors), or vLLM's JSON form {\"name\": ..., \"path\": ...}; a request "
+                "picks one by giving its NAME as `model`",
+        "nargs": "+", "metavar": "NAME=PATH"})
+    max_loras: int = field(default=1, metadata={
+        "help": "LoRA adapters resident at once; the running requests read at most this many, a request "
+                "for another waits for a slot (least recently used out first)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
         "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
@@ -141,6 +153,25 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = [self.lora_modules]
+        self.lora_paths()   # a malformed NAME=PATH fails here
+        _positive(self, "max_loras", "max_lora_rank")
+
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> folder."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules or ():
+            name, path = _lora_module(item)
+            if name in out:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            out[name] = path
+        return out
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots for adapters: 0 when LoRA is off."""
+        return self.max_loras if self.enable_lora or self.lora_modules else 0
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -173,6 +204,21 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} does not fit in the KV pool "
                              f"({num_blocks} blocks x {self.block_size} = {capacity} tokens)")
         return self.max_model_len
+
+
+def _lora_module(item: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}."""
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+        except ValueError:
+            spec = None
+        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+    else:
+        name, sep, path = item.partition("=")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise ValueError(f'lora_modules: {item!r} is neither NAME=PATH nor {{"name": ..., "path": ...}}')
+    return name, path
 
 
 def _positive(cfg: EngineConfig, *names: str) -> None:

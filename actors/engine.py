@@ -23,7 +23,7 @@ from actors.kv.kv_actor import KVManagerActor
 from actors.kv.structs import KVCacheConfig
 from actors.kv.tier import KVTier
 from actors.kv.tier_disk import DiskTier
-from actors.messages import GetWorkerInfo, WorkerInfo
+from actors.messages import GetWorkerInfo, LoadLoRAAdapter, LoRAOutcome, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.tokenizer import Tokenizer, load_tokenizer
@@ -109,7 +109,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         eos = frozenset(info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.step_tokens(), info.block_size,
                               max_model_len, eos, config.scheduling_policy == "priority", config.decode_burst,
-                              config.ballast_objective())
+                              config.ballast_objective(), config.lora_slots)
+        await _load_loras(worker, config.lora_paths())
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
@@ -204,10 +205,19 @@ async def _attach_draft_node(node_id: str, system: ActorSystem, name: str, targe
     return link
 
 
+async def _load_loras(worker: ActorRef, paths: dict[str, str]) -> None:
+    """--lora-modules: an adapter that cannot be served stops the start with its reason."""
+    for name, path in paths.items():
+        outcome: LoRAOutcome = await worker.ask(LoadLoRAAdapter(name, path), timeout=600)
+        if outcome.error:
+            raise ValueError(f"--lora-modules {name}={path}: {outcome.error}")
+
+
 def _make_runner(config: EngineConfig) -> ModelRunner:
     return ModelRunner(config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
                        block_size=config.block_size, num_blocks=config.num_blocks,
                        kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
                        num_threads=config.num_threads, quantization=config.quantization,
                        kv_cache_dtype=config.kv_cache_dtype,
-                       cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs)
+                       cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs,
+                       max_loras=config.lora_slots, max_lora_rank=config.max_lora_rank)

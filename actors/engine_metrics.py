@@ -7,6 +7,7 @@ engine twice. Adding a metric is one row in `SERIES`.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -184,6 +185,7 @@ class EngineCollector(Collector):
         yield _histogram("matinee_engine_inter_token_latency_seconds", "Time between the engine's tokens of a "
                          "sequence, observed per token.", labels, ITL_BUCKETS, s.itl_buckets, s.itl_sum)
         yield from self._accepted_per_pos(s, labels)
+        yield from _lora(s)
 
     @staticmethod
     def _accepted_per_pos(s: EngineStats, labels: dict[str, str]) -> Iterator[CounterMetricFamily]:
@@ -201,6 +203,27 @@ class EngineCollector(Collector):
             vllm.add_metric([*labels.values(), str(pos)], n)
         yield matinee
         yield vllm
+
+
+def _lora(s: EngineStats) -> Iterator:
+    """vLLM's vllm:lora_requests_info (its labels name the adapters running and waiting, its value is
+    when it was last updated) and Matinee's requests per adapter; none while LoRA is off."""
+    if not s.max_loras:
+        return
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+    info.add_metric([",".join(sorted(s.lora_running)), str(s.max_loras), ",".join(sorted(s.lora_waiting))],
+                    time.time())
+    yield info
+    requests = CounterMetricFamily("matinee_lora_requests", "Requests submitted for each LoRA adapter.",
+                                   labels=["lora_name"])
+    running = GaugeMetricFamily("matinee_lora_requests_running", "Requests running with each LoRA adapter.",
+                                labels=["lora_name"])
+    for name, n in sorted(s.lora_requests.items()):
+        requests.add_metric([name], n)
+        running.add_metric([name], s.lora_running.get(name, 0))
+    yield requests
+    yield running
 
 
 def _histogram(name: str, help: str, labels: dict[str, str], bounds: tuple[float, ...], counts: list[int],

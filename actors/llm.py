@@ -19,7 +19,8 @@ from tqdm import tqdm
 from actors.config import EngineConfig
 from actors.detokenizer import SampleText
 from actors.engine import Engine, start_engine
-from actors.messages import AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages import (AbortRequest, EngineStats, GetStats, LoadLoRAAdapter, LoRAOutcome, SamplingParams,
+                             SubmitRequest, TokenDeltas, UnloadLoRAAdapter)
 from runtime import Actor
 from runtime.loop import new_event_loop
 
@@ -127,7 +128,7 @@ class LLM:
         return self.tokenizer
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: a string, a list of token ids, or a list
         of either (or dicts with "prompt" / "prompt_token_ids").
 
@@ -135,7 +136,9 @@ class LLM:
         finish_reason "error", the tokens made before the failure and the message in `error`; the
         other prompts' outputs are unaffected. An empty prompt ends the same way.
 
-        `use_tqdm` draws a bar on stderr over the prompts as they finish, as vLLM's does."""
+        `use_tqdm` draws a bar on stderr over the prompts as they finish, as vLLM's does. `lora_request`
+        names the LoRA adapter (loaded with --lora-modules or `load_lora`) for every prompt, or one per
+        prompt (None: the base model)."""
         items = [self._tokenize(p) for p in _as_prompt_list(prompts)]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -143,7 +146,21 @@ class LLM:
             [sampling_params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
-        return self._call(self._generate(items, params, use_tqdm))
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(items)} prompts")
+        return self._call(self._generate(items, params, use_tqdm, loras))
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Reads the PEFT folder `path` as adapter `name`; ValueError naming what is wrong with it."""
+        outcome: LoRAOutcome = self._call(self.engine.scheduler.ask(LoadLoRAAdapter(name, path)))
+        if outcome.error:
+            raise ValueError(outcome.error)
+
+    def unload_lora(self, name: str) -> None:
+        outcome: LoRAOutcome = self._call(self.engine.scheduler.ask(UnloadLoRAAdapter(name)))
+        if outcome.error:
+            raise ValueError(outcome.error)
 
     def embed(self, prompts: Any) -> list[list[float]]:
         """Each prompt's embedding, pooled as the model pools (actors/worker/pooling.py), in order."""
@@ -173,10 +190,10 @@ class LLM:
     # --- on the engine's loop --------------------------------------------------------------------
 
     async def _generate(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-                        use_tqdm: bool) -> list[RequestOutput]:
+                        use_tqdm: bool, loras: list[str | None]) -> list[RequestOutput]:
         loop = asyncio.get_running_loop()
         ids, futures = [], []
-        for (text, token_ids), sp in zip(items, params):
+        for (text, token_ids), sp, lora in zip(items, params, loras):
             rid = f"llm-{next(self._ids)}"
             n = sp.n
             texts = [SampleText(self.tokenizer, token_ids, sp.stop, include_stop=sp.include_stop_str_in_output)
@@ -187,7 +204,7 @@ class LLM:
             self._collector.pending[rid] = pending
             ids.append(rid)
             futures.append(pending.done)
-            self.engine.scheduler.tell(SubmitRequest(rid, token_ids, sp, self._collector_ref))
+            self.engine.scheduler.tell(SubmitRequest(rid, token_ids, sp, self._collector_ref, lora_name=lora))
         if use_tqdm:
             await _with_bar(futures)
         return [self._output(rid, await fut) for rid, fut in zip(ids, futures)]

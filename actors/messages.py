@@ -112,6 +112,7 @@ class SubmitRequest(msgspec.Struct, tag=True):
     pull_from: ActorRef | None = None   # a peer engine's KV transfer actor that holds more of the prompt's
                                         # prefix: pull its blocks into this engine's KV tier first
     ballast: bool = False             # a batch line: runs only in room interactive requests leave
+    lora_name: str | None = None      # the LoRA adapter to generate with (None: the base model)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -206,6 +207,40 @@ class EngineStats(msgspec.Struct, tag=True):
     kv_tier: KVStats | None = None    # the KV manager's stats, with its tier's (None without a tier)
     ballast_rows: int = 0             # batch-line (ballast) sequences in a step, summed over steps
     ballast_finished: int = 0         # batch-line requests finished
+    max_loras: int = 0                    # LoRA adapter slots (0: the base model alone)
+    lora_running: dict[str, int] = {}     # adapter -> its requests running now, and waiting
+    lora_waiting: dict[str, int] = {}
+    lora_requests: dict[str, int] = {}    # adapter -> requests submitted for it since the start
+
+
+# --- LoRA adapters: front end -> scheduler -> model worker (vLLM's load_lora_adapter API) ----------
+
+
+class LoadLoRAAdapter(msgspec.Struct, tag=True):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapter(msgspec.Struct, tag=True):
+    """New requests may no longer name it; those already running finish with it."""
+
+    lora_name: str
+
+
+class LoRAOutcome(msgspec.Struct, tag=True):
+    """The reply to a load or unload: `status` is the HTTP status the front end answers with."""
+
+    status: int = 200
+    error: str = ""
+
+
+class ListLoRAAdapters(msgspec.Struct, tag=True):
+    pass
+
+
+class LoRAAdapters(msgspec.Struct, tag=True):
+    adapters: dict[str, str]          # name -> the folder it was read from
+    max_loras: int = 0
 
 
 # --- scheduler <-> model worker -------------------------------------------------------------------
@@ -219,6 +254,7 @@ class NewSequence(msgspec.Struct, array_like=True, gc=False):
     params: SamplingParams
     seed: int | None                  # the request's seed, offset per sample so n copies differ
     output_token_ids: list[int] = []  # tokens it generated elsewhere (handed over): the penalties see them
+    lora_name: str | None = None      # its LoRA adapter (None: the base model)
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, gc=False):
@@ -662,6 +698,7 @@ class KVTierPut(msgspec.Struct, tag=True):
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
-                  GetEngineInfo, EngineInfo, SubmitRefused)
+                  GetEngineInfo, EngineInfo, SubmitRefused,
+                  LoadLoRAAdapter, UnloadLoRAAdapter, LoRAOutcome, ListLoRAAdapters, LoRAAdapters)
 register_messages(KVOffer, KVOfferReply, KVChunk, KVCommit, KVCancel, KVHandedOver, KVHandoffFailed)
 register_messages(KVPull, KVPulled)

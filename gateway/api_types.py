@@ -157,6 +157,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = None            # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct):

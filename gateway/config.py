@@ -85,6 +85,8 @@ class GatewayConfig:
     batch_file_ttl_s: float = field(default=30 * 86400.0, metadata={
         "help": "seconds a file (a batch's input, output or errors) is kept after it was made",
         "flag": "batch-file-ttl"})
+    enable_lora_runtime_updates: bool = field(default=False, metadata={
+        "help": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), behind the API key"})
     retry_after_s: int = 1
     api_keys: tuple[str, ...] = field(default=(), init=False)   # --api-key and --api-key-file's keys
 

@@ -29,7 +29,7 @@ async def embeddings(request: web.Request) -> web.Response:
 async def embed(call: handlers.Call) -> dict:
     """The embeddings of a call's inputs, as the one JSON body the route answers."""
     state = call.state
-    req, client, engine = handlers.accept_body(state, call.body, protocol.EmbeddingRequest,
+    req, client, engine = await handlers.accept_body(state, call.body, protocol.EmbeddingRequest,
                                                protocol.validate_embedding)
     tok = engine.tokenizer
     given = protocol.completion_prompts(req.input, tok.vocab_size, param="input")
@@ -44,8 +44,9 @@ async def embed(call: handlers.Call) -> dict:
     state.check_capacity(len(prompts))
     rid, _ = handlers.request_ids(call.ids, req)
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+    lora = state.check_model(req.model)   # an adapter's embeddings pool its own hidden states
     gen = Generation(client, tok, rid, prompts, params, [], req.priority or 0, state.metrics.of(call.ballast),
-                     call.arrival, ballast=call.ballast)
+                     call.arrival, ballast=call.ballast, lora_name=lora)
     vectors: list[list[float] | None] = [None] * len(prompts)
     with handlers.running(state, gen):
         while not gen.done:
@@ -60,7 +61,7 @@ async def embed(call: handlers.Call) -> dict:
     usage = gen.usage()
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return {"object": "list", "data": data, "model": state.model_name,
+    return {"object": "list", "data": data, "model": lora or state.model_name,
             "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["prompt_tokens"]}}
 
 

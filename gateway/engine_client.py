@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.messages import (AbortRequest, EngineStats, GetStats, SamplingParams, SubmitRequest,
+from actors.messages import (AbortRequest, EngineStats, GetStats, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters,
+                             LoRAOutcome, SamplingParams, SubmitRequest, UnloadLoRAAdapter,
                              TokenDeltas)
 from gateway.tenant import current_cache_salt
 from prefix_store import TenantSalts
@@ -71,7 +72,7 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
-               ballast: bool = False) -> None:
+               ballast: bool = False, lora_name: str | None = None) -> None:
         """Deltas for `request_id` go to `queue` until `release(request_id)`; its prompt blocks
         are salted for the tenant of the HTTP request being handled, and with the request's own
         `request_salt` (vLLM's cache_salt)."""
@@ -79,7 +80,7 @@ class EngineClient:
         self.scheduler.tell(SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                           params=params, reply_to=self._receiver, priority=priority,
                                           cache_salt=current_cache_salt(self.salts, request_salt),
-                                          ballast=ballast))
+                                          ballast=ballast, lora_name=lora_name))
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort one sample (`index`) or the whole request; the engine frees its blocks."""
@@ -90,6 +91,10 @@ class EngineClient:
 
     async def stats(self, timeout: float = 2.0) -> EngineStats:
         return await self.scheduler.ask(GetStats(), timeout=timeout)
+
+    async def manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters,
+                          timeout: float = 600.0) -> LoRAOutcome | LoRAAdapters:
+        return await self.scheduler.ask(msg, timeout=timeout)
 
     async def engine_stats(self, timeout: float = 2.0) -> dict[str, EngineStats]:
         """The pool's interface: this one engine's stats, as engine "0"."""

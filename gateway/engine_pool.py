@@ -20,12 +20,13 @@ from typing import Any
 
 from actors.engine_node import REGISTRY_PREFIX
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
-                             KVHandoffFailed, SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas)
+                             KVHandoffFailed, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
+                             SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas, UnloadLoRAAdapter)
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
 from gateway.tenant import current_cache_salt
-from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts
+from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts, adapter_salt
 from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 
 log = get_logger(component="engine-pool")
@@ -174,11 +175,12 @@ class EnginePool:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue, priority: int = 0, request_salt: str | None = None,
-               ballast: bool = False) -> None:
+               ballast: bool = False, lora_name: str | None = None) -> None:
         """As EngineClient.submit: the prompt's blocks salted for the tenant of the HTTP request
         being handled, and with the request's own `request_salt` (vLLM's cache_salt)."""
         cache_salt = current_cache_salt(self.salts, request_salt)
-        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, ballast=ballast)
+        req = InflightRequest(request_id, list(prompt_token_ids), params, priority, cache_salt, lora_name,
+                              ballast=ballast)
         self._requests[request_id] = (req, queue)
         self._spawn(self._send(req, None))
 
@@ -205,6 +207,18 @@ class EnginePool:
         engine serves its own /metrics, and a sum across gateways would count it twice)."""
         return {e.info.engine_id: e.stats for e in self.engines.values() if e.stats is not None and e.routable}
 
+    async def manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters,
+                          timeout: float = 600.0) -> LoRAOutcome | LoRAAdapters:
+        """Every routable engine loads (or unloads) the adapter, so any of them can serve it; the first
+        refusal is the answer. A list is the adapters every engine holds."""
+        engines = [e for e in self.engines.values() if e.routable]
+        replies = await asyncio.gather(*(e.ref.ask(msg, timeout=timeout) for e in engines))
+        if isinstance(msg, ListLoRAAdapters):
+            held = [r.adapters for r in replies]
+            common = {n: p for n, p in held[0].items() if all(n in h for h in held)} if held else {}
+            return LoRAAdapters(common, min((r.max_loras for r in replies), default=0))
+        return next((r for r in replies if r.error), LoRAOutcome())
+
     async def wait_for_engine(self) -> EngineInfo:
         while not self.alive:
             self._changed.clear()
@@ -229,7 +243,8 @@ class EnginePool:
         try:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
-                    engine, decode, pull_from = await self._choose(prompt, req.cache_salt, params)
+                    engine, decode, pull_from = await self._choose(prompt, req.cache_salt, params,
+                                                                   req.lora_name)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
                     # No engine, or every decode engine is full: wait for the next change or stats.
@@ -256,17 +271,25 @@ class EnginePool:
             decode.reserved += self._blocks_for(prompt)
             handoff_to = decode.info.kv_receiver
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
-                                      handoff_to, pull_from if handoff_to is None else None,
-                                      ballast=req.ballast))
+                                      handoff_to if req.lora_name is None else None,
+                                      pull_from if handoff_to is None else None,
+                                      ballast=req.ballast, lora_name=req.lora_name))
 
-    async def _choose(self, prompt: list[int], cache_salt: str | None,
-                      params: SamplingParams) -> tuple[_Engine | None, _Engine | None, ActorRef | None]:
+    async def _choose(self, prompt: list[int], cache_salt: str | None, params: SamplingParams,
+                      lora_name: str | None = None
+                      ) -> tuple[_Engine | None, _Engine | None, ActorRef | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to; the
         KV transfer actor of an engine it should pull the prompt's prefix from first).
         With prefill and decode engines of one KV layout up, requests are disaggregated (with n > 1
         or prompt logprobs they run whole on the prefill engine, with a short prompt whole on the
-        decode engine); otherwise colocated engines serve them whole, or any engine left."""
+        decode engine); otherwise colocated engines serve them whole, or any engine left. A request
+        with a LoRA adapter runs whole, on an engine that holds its adapter or has a slot free."""
         routable = [e for e in self.engines.values() if e.routable]
+        if lora_name is not None:
+            colocated = [e for e in routable if e.info.role == "engine"] or routable
+            engine, pull_from = await self._choose_among(_with_adapter(colocated, lora_name), prompt,
+                                                         adapter_salt(cache_salt, lora_name))
+            return engine, None, pull_from
         prefill = [e for e in routable if e.info.role == "prefill"]
         # A handoff needs one KV layout (dtype, layers, heads) at both ends: `--dtype auto` can
         # resolve differently on two machines. A decode engine no prefill engine can feed is no target.
@@ -502,3 +525,14 @@ class EnginePool:
             self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
 
+
+def _with_adapter(engines: list[_Engine], lora_name: str) -> list[_Engine]:
+    """Where a request for adapter `lora_name` may go, by the engines' latest stats: those running its
+    requests (its slot is loaded there) while nothing waits on them; else those with a slot free (an
+    engine without stats yet counts as free); else all of them. The router picks by prefix and load."""
+    holding = [e for e in engines if e.stats is not None and lora_name in e.stats.lora_running
+               and not e.stats.requests_waiting]
+    if holding:
+        return holding
+    free = [e for e in engines if e.stats is None or len(e.stats.lora_running) < e.stats.max_loras]
+    return free or engines

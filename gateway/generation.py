@@ -65,12 +65,14 @@ class Generation:
     def __init__(self, client: EngineConnection, tokenizer, request_id: str,
                  prompts: list[list[int]], params: SamplingParams, stop: list[str],
                  priority: int, metrics: GatewayMetrics, arrival: float,
-                 cache_salt: str | None = None, ballast: bool = False) -> None:
+                 cache_salt: str | None = None, ballast: bool = False, lora_name: str | None = None) -> None:
         """`cache_salt`: the request's own prefix-cache salt (vLLM's), on top of its tenant's;
-        `ballast`: a batch line, which the engine runs only in room interactive requests leave."""
+        `ballast`: a batch line, which the engine runs only in room interactive requests leave;
+        `lora_name`: the LoRA adapter it generates with."""
         self.request_id = request_id
         self.ballast = ballast
         self._cache_salt = cache_salt
+        self._lora_name = lora_name
         self._client = client
         self._params = params
         self._priority = priority
@@ -96,7 +98,7 @@ class Generation:
         self._metrics.queue.observe(time.monotonic() - self._arrival)
         for sub, ids in zip(self._subs.values(), self._prompts):
             self._client.submit(sub.request_id, ids, self._params, self._queue, self._priority,
-                                request_salt=self._cache_salt, ballast=self.ballast)
+                                request_salt=self._cache_salt, ballast=self.ballast, lora_name=self._lora_name)
         self.num_waiting = len(self._subs) * self._params.n
 
     async def next(self, timeout: float | None = None) -> list[ChoiceDelta] | None:

@@ -90,19 +90,14 @@ async def http_call(request: web.Request) -> Call:
     return Call(request.app[STATE], await read_body(request), ids_of(request), time.monotonic())
 
 
-def accept_body(state: GatewayState, body: bytes, type_: type, validate):
+async def accept_body(state: GatewayState, body: bytes, type_: type, validate):
     """The body decoded and checked, and the engine that will serve it: the generation routes'
     common start, before anything is tokenized."""
     req = protocol.decode(body, type_)
     validate(req)
     client, engine = state.require_engine()
-    state.check_model(req.model)
+    await state.resolve_model(req.model)
     return req, client, engine
-
-
-async def accept(request: web.Request, type_: type, validate):
-    state = request.app[STATE]
-    return (state, *accept_body(state, await read_body(request), type_, validate))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -110,7 +105,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def prepare_chat(call: Call) -> Prepared:
-    req, client, engine = accept_body(call.state, call.body, protocol.ChatRequest, protocol.validate_chat)
+    req, client, engine = await accept_body(call.state, call.body, protocol.ChatRequest, protocol.validate_chat)
     gen, fmt = await chat_generation(call.ids, call.state, req, client, engine, call.arrival,
                                      ballast=call.ballast)
     return Prepared(gen, fmt, bool(req.stream), _stream_usage(req))
@@ -138,11 +133,12 @@ async def chat_generation(ids: Ids, state: GatewayState, req: protocol.ChatReque
     state.check_capacity(params.n)   # before compiling: a full queue refuses at once
     await compiled(structured, config.grammar_timeout_s)
     rid, shown = request_ids(ids, req)
-    fmt = ChatFormat(Envelope(id_prefix, shown, state.model_name), _token_strings(state, req), params.n,
+    lora = state.check_model(req.model)
+    fmt = ChatFormat(Envelope(id_prefix, shown, lora or state.model_name), _token_strings(state, req), params.n,
                      top, req.prompt_logprobs, tools.parser if tools is not None else None, _echo(req),
                      thinking)
     gen = Generation(client, engine.tokenizer, rid, [prompt], params, params.stop,
-                     req.priority or 0, state.metrics.of(ballast), arrival, req.cache_salt, ballast)
+                     req.priority or 0, state.metrics.of(ballast), arrival, req.cache_salt, ballast, lora)
     return gen, fmt
 
 
@@ -188,7 +184,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def prepare_completion(call: Call) -> Prepared:
     state = call.state
-    req, client, engine = accept_body(state, call.body, protocol.CompletionRequest, protocol.validate_completion)
+    req, client, engine = await accept_body(state, call.body, protocol.CompletionRequest, protocol.validate_completion)
     tok = engine.tokenizer
     given = protocol.completion_prompts(req.prompt, tok.vocab_size)
     if req.suffix is not None:
@@ -211,11 +207,12 @@ async def prepare_completion(call: Call) -> Prepared:
     rid, shown = request_ids(call.ids, req)
     echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
             for p in given for _ in range(params.n)] if req.echo else None
-    fmt = CompletionFormat(Envelope("cmpl", shown, state.model_name), _token_strings(state, req),
+    lora = state.check_model(req.model)
+    fmt = CompletionFormat(Envelope("cmpl", shown, lora or state.model_name), _token_strings(state, req),
                            params.n * len(prompts), req.logprobs, echo,
                            [ids for ids in prompts for _ in range(params.n)], req.prompt_logprobs)
     gen = Generation(client, tok, rid, prompts, params, params.stop, req.priority or 0,
-                     state.metrics.of(call.ballast), call.arrival, req.cache_salt, call.ballast)
+                     state.metrics.of(call.ballast), call.arrival, req.cache_salt, call.ballast, lora)
     return Prepared(gen, fmt, bool(req.stream), _stream_usage(req))
 
 

@@ -39,6 +39,7 @@ class InflightRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None
     generated: list[list[int]] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
     parts: dict[str, Part] = field(default_factory=dict)

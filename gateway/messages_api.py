@@ -72,7 +72,7 @@ async def _accept(request: web.Request, type_: type):
     req = protocol.decode(await handlers.read_body(request), type_)
     chat = chat_request(req)
     client, engine = state.require_engine()
-    state.check_model(chat.model)
+    await state.resolve_model(chat.model)
     return state, req, chat, client, engine
 
 

@@ -87,7 +87,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = protocol.decode(await handlers.read_body(request), rp.ResponsesRequest)
     rp.validate(req)
     client, engine = state.require_engine()
-    state.check_model(req.model)
+    await state.resolve_model(req.model)
     store = request.app[RESPONSE_STORE]
     history: list[protocol.ChatMessage] = []
     if req.previous_response_id is not None:

@@ -9,8 +9,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway import api_types, batches_api, dashboard, embeddings, files_api, handlers, messages_api, openapi
-from gateway import planner, protocol
+from gateway import api_types, batches_api, dashboard, embeddings, files_api, handlers, lora_api, messages_api
+from gateway import openapi, planner, protocol
 from gateway import responses_api, responses_protocol, responses_types
 from gateway.app_keys import STATE
 from gateway.errors import invalid, unavailable
@@ -40,14 +40,19 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def _model_card(state, name: str) -> dict:
+    """The base model's card, or a LoRA adapter's: its folder as `root`, the base model as `parent`."""
+    lora = state.loras.get(name)
     return {"id": name, "object": "model", "created": _STARTED, "owned_by": "matinee",
-            "root": state.engine.model_path, "max_model_len": state.engine.max_model_len}
+            "root": lora or state.engine.model_path, "parent": state.model_name if lora else None,
+            "max_model_len": state.engine.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_engine()
-    return _json({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+    await state.refresh_loras()
+    names = state.model_names + sorted(state.loras)
+    return _json({"object": "list", "data": [_model_card(state, name) for name in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -118,6 +123,12 @@ ENDPOINTS = [
              response=responses_types.ResponseDeleted),
     Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),
     Endpoint("GET", "/v1/models/{model:.+}", get_model, "One model", response=api_types.ModelCard),
+    Endpoint("POST", "/v1/load_lora_adapter", lora_api.load_lora_adapter,
+             "Load a LoRA adapter (with --enable-lora-runtime-updates)", lora_api.LoadLoRARequest,
+             content_type="text/plain"),
+    Endpoint("POST", "/v1/unload_lora_adapter", lora_api.unload_lora_adapter,
+             "Unload a LoRA adapter (with --enable-lora-runtime-updates)", lora_api.UnloadLoRARequest,
+             content_type="text/plain"),
     Endpoint("GET", "/health", health, "Whether the process is up", response=api_types.Status,
              protected=False),
     Endpoint("GET", "/ready", ready, "Whether the engine can serve (503 until then)",

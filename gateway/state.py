@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from actors.engine_metrics import model_name_from_path
+from actors.messages import ListLoRAAdapters
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.engine_connection import EngineConnection
@@ -50,6 +51,7 @@ class GatewayState:
     token_strings: TokenStrings | None = None
     model_name: str = ""                 # the name responses report: the first of model_names
     model_names: list[str] = field(default_factory=list)   # every name `model` may give
+    loras: dict[str, str] = field(default_factory=dict)    # LoRA adapters `model` may name -> their folders
     draining: bool = False
     startup_error: str | None = None
     generations: set[Generation] = field(default_factory=set)
@@ -69,6 +71,7 @@ class GatewayState:
         self.token_strings = TokenStrings(engine.tokenizer)
         self.model_names = self.config.model_names or [model_name_from_path(engine.model_path) or "matinee"]
         self.model_name = self.model_names[0]
+        await self.refresh_loras()
         self.metrics.set_model(self.model_name)
         self.ready_event.set()
 
@@ -83,12 +86,27 @@ class GatewayState:
             raise unavailable()
         return self.client, self.engine
 
-    def check_model(self, model: str | None) -> None:
-        if model is None or model in self.model_names:
-            return
-        if self.engine is not None and model == self.engine.model_path:
-            return
+    async def refresh_loras(self) -> None:
+        """The LoRA adapters the engines hold now (a cluster's engines may start after this gateway)."""
+        self.loras = (await self.client.manage_lora(ListLoRAAdapters())).adapters
+
+    async def resolve_model(self, model: str | None) -> str | None:
+        """check_model, after asking the engines for their adapters when `model` names nothing known here."""
+        if not self._is_base(model) and model not in self.loras:
+            await self.refresh_loras()
+        return self.check_model(model)
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for a name served by neither."""
+        if self._is_base(model):
+            return None
+        if model in self.loras:
+            return model
         raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _is_base(self, model: str | None) -> bool:
+        """A name of the base model, or none given."""
+        return model is None or model in self.model_names or (self.engine is not None and model == self.engine.model_path)
 
     def check_capacity(self, num_sequences: int) -> None:
         """429 unless `num_sequences` more fit under max_waiting: sequences count, not requests,

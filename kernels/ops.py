@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, paged_attention, \
-    paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
+    lora, paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
 from kernels.quantize import Int4Weight, Int8Weight
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -39,6 +39,8 @@ class Ops:
     # (model, embeddings, positions, meta, kv_caches) -> (hidden, residual) after the layers, the whole
     # loop in one call; None where the backend has none, or it returns None for the step: model.py loops
     decode_layers: Callable | None = None
+    # (out, x, A stack, B stack, segments): each segment's rows add x @ A[slot] @ B[slot] (kernels/lora.py)
+    add_lora: Callable = lora.add_lora
 
 
 def _torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,8 +128,8 @@ def _triton_interpreter_on() -> bool:
 def _triton_ops() -> Ops:
     # Imported here, not at the top: the kernels are decorated at import, and the decorator
     # reads TRITON_INTERPRET then, so it must be set before the first Triton backend is built.
-    from kernels import activation_triton, kv_write_triton, linear, paged_attention_triton, quant_matmul_triton, \
-        rms_norm_triton, rope_triton
+    from kernels import activation_triton, kv_write_triton, linear, lora_triton, paged_attention_triton, \
+        quant_matmul_triton, rms_norm_triton, rope_triton
 
     def triton_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, (Int8Weight, Int4Weight)):
@@ -141,7 +143,8 @@ def _triton_ops() -> Ops:
                    rotary_embedding=rope_triton.rotary_embedding,
                    silu_and_mul=activation_triton.silu_and_mul,
                    write_kv=kv_write_triton.write_kv,
-                   paged_attention=paged_attention_triton.paged_attention)
+                   paged_attention=paged_attention_triton.paged_attention,
+                   add_lora=lora_triton.add_lora)
 
 
 def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:

@@ -7,7 +7,7 @@ index's answer (`PrefixRouter`). Nothing here imports the engine.
 """
 
 from prefix_store.events import AllBlocksCleared, ApplyResult, BlockRemoved, BlockStored, KVEvent
-from prefix_store.hashing import BlockHash, PromptHasher, TenantSalts, hash_block, hash_full_blocks
+from prefix_store.hashing import BlockHash, PromptHasher, TenantSalts, adapter_salt, hash_block, hash_full_blocks
 from prefix_store.memory import InMemoryPrefixStore
 from prefix_store.metrics import Histogram, RoutingMetrics
 from prefix_store.policy import EngineLoad, RouteDecision, RoutingConfig, RoutingPolicy
@@ -20,5 +20,5 @@ __all__ = [
     "AllBlocksCleared", "ApplyResult", "BlockHash", "BlockRemoved", "BlockStored", "EngineLoad",
     "Histogram", "InMemoryPrefixStore", "IndexPublisher", "KVEvent", "KVEventSource", "PrefixRouter",
     "PrefixStore", "PromptHasher", "RedisPrefixStore", "RouteDecision", "RoutingConfig",
-    "RoutingMetrics", "RoutingPolicy", "TenantSalts", "hash_block", "hash_full_blocks", "make_client",
+    "RoutingMetrics", "RoutingPolicy", "TenantSalts", "adapter_salt", "hash_block", "hash_full_blocks", "make_client",
 ]

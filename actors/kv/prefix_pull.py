@@ -3,7 +3,8 @@ into this engine's KV tier before the request is scheduled, and the admission co
 
 The transfer actor runs both ends over the cluster transport (sealed frames, `KVPull` / `KVPulled`), in
 chunks of `chunk_bytes`, as a handoff's blocks go, and only between engines whose KV layout is the same.
-The hashes carry the tenant's salt, so a peer only ever gives blocks the request could have computed.
+The hashes carry the tenant's salt and the LoRA adapter, as the scheduler's do, so a peer only ever
+gives blocks the request could have computed.
 Whatever goes wrong (the peer dies, refuses, is slow past `timeout_s`), the request is scheduled all the
 same and computes what was not pulled: a pull only ever saves time.
 """
@@ -16,7 +17,7 @@ import time
 import msgspec
 
 from actors.messages import KVHeldRun, KVPull, KVPulled, KVTierPut, SubmitRequest
-from prefix_store.hashing import hash_full_blocks
+from prefix_store.hashing import adapter_salt, hash_full_blocks
 from runtime import ActorRef, get_logger
 
 log = get_logger(component="prefix-pull")
@@ -60,7 +61,7 @@ class PrefixPull:
         """Into `hashes` and `blocks`: the leading run of the prompt's blocks this engine lacks that the
         peer gives, chunk by chunk (what came before a failure is kept)."""
         prompt = submit.prompt_token_ids
-        wanted = hash_full_blocks(prompt, self.block_size, submit.cache_salt,
+        wanted = hash_full_blocks(prompt, self.block_size, adapter_salt(submit.cache_salt, submit.lora_name),
                                   limit=max(len(prompt) - 1, 0) // self.block_size)
         held = await self.kv.ask(KVHeldRun(wanted), timeout=self.timeout_s)
         wanted = wanted[held:]

@@ -2,7 +2,8 @@
 
 A ballast request sorts after every interactive one (so it is admitted last and preempted first,
 see Sequence.sort_key). Beyond that ordering, this policy decides three things each step: which
-running ballast sequences give their rows back to interactive requests waiting for one, in which
+running ballast sequences give their rows (or LoRA adapter slots) back to interactive requests
+waiting for one, in which
 order the step's token budget is handed out (interactive decodes and prefill chunks before any
 ballast), and whether ballast runs at all while interactive latency misses its objective. It only
 chooses; the scheduler does the preempting. It never delays an interactive request.
@@ -53,6 +54,20 @@ class BallastPolicy:
         wanted = sum(not s.request.ballast for s in waiting) - (max_num_seqs - len(running))
         victims = [s for s in reversed(running) if s.request.ballast]
         return victims[:max(wanted, 0)]
+
+    def slots_to_free(self, running: list[Sequence], waiting: list[Sequence], max_loras: int) -> list[Sequence]:
+        """Running ballast to preempt so that every waiting interactive request's LoRA adapter has a
+        slot: the sequences of adapters that only ballast reads and no interactive request waits for,
+        the newest ballast's adapter first, as many adapters as are short."""
+        if not max_loras:
+            return []
+        interactive = {s.request.lora_name for s in running if not s.request.ballast} - {None}
+        asked = {s.request.lora_name for s in waiting if not s.request.ballast} - {None}
+        ballast_only = list(dict.fromkeys(s.request.lora_name for s in reversed(running) if s.request.ballast
+                                          and s.request.lora_name not in interactive | {None}))
+        short = len(asked - interactive - set(ballast_only)) - (max_loras - len(interactive) - len(ballast_only))
+        gone = [a for a in ballast_only if a not in asked][:max(short, 0)]
+        return [s for s in reversed(running) if s.request.ballast and s.request.lora_name in gone]
 
     def block_victim(self, refused: list[Sequence], running: list[Sequence], budget_left: int) -> Sequence | None:
         """The running ballast to preempt when the pool refused an interactive request that the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
@@ -36,3 +37,4 @@ class Counters:
     # Accepted drafted tokens by their position in the draft: a draft whose first a tokens were
     # accepted counts one at each of positions 0..a-1 (vLLM's num_accepted_tokens_per_pos).
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    lora_requests: Counter[str] = field(default_factory=Counter)   # LoRA adapter -> requests submitted

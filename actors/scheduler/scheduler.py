@@ -60,6 +60,7 @@ class SchedulerConfig:
     priority_scheduling: bool = False   # off: every request is first come, first served
     max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
     ballast: BallastObjective = BallastObjective()   # when batch lines wait for interactive latency
+    max_loras: int = 0                  # distinct LoRA adapters the running sequences may read at once
 
 
 @dataclass
@@ -115,11 +116,13 @@ class Scheduler:
         if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
             params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
         req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
-                                msg.cache_salt, msg.ballast)
+                                msg.cache_salt, msg.ballast, msg.lora_name)
         req.arrived_s = self.clock()
+        if msg.lora_name is not None:
+            self.counters.lora_requests[msg.lora_name] += 1
         # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
-        # forward: such a request stays whole.
-        if params.n == 1 and params.prompt_logprobs is None and not params.embed:
+        # forward: such a request stays whole (and so does one with an adapter: a handoff carries none).
+        if params.n == 1 and params.prompt_logprobs is None and not params.embed and msg.lora_name is None:
             req.handoff_to = msg.handoff_to
         if not msg.prompt_token_ids:  # bad input the front end should have refused
             self._end_unstarted(req, "error", EMPTY_PROMPT)
@@ -212,7 +215,7 @@ class Scheduler:
                 budget -= n + seq.spec_k
         step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
-        step.admits = self.waiting[:room] if budget > 0 and room > 0 else []
+        step.admits = self._admissible(room) if budget > 0 and room > 0 else []
         step.admit_budget = budget
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
@@ -283,7 +286,7 @@ class Scheduler:
             if not seq.known_to_worker:
                 seq.known_to_worker = True
                 new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed,
-                                       seq.output_token_ids))
+                                       seq.output_token_ids, seq.request.lora_name))
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
             seqs.append(scheduled)
@@ -363,6 +366,24 @@ class Scheduler:
 
     # --- internals --------------------------------------------------------------------------------
 
+    def _admissible(self, room: int) -> list[Sequence]:
+        """Up to `room` waiting sequences in queue order, skipping those whose LoRA adapter would make
+        the running sequences read more adapters than the worker has slots: they wait for a slot."""
+        if not self.cfg.max_loras:
+            return self.waiting[:room]
+        adapters = {s.request.lora_name for s in self.running} - {None}
+        admits = []
+        for seq in self.waiting:
+            lora = seq.request.lora_name
+            if lora is not None and lora not in adapters:
+                if len(adapters) >= self.cfg.max_loras:
+                    continue
+                adapters.add(lora)
+            admits.append(seq)
+            if len(admits) == room:
+                break
+        return admits
+
     def _burst_len(self, decodes: list[Sequence]) -> int:
         """Further decode steps the worker may run after this one: only when every running sequence
         decodes and nothing else waits to join (a request, a fork, drafts), and never past a
@@ -395,11 +416,12 @@ class Scheduler:
         return SeqFailure(seq.request.request_id, seq.index, detail)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
-                     priority: int, cache_salt: str | None, ballast: bool) -> RequestState:
+                     priority: int, cache_salt: str | None, ballast: bool = False,
+                     lora_name: str | None = None) -> RequestState:
         self._arrivals += 1
         priority = priority if self.cfg.priority_scheduling else 0
         return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
-                            cache_salt, self.cfg.max_model_len, ballast)
+                            cache_salt, self.cfg.max_model_len, ballast, lora_name)
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)
@@ -431,11 +453,13 @@ class Scheduler:
         return sum(1 for i in seq_ids if (s := self.seqs.get(i)) is not None and s.request.ballast)
 
     def _displace_ballast(self) -> list[int]:
-        """Running ballast that gives its row to a waiting interactive request: requeued, its
-        blocks freed in this step's transaction (a fork parent keeps its blocks until it forked)."""
+        """Running ballast that gives its row, or its LoRA adapter's slot, to a waiting interactive
+        request: requeued, its blocks freed in this step's transaction (a fork parent keeps its blocks
+        until it forked)."""
         parents = {f.parent_seq_id for f, _ in self._forks}
-        victims = [s for s in self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
-                   if s.seq_id not in parents]
+        rows = self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
+        slots = self.ballast.slots_to_free(self.running, self.waiting, self.cfg.max_loras)
+        victims = [s for s in dict.fromkeys(rows + slots) if s.seq_id not in parents]
         for victim in victims:
             self._requeue(victim)
             self.counters.preemptions += 1

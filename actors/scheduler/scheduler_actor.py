@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -24,7 +25,8 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
-                             KVHandedOver, KVOffer, KVReserved, StepPlan, StepProgress, StepResult, SubmitRequest,
+                             KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
+                             UnloadLoRAAdapter, StepPlan, StepProgress, StepResult, SubmitRequest,
                              TokenDeltas)
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
@@ -123,6 +125,8 @@ class SchedulerActor(Actor):
                 await self._unstall()
             case GetStats():
                 return await self._stats()
+            case LoadLoRAAdapter() | UnloadLoRAAdapter() | ListLoRAAdapters():
+                return await self.worker.ask(msg, timeout=self.step_timeout_s)   # the worker holds them
             case _:
                 return await super().receive(msg)
         return None
@@ -351,7 +355,9 @@ class SchedulerActor(Actor):
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
             ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
             prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
-            ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished)
+            ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished,
+            max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
+            lora_requests=dict(c.lora_requests))
 
 
 class _HandoffCounters:
@@ -372,6 +378,12 @@ class _HandoffCounters:
             self.seconds += done.seconds
         else:
             self.failed += 1
+
+
+def _per_adapter(seqs) -> dict[str, int]:
+    """LoRA adapter -> requests among `seqs` (a request's samples counted once)."""
+    requests = {s.request.request_id: s.request.lora_name for s in seqs if s.request.lora_name is not None}
+    return dict(Counter(requests.values()))
 
 
 def _step_error(error: BaseException) -> str:

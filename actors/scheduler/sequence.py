@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from actors.messages import SamplingParams
+from prefix_store.hashing import adapter_salt
 
 
 class SeqStatus(enum.Enum):
@@ -24,18 +25,19 @@ class RequestState:
 
     __slots__ = ("request_id", "reply_to", "params", "priority", "arrival", "prompt_token_ids",
                  "cache_salt", "num_cached_tokens", "seqs", "max_output", "seed", "queued_at", "handoff_to",
-                 "arrived_s", "first_step_s", "ballast")
+                 "arrived_s", "first_step_s", "ballast", "lora_name")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int,
-                 ballast: bool = False):
+                 ballast: bool = False, lora_name: str | None = None):
         self.request_id = request_id
         self.reply_to = reply_to
         self.params = params
         self.priority = priority
         self.arrival = arrival
         self.prompt_token_ids = prompt_token_ids
-        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.cache_salt = adapter_salt(cache_salt, lora_name)
         self.num_cached_tokens = 0
         self.seqs: list[Sequence] = []
         # The context length caps every request's output, whatever max_tokens says.

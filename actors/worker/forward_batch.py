@@ -15,6 +15,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from actors.worker.lora_adapter import LoRAAdapter
+
 
 @dataclass(slots=True)
 class SequenceInput:
@@ -24,6 +26,7 @@ class SequenceInput:
     num_logits: int = 1           # trailing new positions that need logits: k+1 when verifying a draft,
                                   # 0 for a prefill chunk that does not reach the prompt's end
     pool: tuple[int, int] = (0, 0)   # new positions [a, b) whose hidden states an embedding pools
+    adapter: LoRAAdapter | None = None   # the LoRA adapter its projections add (None: the base model)
 
 
 @dataclass(slots=True)
@@ -173,10 +176,11 @@ class DecodeCursor:
         n = flat.seq_lens.shape[0]
         return flat.max_query_len == 1 and flat.input_ids.shape[0] == n == flat.logits_indices.shape[0]
 
-    def batch(self, token_ids: list[int]) -> ForwardBatch:
-        """The next step as a ForwardBatch, for `flatten`."""
-        return ForwardBatch([SequenceInput([t], p + 1, table)
-                             for t, p, table in zip(token_ids, self._positions, self.tables)])
+    def batch(self, token_ids: list[int], adapters: list[LoRAAdapter | None] | None = None) -> ForwardBatch:
+        """The next step as a ForwardBatch, for `flatten`, its sequences reading `adapters` (None: the base model)."""
+        adapters = adapters or [None] * len(token_ids)
+        return ForwardBatch([SequenceInput([t], p + 1, table, adapter=adapter)
+                             for t, p, table, adapter in zip(token_ids, self._positions, self.tables, adapters)])
 
     def advance(self, token_ids: list[int]) -> bool:
         """Moves the batch one step on, fed `token_ids` (one per sequence, in batch order); ValueError for a

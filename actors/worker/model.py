@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from actors.worker.lora_slots import LoRABatch
 from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
 from kernels import Ops, build_cos_sin_cache
@@ -200,13 +201,15 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV], logits_indices: torch.Tensor,
                 layer_written: Callable[[int], None] | None = None,
-                pool_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                pool_indices: torch.Tensor | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids/positions [T] -> logits [len(logits_indices), vocab] in the model dtype; with
         `pool_indices`, (logits, hidden states after the final norm [len(pool_indices), hidden]).
 
         Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
         caches gives the self-speculative (layer-skip) draft on the same weights. `layer_written(i)`
-        is called as soon as layer i's KV is in its cache.
+        is called as soon as layer i's KV is in its cache. `lora` adds each row's adapter to the
+        projections (lora_slots.py); the fused all-layers kernel has no such hook, so it is skipped then.
         """
         cfg, ops = self.config, self.ops
         if not 0 < len(kv_caches) <= cfg.num_layers:
@@ -217,7 +220,8 @@ class DecoderModel:
         hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
         residual = None
         fused = (ops.decode_layers(self, hidden, positions, meta, kv_caches, layer_written=layer_written)
-                 if ops.decode_layers else None)
+                 if ops.decode_layers and lora is None else None)
+        adapt = lora.add if lora is not None else _no_adapter
         if fused is not None:   # the loop below in one kernel call, bit for bit
             hidden, residual = fused
         for i, (layer, kv) in enumerate(zip(self.layers if fused is None else [], kv_caches)):
@@ -227,6 +231,7 @@ class DecoderModel:
             else:
                 hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(hidden, layer.qkv_weight, layer.qkv_bias)
+            adapt(i, "qkv", hidden, qkv)
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, head_dim)
@@ -243,9 +248,15 @@ class DecoderModel:
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, meta.max_seq_len, self.scale,
                                        k_scales=k_scales, v_scales=v_scales)
-            hidden = ops.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            attn = attn.reshape(num_tokens, q_size)
+            hidden = ops.linear(attn, layer.o_weight, layer.o_bias)
+            adapt(i, "o", attn, hidden)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, layer.gate_up_weight)), layer.down_weight)
+            gate_up = ops.linear(hidden, layer.gate_up_weight)
+            adapt(i, "gate_up", hidden, gate_up)
+            act = ops.silu_and_mul(gate_up)
+            hidden = ops.linear(act, layer.down_weight)
+            adapt(i, "down", act, hidden)
         # Only the rows that need logits go through the final norm and the (large) LM head; the rows
         # an embedding pools go through the norm alone.
         pooled = pool_indices is not None and pool_indices.shape[0] > 0
@@ -258,6 +269,10 @@ class DecoderModel:
             return ops.linear(hidden, self.lm_head)
         num_pooled = pool_indices.shape[0]
         return ops.linear(hidden[num_pooled:], self.lm_head), hidden[:num_pooled]
+
+
+def _no_adapter(layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    pass
 
 
 def _resident(weight: Weight) -> list[tuple[str, int]]:

@@ -16,6 +16,7 @@ from actors.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.decode_graphs import DecodeGraphs
 from actors.worker.pinned_batch import PinnedBatch
+from actors.worker.lora_slots import LoRABatch, LoRASlots
 from actors.worker.pooling import read_pooling
 from actors.worker.model_config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
@@ -71,9 +72,11 @@ class ModelRunner:
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "float32", kernels: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  device: str | torch.device = "cpu", num_threads: int | None = None,
-                 quantization: str = "none", kv_cache_dtype: str = "auto", cuda_graph_batch: int = 0) -> None:
+                 quantization: str = "none", kv_cache_dtype: str = "auto", cuda_graph_batch: int = 0,
+                 max_loras: int = 0, max_lora_rank: int = 16) -> None:
         """cuda_graph_batch: on CUDA with the Triton kernels, decode steps of up to this many sequences
-        replay CUDA graphs captured here (decode_graphs.py); 0 runs every step eagerly."""
+        replay CUDA graphs captured here (decode_graphs.py); 0 runs every step eagerly. max_loras: slots
+        for LoRA adapters of up to max_lora_rank (lora_slots.py); 0 serves the base model alone."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -131,10 +134,18 @@ class ModelRunner:
         self.last_prepare_s = 0.0     # flattening the batch (host work)
         self.last_forward_s = 0.0     # the model forward alone, for the engine's overhead measure
         self._cursor: DecodeCursor | None = None   # the last step, when it was decodes alone: execute_next
+        self._cursor_adapters: list = []            # its sequences' LoRA adapters, and their LoRABatch
+        self._cursor_lora: LoRABatch | None = None
         # Called with each layer's index once the forward wrote its KV (model.forward's layer_written),
         # while the worker runs a step whose prompts go layer by layer to a decode engine.
         self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
+        # On the CPU the adapters' small matmuls run in float32 whatever the model dtype: torch's bfloat16
+        # ones of a few rows took 2-3x as long (Zen 4, rank 16, 2-row segments: 40 against 15 us).
+        lora_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.loras = LoRASlots(config, max_loras, max_lora_rank, lora_dtype, self.device,
+                               self.ops.add_lora) if max_loras else None
+        self.max_lora_rank = max_lora_rank
         self.pooling = read_pooling(self.source.path if self.source.kind == "hf" else None)
         self.last_pooled: torch.Tensor | None = None   # the last forward's pooled rows (FlatBatch.pool_indices)
 
@@ -184,11 +195,21 @@ class ModelRunner:
         self._cursor = None
         caches = self.kv_caches if kv_caches is None else kv_caches
         flat = flatten(batch, self.block_size, caches[0][0].shape[0], self.model_config.vocab_size)
-        logits = self._timed_forward(flat, caches, t0)
+        lora = self._lora_batch(batch)
+        logits = self._timed_forward(flat, caches, t0, lora)
         if kv_caches is None and DecodeCursor.fits(flat):
             self._cursor = DecodeCursor(flat, [s.block_table for s in batch.seqs], self.block_size,
                                         self.model_config.vocab_size)
+            self._cursor_adapters, self._cursor_lora = [s.adapter for s in batch.seqs], lora
         return logits
+
+    def _lora_batch(self, batch: ForwardBatch) -> LoRABatch | None:
+        adapters = [s.adapter for s in batch.seqs]
+        if self.loras is None:
+            if any(adapters):
+                raise ValueError("a LoRA adapter asked of a runner without adapter slots (max_loras 0)")
+            return None
+        return self.loras.batch(adapters, [len(s.token_ids) for s in batch.seqs])
 
     def execute_next(self, token_ids: list[int]) -> torch.Tensor:
         """The decode step after the one `execute` (or this) ran last, when that one was decodes alone:
@@ -199,27 +220,30 @@ class ModelRunner:
         if cursor is None:
             raise RuntimeError("execute_next follows a step of decodes alone")
         if not cursor.advance(token_ids):
-            return self.execute(cursor.batch(token_ids))
-        logits = self._timed_forward(cursor.flat, self.kv_caches, t0)
+            return self.execute(cursor.batch(token_ids, self._cursor_adapters))
+        logits = self._timed_forward(cursor.flat, self.kv_caches, t0, self._cursor_lora)
         self._cursor = cursor
         return logits
 
-    def _timed_forward(self, flat: FlatBatch, caches: list[LayerKV], t0: float) -> torch.Tensor:
+    def _timed_forward(self, flat: FlatBatch, caches: list[LayerKV], t0: float,
+                       lora: LoRABatch | None = None) -> torch.Tensor:
         if flat.max_seq_len > self.max_model_len:
             raise ValueError(f"sequence of {flat.max_seq_len} tokens exceeds the model's "
                              f"context length {self.max_model_len}")
         t1 = time.perf_counter()
-        logits = self.forward(flat, caches)
+        logits = self.forward(flat, caches, lora)
         self.last_prepare_s, self.last_forward_s = t1 - t0, time.perf_counter() - t1
         return logits
 
-    def forward(self, flat: FlatBatch, kv_caches: list[LayerKV]) -> torch.Tensor:
-        """The step's logits; the hidden states its embeddings pool go to `last_pooled`."""
+    def forward(self, flat: FlatBatch, kv_caches: list[LayerKV], lora: LoRABatch | None = None) -> torch.Tensor:
+        """The step's logits; the hidden states its embeddings pool go to `last_pooled`. `lora`: each
+        row's LoRA adapter (LoRASlots.batch)."""
         self.last_pooled = None
         if flat.input_ids.shape[0] == 0:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32)
         pool = flat.pool_indices if flat.pool_indices.shape[0] else None
-        if pool is None and self.decode_graphs is not None and self.decode_graphs.fits(flat, kv_caches):
+        if pool is None and lora is None and self.decode_graphs is not None \
+                and self.decode_graphs.fits(flat, kv_caches):
             return self.decode_graphs.run(flat)
         input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._on_device(flat)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
@@ -227,7 +251,7 @@ class ModelRunner:
         with torch.inference_mode():
             out = self.model.forward(input_ids, positions, meta, kv_caches, logits_indices,
                                      layer_written=self.layer_written,
-                                     pool_indices=None if pool is None else pool.to(self.device))
+                                     pool_indices=None if pool is None else pool.to(self.device), lora=lora)
             if pool is not None:
                 out, self.last_pooled = out[0], out[1].float().cpu()
             return out.float()

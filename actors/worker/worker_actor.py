@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
-from actors.messages import (GetWorkerInfo, LayerWritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress,
-                             StepResult, TokenLogprobs, WorkerInfo)
+from actors.messages import (GetWorkerInfo, LayerWritten, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters,
+                             LoRAOutcome, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress, StepResult,
+                             TokenLogprobs, UnloadLoRAAdapter, WorkerInfo)
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
+from actors.worker.lora_adapter import LoRAAdapter, LoRAError, read_adapter
 from actors.worker import grammar_compiler
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
@@ -59,10 +61,13 @@ class WorkerActor(Actor):
         self._grammars: GrammarCompiler | None = None   # made at the first structured output
         self._brake = brake               # pulled by the scheduler: the decode burst in flight ends
         self._loop: asyncio.AbstractEventLoop | None = None   # where a burst's progress is sent from
+        self.loras: dict[str, LoRAAdapter] = {}   # the adapters requests may name, read into CPU memory
+        self._adapter_of: dict[int, LoRAAdapter] = {}   # seq id -> its adapter (kept after an unload)
 
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.states.clear()  # a restarted worker forgets sequences; the scheduler fails their step
+        self._adapter_of.clear()
 
     async def on_stop(self) -> None:
         if self._executor is not None:
@@ -79,7 +84,37 @@ class WorkerActor(Actor):
                 return WorkerInfo(r.num_blocks, r.block_size, r.max_model_len, r.model_config.vocab_size,
                                   list(r.eos_token_ids), r.weight_bytes, r.kv_bytes_per_token,
                                   str(r.kv_cache_dtype).removeprefix("torch."))
+            case LoadLoRAAdapter(lora_name=name, lora_path=path):
+                return await self._load_lora(name, path)
+            case UnloadLoRAAdapter(lora_name=name):
+                if self.loras.pop(name, None) is None:
+                    return LoRAOutcome(404, f"The lora adapter '{name}' cannot be found.")
+                return LoRAOutcome()
+            case ListLoRAAdapters():
+                slots = self.runner.loras
+                return LoRAAdapters({n: a.path for n, a in self.loras.items()}, slots.max_loras if slots else 0)
         return await super().receive(msg)
+
+    async def _load_lora(self, name: str, path: str) -> LoRAOutcome:
+        """Reads and checks the adapter off the loop and off the compute thread (file reads, no tensor
+        arithmetic); it is laid out in a device slot when a step first needs it."""
+        if self.runner.loras is None:
+            return LoRAOutcome(400, "LoRA adapters are not enabled on this engine (--max-loras 0)")
+        if name in self.loras:
+            return LoRAOutcome(400, f"The lora adapter '{name}' has already been loaded.")
+        r = self.runner
+        try:
+            adapter = await asyncio.to_thread(read_adapter, name, path, r.model_config, r.max_lora_rank)
+        except LoRAError as e:
+            return LoRAOutcome(400, str(e))
+        except (OSError, ValueError) as e:   # an unreadable file past the checks: still the folder's fault
+            return LoRAOutcome(400, f"adapter {name!r} cannot be read from {path!r}: {e}")
+        if name in self.loras:   # loaded meanwhile by another call
+            return LoRAOutcome(400, f"The lora adapter '{name}' has already been loaded.")
+        self.loras[name] = adapter
+        log.info("LoRA adapter loaded", name=name, path=adapter.path, rank=adapter.rank,
+                 modules=sorted(adapter.modules))
+        return LoRAOutcome()
 
     def step(self, plan: StepPlan) -> StepResult:
         """Runs on the compute thread. When the batch fails, the sequences that fail on their own end
@@ -88,8 +123,15 @@ class WorkerActor(Actor):
         t0 = time.perf_counter()
         for sid in plan.finished_seq_ids:
             self.states.pop(sid, None)
+            self._adapter_of.pop(sid, None)
         refused: dict[int, str] = {}
         for new in plan.new_seqs:
+            if new.lora_name is not None:
+                adapter = self.loras.get(new.lora_name)   # one read: the loop's thread may unload it
+                if adapter is None:   # unloaded after the front end took the request
+                    refused[new.seq_id] = f"the LoRA adapter {new.lora_name!r} is not loaded"
+                    continue
+                self._adapter_of[new.seq_id] = adapter
             try:
                 state = self.states[new.seq_id] = self._new_state(new)
                 state.append(new.output_token_ids)   # generated before a handover
@@ -148,7 +190,7 @@ class WorkerActor(Actor):
         the brake, or at a step that fails: then with the steps before it, the failed step's KV in
         lookahead slots the scheduler gives back (the next ordinary step meets the failure with its
         own handling) and its random draws undone."""
-        seqs, forward_s = plan.seqs, result.forward_s
+        seqs, forward_s = self._by_adapter(plan.seqs), result.forward_s
         for _ in range(plan.burst):
             if (self._brake is not None and self._brake.pulled) or any(o.error is not None for o in result.outputs):
                 break
@@ -214,11 +256,14 @@ class WorkerActor(Actor):
         """One forward over `seqs`, then sampling or verification: the tokens of those that sample."""
         # Logits only where a token is drawn: the last position, or k+1 positions to verify k drafts;
         # before them, the prompt positions whose logprobs are wanted.
+        seqs = self._by_adapter(seqs)
+        adapter_of = self._adapter_of
         prompt_rows = [self._prompt_positions(s) for s in seqs]
         pool_rows = [self._pool_positions(s) for s in seqs]
         batch = ForwardBatch([SequenceInput(s.token_ids + s.spec_token_ids, s.start_pos, s.block_table,
                                             len(p) + (len(s.spec_token_ids) + 1 if s.sample else 0),
-                                            (q.start - s.start_pos, q.stop - s.start_pos) if q else (0, 0))
+                                            (q.start - s.start_pos, q.stop - s.start_pos) if q else (0, 0),
+                                            adapter_of.get(s.seq_id))
                               for s, p, q in zip(seqs, prompt_rows, pool_rows)])
         logits = self.runner.execute(batch)
         if any(pool_rows):
@@ -236,6 +281,13 @@ class WorkerActor(Actor):
         self._sample_plain(logits, [(s, r) for s, r in zip(sampled, starts) if not s.spec_token_ids], tokens)
         self._verify(logits, [(s, r) for s, r in zip(sampled, starts) if s.spec_token_ids], tokens)
         return tokens
+
+    def _by_adapter(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The sequences grouped by LoRA adapter, base model first (stable: a burst's later steps
+        find the order its first step ran in): each adapter's rows are one segment of the batch."""
+        if not self._adapter_of:
+            return seqs
+        return sorted(seqs, key=lambda s: a.uid if (a := self._adapter_of.get(s.seq_id)) is not None else 0)
 
     def _run_next(self, seqs: list[ScheduledSeq]) -> dict[int, tuple[list[int], list[TokenLogprobs] | None]]:
         """A burst's further step (decodes alone, in the order of the step before): the runner moves

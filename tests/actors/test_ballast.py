@@ -1,9 +1,11 @@
 """Batch lines as ballast in the scheduler (actors/scheduler/ballast.py), with the real KV manager
 and the paged fake model of test_scheduler: ballast never takes a row, a token or a block an
 interactive request could take, is preempted first, backs off past the latency objective, and
-still computes exactly what it would alone."""
+still computes exactly what it would alone; a LoRA adapter slot it holds goes to an interactive
+request at once."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from actors.messages import SamplingParams, SubmitRequest
@@ -139,4 +141,26 @@ def test_ballast_never_holds_a_row_or_prefill_an_interactive_request_waits_for()
     h.run()
     for rid, tokens in expected.items():
         assert h.outputs[(rid, 0)] == tokens
+    h.assert_all_free()
+
+
+def test_an_interactive_request_takes_the_adapter_slot_ballast_holds_at_once():
+    h = Harness(max_seqs=8, budget=64)
+    h.scheduler.cfg = dataclasses.replace(h.scheduler.cfg, max_loras=1)
+    for i in range(3):   # batch lines under adapter "a" hold the one slot
+        h.scheduler.add(SubmitRequest(f"b{i}", [i + 1] * 6, SamplingParams(max_tokens=30), "client", ballast=True,
+                                      lora_name="a"))
+    h.scheduler.add(SubmitRequest("base", [9] * 6, SamplingParams(max_tokens=30), "client", ballast=True))
+    h._collect()
+    h.step()
+    assert ids(h.scheduler.running, True) == {"b0", "b1", "b2", "base"}
+    h.scheduler.add(SubmitRequest("chat", [7] * 6, SamplingParams(max_tokens=5), "client", lora_name="b"))
+    h._collect()
+    h.step()
+    # The adapter's batch lines gave the slot back; the base model's keeps its row.
+    assert "chat" in ids(h.scheduler.running, False)
+    assert ids(h.scheduler.running, True) == {"base"} and ids(h.scheduler.waiting, True) == {"b0", "b1", "b2"}
+    h.run()
+    for rid, tok, n in (("b0", 1, 30), ("b1", 2, 30), ("b2", 3, 30), ("base", 9, 30), ("chat", 7, 5)):
+        assert h.outputs[(rid, 0)] == reference([tok] * 6, n)
     h.assert_all_free()

@@ -1,6 +1,7 @@
 """Pulling a prompt's prefix from the engine that holds it: the blocks go into the puller's KV tier over
 the transfer actors, and the puller's greedy tokens equal the holder's without prefilling them; a
-peer that is gone, another tenant's salt or another KV layout only cost the prefill."""
+peer that is gone, another tenant's salt or another KV layout only cost the prefill. A LoRA adapter's
+prefix is pulled under the adapter's hashes, never the base model's."""
 from __future__ import annotations
 
 import pytest
@@ -18,13 +19,22 @@ def _config(model: str, **kw) -> EngineConfig:
                         max_num_batched_tokens=128, kv_offload_memory=16 << 20, **kw)
 
 
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory):
+    from tests.actors.lora_adapters import make_adapter
+    return make_adapter(tiny_model_dir("llama"), str(tmp_path_factory.mktemp("pull-lora")), "attn")
+
+
 @pytest.fixture
-async def pair(tiny_model_dir):
+async def pair(tiny_model_dir, request):
     model = tiny_model_dir("llama")
+    # With the indirect parameter "lora": both engines serve one adapter, "a".
+    lora = getattr(request, "param", None) == "lora"
+    kw = {"lora_modules": [f"a={request.getfixturevalue('adapter')}"]} if lora else {}
     system = ActorSystem("pull-test")
     await system.start()
-    holder = await start_engine(_config(model), system, name="holder")
-    puller = await start_engine(_config(model), system, name="puller")
+    holder = await start_engine(_config(model, **kw), system, name="holder")
+    puller = await start_engine(_config(model, **kw), system, name="puller")
     holder_tx = await attach_kv_transfer(system, holder, name="holder")
     puller_tx = await attach_kv_transfer(system, puller, name="puller")
     front = Front()
@@ -41,8 +51,9 @@ async def pair(tiny_model_dir):
 PROMPT = [(i * 37) % 300 + 4 for i in range(150)]
 
 
-async def run(engine, front, ref, rid, prompt, pull_from=None, salt=None):
-    engine.scheduler.tell(SubmitRequest(rid, prompt, GREEDY, ref, cache_salt=salt, pull_from=pull_from))
+async def run(engine, front, ref, rid, prompt, pull_from=None, salt=None, lora=None):
+    engine.scheduler.tell(SubmitRequest(rid, prompt, GREEDY, ref, cache_salt=salt, pull_from=pull_from,
+                                        lora_name=lora))
     await front.wait(lambda: rid in front.finished)
     return front.tokens[rid]
 
@@ -90,3 +101,21 @@ async def test_a_request_aborted_while_its_prefix_is_pulled_never_runs(pair):
     stats = await puller.scheduler.ask(GetStats())
     assert "gone" not in front.tokens and stats.prompt_tokens == len(PROMPT)
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+
+@pytest.mark.parametrize("pair", ["lora"], indirect=True)
+async def test_an_adapters_prefix_is_pulled_under_the_adapters_hashes(pair):
+    system, holder, puller, holder_tx, _, front, ref = pair
+    base = await run(holder, front, ref, "h-base", PROMPT)
+    expected = await run(holder, front, ref, "h", PROMPT, lora="a")
+    assert expected != base   # the adapter changes the tokens, so base blocks would be wrong ones
+    assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx, lora="a") == expected
+    stats = await puller.scheduler.ask(GetStats())
+    full = (len(PROMPT) - 1) // 16 * 16
+    assert stats.prefix_cache_tier_hit_tokens == full and stats.prefill_tokens == len(PROMPT) - full
+    # The base model's request finds none of the adapter's blocks, pulled or not.
+    assert await run(puller, front, ref, "p-base", PROMPT, pull_from=holder_tx) == base
+    after = await puller.scheduler.ask(GetStats())
+    assert after.prefix_cache_tier_hit_tokens - stats.prefix_cache_tier_hit_tokens == full   # the holder's base blocks
+    assert after.kv_tier.tier_bytes_pulled == 2 * full // 16 * puller.kv_blocks.bytes_per_block

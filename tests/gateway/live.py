@@ -12,7 +12,7 @@ import threading
 from aiohttp import web
 
 from actors.config import EngineConfig
-from actors.messages import GetStats
+from actors.messages import GetStats, ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter
 from gateway.app import create_app, server_options
 from gateway.app_keys import STATE
 from gateway.config import GatewayConfig
@@ -27,7 +27,7 @@ class SchedulerProxy(Actor):
         self.target = target
 
     async def receive(self, msg):
-        if isinstance(msg, GetStats):
+        if isinstance(msg, (GetStats, ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter)):
             return await self.target.ask(msg)
         self.target.tell(msg)
 

@@ -140,6 +140,7 @@ FLAGS += ["--response-store-entries", "--response-store-memory", "--response-sto
 FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
           "--batch-ttft-objective", "--batch-itl-objective"]
+FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
 
 
 def _serve_flags(parser) -> list[str]:

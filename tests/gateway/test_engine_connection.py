@@ -17,7 +17,7 @@ MEMBERS = [name for name in dir(EngineConnection) if not name.startswith("_")]
 
 
 def test_the_protocol_names_what_the_gateway_calls():
-    assert sorted(MEMBERS) == ["abort", "alive", "engine_stats", "release", "submit"]
+    assert sorted(MEMBERS) == ["abort", "alive", "engine_stats", "manage_lora", "release", "submit"]
 
 
 @pytest.mark.parametrize("cls", [EngineClient, EnginePool], ids=lambda c: c.__name__)

@@ -12,15 +12,17 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import activation_triton, kv_write_triton, paged_attention_triton, rms_norm_triton, rope_triton
+from kernels import activation_triton, kv_write_triton, lora_triton, paged_attention_triton, rms_norm_triton, \
+    rope_triton
 from kernels.kv_quant import QMAX
 
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                  "pos_ptr": "*i64", "slot_ptr": "*i64", "order_ptr": "*i64", "group_start_ptr": "*i64"}
+                  "pos_ptr": "*i64", "slot_ptr": "*i64", "order_ptr": "*i64", "group_start_ptr": "*i64",
+                  "seg_start_ptr": "*i32", "seg_len_ptr": "*i32", "seg_slot_ptr": "*i32"}
 # An int8 cache's codes, and an fp8 one's, which the kernels read as bytes.
 INT8_CACHE = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "cache_ptr": "*i8"}
 FP8_CACHE = {"k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "cache_ptr": "*u8"}
-FLOAT32_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "cache_ptr", "k_scales_ptr", "v_scales_ptr",
+FLOAT32_POINTERS = ("t_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "cache_ptr", "k_scales_ptr", "v_scales_ptr",
                     "scale_ptr")
 FLOAT_SCALARS = ("eps", "scale_log2")
 
@@ -87,6 +89,7 @@ def variants(quick: bool = False):
         yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK_ROWS=4, BLOCK_COLS=1024)
         yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_T=4, BLOCK_W=1024)
         yield from quantized_cache_variants()
+        yield from lora_variants()
         return
     shapes = ((4, 16, 1), (4, 16, 8), (7, 64, 1), (32, 32, 1))  # (queries per KV head, BLOCK_M, splits)
     for dtype, precision, variants in (("bf16", "tf32", shapes), ("fp16", "tf32", shapes[:1]),
@@ -103,6 +106,14 @@ def variants(quick: bool = False):
     yield activation_triton._silu_and_mul_kernel, "bf16", dict(BLOCK_ROWS=4, BLOCK_COLS=1024)
     yield kv_write_triton._write_kv_kernel, "bf16", dict(BLOCK_T=4, BLOCK_W=1024)
     yield from quantized_cache_variants()
+    yield from lora_variants()
+
+
+def lora_variants():
+    """The batched LoRA's shrink and expand (kernels/lora_triton.py), at rank 16."""
+    m, k, n = lora_triton.BLOCK_M, lora_triton.BLOCK_K, lora_triton.BLOCK_N
+    yield lora_triton._shrink_kernel, "bf16", dict(BLOCK_M=m, BLOCK_K=k, BLOCK_R=16)
+    yield lora_triton._expand_kernel, "bf16", dict(BLOCK_M=m, BLOCK_N=n, BLOCK_R=16)
 
 
 def main() -> int:
