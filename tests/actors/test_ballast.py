@@ -68,12 +68,7 @@ def test_ballast_is_preempted_first_whatever_its_priority():
     submit(h, "chat-low", [1] * 8, priority=10, max_tokens=30)
     submit(h, "chat-new", [3] * 8, max_tokens=30)
     h.step()
-    seq_of = {s.request.request_id: s for s in h.scheduler.seqs.values()}
-    victims = []
-    while not victims:
-        running = {s.request.request_id for s in h.scheduler.running}
-        h.step()
-        victims = [r for r in running if seq_of[r] in h.scheduler.waiting]
+    victims = h.step_until_preempted()
     assert victims[0] == "batch-old"
     h.run()
     for rid, tok in (("chat-low", 1), ("batch-old", 2), ("chat-new", 3)):

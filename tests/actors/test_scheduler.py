@@ -111,6 +111,16 @@ class Harness:
                 if d.finish_reason:
                     self.finish[key] = d.finish_reason
 
+    def step_until_preempted(self) -> list[str]:
+        """Steps until a step sends running requests back to waiting; their ids."""
+        seq_of = {s.request.request_id: s for s in self.scheduler.seqs.values()}
+        victims = []
+        while not victims:
+            running = {s.request.request_id for s in self.scheduler.running}
+            self.step()
+            victims = [r for r in running if seq_of[r] in self.scheduler.waiting]
+        return victims
+
     def assert_all_free(self):
         assert self.kv.num_seqs == 0
         assert self.kv.num_free_blocks == self.kv.num_total_blocks
@@ -211,12 +221,7 @@ def test_preemption_picks_lowest_priority_then_newest():
     h.submit("batch", [2] * 8, priority=5, max_tokens=30)
     h.submit("important-new", [3] * 8, priority=0, max_tokens=30)
     h.step()
-    seq_of = {s.request.request_id: s for s in h.scheduler.seqs.values()}
-    victims = []
-    while not victims:
-        running = {s.request.request_id for s in h.scheduler.running}
-        h.step()
-        victims = [r for r in running if seq_of[r] in h.scheduler.waiting]
+    victims = h.step_until_preempted()
     assert victims[0] == "batch"
     h.run()
     for rid, tok in (("important-old", 1), ("batch", 2), ("important-new", 3)):
