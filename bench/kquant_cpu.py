@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.constants import GGMLQuantizationType as Q
 
 from bench.quant_linear_cpu import measure_rows
 from kernels import cpu_native, packed_linear, quant_linear
@@ -27,16 +26,6 @@ PROJECTIONS = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
                (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
 ROWS = [1, 8, 32]
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-_SCALES = {Q.Q6_K: [208]}   # where each block's float16 scales sit (others: d, and a min or dmin, first)
-
-
-def random_rows(qtype: Q, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    block, size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    for at in _SCALES.get(qtype, [0, 2] if qtype in (Q.Q4_1, Q.Q5_1) else [0]):
-        blocks[:, at:at + 2] = scale
-    return torch.from_numpy(blocks.reshape(n, -1))
 
 
 def main(argv=None) -> None:
@@ -50,7 +39,7 @@ def main(argv=None) -> None:
     if not cpu_native.available():
         raise SystemExit("the CPU C kernels are not available here")
     torch.set_num_threads(args.threads)
-    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(args.layers) for s in PROJECTIONS]
     results = []
 
@@ -61,8 +50,8 @@ def main(argv=None) -> None:
 
     rows = [int(r) for r in args.rows.split(",")]
     for qtype in [Q[name] for name in args.types.split(",")]:
-        weights = [quant_linear.pack(QuantTensor(int(qtype), random_rows(qtype, n, k, rng), k), torch.bfloat16)
-                   for n, k in shapes]
+        weights = [quant_linear.pack(QuantTensor(int(qtype), quant_linear.random_blocks(qtype, n, k, seed), k),
+                                     torch.bfloat16) for seed, (n, k) in enumerate(shapes)]
         run(qtype.name, weights, quant_linear.matmul, torch.bfloat16)
         if qtype == Q.Q4_K:   # the same weights dequantized, in the bf16 kernel's layout
             packed = [packed_linear.pack(quant_linear.dequantize(w).to(torch.bfloat16)) for w in weights]

@@ -1,5 +1,5 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x and a packed GGUF weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1;
- * quant_layout.h), on AMX's bf16 tiles.
+/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x and a packed GGUF weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+ * K-quants Q4_K, Q5_K, Q6_K; quant_layout.h, kquant.py), on AMX's bf16 tiles.
  *
  * quant_gemm.c's int8 products run on VNNI: right where a step reads each weight byte once for a few rows.
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
@@ -16,7 +16,9 @@
  *
  * The B tile of one block (32 values of 16 rows) is 16 rows of 64 bytes: row p holds, for each weight row
  * n, the bf16 pair of columns 2p and 2p + 1. A packed block gives one weight row per int32 lane (its
- * 4-byte columns [v][row][4]), so the widening runs on 16 rows at once, a column at a time.
+ * 4-byte columns [v][row][4]), so the widening runs on 16 rows at once, a column at a time. A K-quant group is a
+ * super-block of 256 values: its block b (32 values) is sub-block b % 8 of super-block b / 8, widened with that
+ * sub-block's scales (widen_kblock).
  *
  * Without the kernel's permission for the tiles (amx.h), or in a build for a CPU without AMX,
  * matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
@@ -118,26 +120,101 @@ static void widen_block(int type, const uint8_t *blk, uint16_t *tile) {
     }
 }
 
+/* Sub-block j (values 32j..32j + 31) of a Q4_K or Q5_K super-block of 16 rows (kquant.py's group) -> its B tile.
+ * w = d * sc[j] * q - dmin * m[j] as kquant.dequantize_raw computes it: d * sc and dmin * m are exact in float32
+ * (11 and 6 significant bits), so is q times the first (at most 22 bits), and one fma rounds q * scale - min as
+ * the product-then-difference does. Value 32j + l is nibble j % 2 of the file's byte 32(j / 2) + l, l = 4c + k:
+ * byte k of vector 8(j / 2) + c; Q5_K's fifth bit is bit j of byte l of its 32 (vector c of eight, byte k). */
+static void widen_k45(int type, const uint8_t *g, int j, uint16_t *tile) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 2 * GR)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 4 * GR + j * GR))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + 12 * GR + j * GR))));
+    const __m512 scale = _mm512_mul_ps(d, sc), low = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+    const uint8_t *qs = g + 20 * GR + (j / 2) * 8 * GR * 4, *qh = g + 20 * GR + 128 * GR;
+    const int nib = 4 * (j & 1);
+    for (int c = 0; c < 8; c++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(qs + c * GR * 4));
+        __m512 col[4];
+        if (type == Q4_K) {   /* the nibble masked where it lies, its scale moved down to meet it (exact) */
+            for (int k = 0; k < 4; k++) {
+                const int at = 8 * k + nib;
+                const __m512i q = _mm512_and_si512(raw, _mm512_set1_epi32((int)(0xfu << at)));
+                col[k] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(q), _mm512_mul_ps(scale, _mm512_set1_ps(1.f / (float)(1ul << at))), low);
+            }
+        } else {
+            const __m512i high = _mm512_loadu_si512((const void *)(qh + c * GR * 4));
+            for (int k = 0; k < 4; k++) {
+                __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k + nib), _mm512_set1_epi32(15));
+                q = _mm512_or_si512(q, _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(high, 8 * k + j), 4),
+                                                        _mm512_set1_epi32(16)));
+                col[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, low);
+            }
+        }
+        pair_row(col[0], col[1], tile + (2 * c) * 32);
+        pair_row(col[2], col[3], tile + (2 * c + 1) * 32);
+    }
+}
+
+/* Block b (values 32b..32b + 31) of a Q6_K super-block of 16 rows -> its B tile. w = d * sc * (q - 32): d * sc is
+ * exact (11 and 8 bits), its product with q - 32 rounded once, as kquant.dequantize_raw's. Column 4c + k is the low
+ * nibble of byte k of low vector c, 16 + 4c + k its high one (scales 2b and 2b + 1); their two high bits lie in
+ * byte k of high vector c / 2, at bit 4(c % 2) and 2 + 4(c % 2). */
+static void widen_q6k(const uint8_t *g, int b, uint16_t *tile) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    const __m512 s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 2 * GR + 2 * b * GR)))));
+    const __m512 s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 2 * GR + (2 * b + 1) * GR)))));
+    const uint8_t *ql = g + 18 * GR + b * 4 * GR * 4, *qh = g + 18 * GR + 128 * GR + b * 2 * GR * 4;
+    const __m512i low = _mm512_set1_epi32(15), two = _mm512_set1_epi32(3 << 4), off = _mm512_set1_epi32(32);
+    for (int c = 0; c < 4; c++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(ql + c * GR * 4));
+        const __m512i high = _mm512_loadu_si512((const void *)(qh + (c / 2) * GR * 4));
+        const int up = 4 * (c & 1);
+        __m512 lo[4], hi[4];
+        for (int k = 0; k < 4; k++) {
+            __m512i a = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k), low);
+            __m512i e = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k + 4), low);
+            const __m512i h = _mm512_srli_epi32(high, 8 * k + up);
+            a = _mm512_or_si512(a, _mm512_and_si512(_mm512_slli_epi32(h, 4), two));
+            e = _mm512_or_si512(e, _mm512_and_si512(_mm512_slli_epi32(h, 2), two));
+            lo[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, off)), s0);
+            hi[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(e, off)), s1);
+        }
+        pair_row(lo[0], lo[1], tile + (2 * c) * 32);
+        pair_row(lo[2], lo[3], tile + (2 * c + 1) * 32);
+        pair_row(hi[0], hi[1], tile + (8 + 2 * c) * 32);
+        pair_row(hi[2], hi[3], tile + (8 + 2 * c + 1) * 32);
+    }
+}
+
+/* Block b of a group (16 rows of the whole of K) -> its B tile; gb: a block's bytes, a super-block's for a K-quant. */
+static void widen_group_block(int type, const uint8_t *group, long gb, long b, uint16_t *tile) {
+    if (type == Q6_K) widen_q6k(group + b / 8 * gb, (int)(b % 8), tile);
+    else if (is_k(type)) widen_k45(type, group + b / 8 * gb, (int)(b % 8), tile);
+    else widen_block(type, group + b * gb, tile);
+}
+
 /* The pair of groups a thread widens while its tiles multiply the pair before: their packed blocks (w1 NULL
  * past the last group, whose tiles stay zero) and their B tiles. */
 typedef struct {
     int type;
-    long gb;
+    long gb;   /* a block's bytes (a super-block's for a K-quant) */
     const uint8_t *w0, *w1;
     uint16_t *t0, *t1;
 } Widening;
 
 /* Groups g and g + 1 of w, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
 static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
-    Widening pair = {type, gb, w + g * nb * gb, g + 1 < groups ? w + (g + 1) * nb * gb : NULL, tiles,
+    const long stride = (is_k(type) ? nb / 8 : nb) * gb;   /* a group's bytes */
+    Widening pair = {type, gb, w + g * stride, g + 1 < groups ? w + (g + 1) * stride : NULL, tiles,
                      tiles + nb * 16 * 32};
     if (!pair.w1) memset(pair.t1, 0, (size_t)nb * 16 * 64);
     return pair;
 }
 
 static void widen(const Widening *next, long b) {
-    widen_block(next->type, next->w0 + b * next->gb, next->t0 + b * 16 * 32);
-    if (next->w1) widen_block(next->type, next->w1 + b * next->gb, next->t1 + b * 16 * 32);
+    widen_group_block(next->type, next->w0, next->gb, b, next->t0 + b * 16 * 32);
+    if (next->w1) widen_group_block(next->type, next->w1, next->gb, b, next->t1 + b * 16 * 32);
 }
 
 /* A 32 x 32 block of float32 products (row stride 32) on its way to y: rows x cols of it, + bias, rounded to
@@ -283,7 +360,8 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
 
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
-    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1) return -2;
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !is_k(type)) return -2;
+    if (is_k(type) && K % QKK) return -2;
     if (!amx_permitted()) return -4;
     if (M <= 0) return 0;
     /* Every pair of groups reads all of x's tiles: past L2 they come from memory each time (2048 x 576 rows

@@ -14,10 +14,10 @@ from __future__ import annotations
 import structlog
 import torch
 
-from kernels import cpu_native, quant_linear
+from kernels import cpu_native, kquant, quant_linear
 from kernels.quant_linear import QuantStack, QuantTensor, QuantWeight
 
-TYPES = (quant_linear.Q8_0, quant_linear.Q4_0, quant_linear.Q4_1, quant_linear.Q5_0, quant_linear.Q5_1)
+TYPES = (quant_linear.Q8_0, quant_linear.Q4_0, quant_linear.Q4_1, quant_linear.Q5_0, quant_linear.Q5_1, *kquant.TYPES)
 ROWS = (16, 24, 32, 64, 128, 256, 512)   # the row counts measured (24: the int8 kernel's time grows with the rows
 # and AMX's does not below 32; on a Xeon, SmolLM2's gate_up at 24 rows took 0.115 ms on int8 against 0.092 on AMX)
 MARGIN = 1.1                         # AMX must win by 10%: noise never flips the choice
@@ -29,7 +29,7 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     """x[M, K] bf16 @ dequantize(weight).bfloat16().T (+ bias), summed in float32 -> [M, N] bf16.
     Raises RuntimeError where this CPU or build has no AMX."""
     if weight.qtype not in TYPES:
-        raise ValueError(f"quant_amx.c does not read {weight.name}")
+        raise ValueError(f"quant_amx.c does not read GGML type {weight.qtype}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the AMX product takes bf16 rows, not {x.dtype}")
 
@@ -145,11 +145,7 @@ def threshold(ms: dict[str, float]) -> int | None:
 
 
 def _random_weight(qtype: int, n: int, k: int) -> QuantWeight:
-    import gguf   # the quantizer is only needed to measure, once per shape
-
-    floats = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
-    raw = torch.from_numpy(gguf.quants.quantize(floats.numpy(), gguf.GGMLQuantizationType(int(qtype))))
-    return quant_linear.pack(QuantTensor(int(qtype), raw, k), torch.bfloat16)
+    return quant_linear.pack(QuantTensor(int(qtype), quant_linear.random_blocks(qtype, n, k), k), torch.bfloat16)
 
 
 def _measure(qtype: int, n: int, k: int) -> dict[str, float]:

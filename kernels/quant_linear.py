@@ -112,6 +112,21 @@ def supported(qtype: int) -> bool:
     return qtype in NAMES
 
 
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """File rows [n, k / block * block bytes] of random bytes but for every float16 scale (d, and m or dmin),
+    a small fixed one: to time a kernel, whose speed does not depend on the values (random scale bytes
+    would hold infinities and NaNs)."""
+    qtype = GGMLType(int(qtype))
+    block, size = (kquant.QK_K, kquant.BLOCK_BYTES[qtype]) if qtype in kquant.TYPES else (QK, BLOCK_BYTES[qtype])
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
+    at = [208] if qtype == kquant.Q6_K else [0, 2] if qtype in (*_MIN, kquant.Q4_K, kquant.Q5_K) else [0]
+    for offset in at:
+        blocks[:, offset:offset + 2] = scale
+    return blocks.reshape(n, -1)
+
+
 def pack(tensor: QuantTensor, dtype: torch.dtype = torch.float32) -> QuantWeight:
     """The file's rows -> groups of 16 rows per block; rows past N (to a whole group) are zeros."""
     qtype, raw, k = tensor.qtype, tensor.raw, tensor.cols

@@ -12,6 +12,7 @@ from gguf.quants import quantize
 from kernels import get_ops, quant_amx, quant_linear
 from kernels.quant_linear import QuantTensor
 from tests import kquants
+from tests.kernels.test_kquant_linear import SHAPES as K_SHAPES, TYPES as K_TYPES
 from tests.kernels.test_quant_linear import HAS_TOOLCHAIN, SHAPES, TYPES, _q8_0
 
 pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
@@ -22,13 +23,17 @@ def _weight(qtype, n, k, seed):
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, :32] = 0.0                                   # a block of scale 0
     w[-1, -32:] *= 1000.0                             # a block far from the others
-    return quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(quantize(w, qtype)), k), torch.bfloat16)
+    raw = kquants.quantize(w, qtype) if qtype in K_TYPES else quantize(w, qtype)
+    return quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), k), torch.bfloat16)
+
+
+# every type on the shapes it takes: K-quants in whole super-blocks of 256
+CASES = [(t, n, k) for t in TYPES for n, k in SHAPES + [(33, 1536)]] + [(t, n, k) for t in K_TYPES for n, k in K_SHAPES]
 
 
 @needs_amx
 @pytest.mark.parametrize("m", [1, 16, 17, 45, 70])   # partial tiles of x, an odd count of tiles
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k", SHAPES + [(33, 1536)])
+@pytest.mark.parametrize("qtype,n,k", CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_the_product_is_x_times_the_weight_rounded_to_bf16(qtype, m, n, k, poisoned_empty):
     weight = _weight(qtype, n, k, m * 1000 + n + k)
     gen = torch.Generator().manual_seed(m + n)
@@ -52,8 +57,9 @@ def _assert_within_rounding(got, x, weight, bias):
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n,k", [(17, 64), (200, 96)])   # a group past the last; several pairs of groups a thread
+@pytest.mark.parametrize("qtype,n,k", [(t, n, k) for t in TYPES for n, k in [(17, 64), (200, 96)]]
+                         + [(t, n, k) for t in K_TYPES for n, k in [(17, 256), (200, 512)]],
+                         ids=lambda v: getattr(v, "name", str(v)))   # a group past the last; several pairs a thread
 def test_the_weight_is_widened_to_exactly_its_bf16_dequantization(qtype, n, k):
     """x's rows one-hot: row j picks column j of every weight row, one product in the float32 sums, so the
     output is the widened weight itself, bit for bit (but for the sign of a zero: a sum of zeros is +0)."""
@@ -74,7 +80,8 @@ def test_rows_past_one_part_come_out_as_each_part_alone():
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+                                   GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [232, 2072])   # 2072: 65 pairs of groups, so a thread copies x's tiles
 def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
     """Tall x across parts, rows not a multiple of the tiles, groups not a multiple of the pairs (232 rows: 15
@@ -186,11 +193,7 @@ def test_bad_input_is_refused():
         quant_amx.matmul(torch.randn(4, 64), weight)
     with pytest.raises(ValueError, match="shapes"):
         quant_amx.matmul(torch.randn(4, 32).to(torch.bfloat16), weight)
+    q2_k = quant_linear.QuantWeight(torch.zeros(1, 1, 16 * 84, dtype=torch.uint8), int(GGMLQuantizationType.Q2_K),
+                                    16, 256, torch.bfloat16)   # a type no kernel here reads
     with pytest.raises(ValueError, match="does not read"):
-        quant_amx.matmul(torch.randn(4, 256).to(torch.bfloat16), _q4_k())
-
-
-def _q4_k():
-    raw = kquants.quantize(np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32),
-                           GGMLQuantizationType.Q4_K)
-    return quant_linear.pack(QuantTensor(int(GGMLQuantizationType.Q4_K), torch.from_numpy(raw), 256), torch.bfloat16)
+        quant_amx.matmul(torch.randn(4, 256).to(torch.bfloat16), q2_k)
