@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "quant_layout.h"
 
 /* The kernels of the other sources of the library. */
 int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, const float *bias, void *y,
@@ -54,7 +55,7 @@ typedef struct {
     const float *bias;   /* float32 [N], or NULL */
     long N, K;
     int kind, qtype;
-    long amx_from;       /* GGUF with bf16 rows: quant_amx.c from this many rows on; 0 never */
+    long amx_from;       /* bf16 rows: quant_amx.c from this many rows on (a packed bf16 weight as BF16P); 0 never */
 } Part;
 
 #define MAX_PARTS 3
@@ -83,8 +84,8 @@ typedef struct {
 } Shape;
 
 static int project_part(const Part *p, const void *x, void *y, long M, int bf16, int threads) {
-    if (p->kind == GGUF && bf16 && p->amx_from && M >= p->amx_from)
-        return matinee_quant_amx(x, p->qtype, p->w, p->bias, y, M, p->N, p->K, threads);
+    if (bf16 && p->amx_from && M >= p->amx_from)
+        return matinee_quant_amx(x, p->kind == GGUF ? p->qtype : BF16P, p->w, p->bias, y, M, p->N, p->K, threads);
     if (p->kind == GGUF) return matinee_quant_gemm(x, bf16, p->qtype, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
     return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads, p->kind == PACKED_DOT && bf16);
 }

@@ -97,7 +97,7 @@ class _Plan:
             if isinstance(part, QuantWeight):
                 kind, qtype, amx_from = GGUF, int(part.qtype), part.amx_from or 0
             else:
-                kind, qtype = PACKED_DOT if part.dot else PACKED, 0
+                kind, qtype, amx_from = PACKED_DOT if part.dot else PACKED, 0, part.amx_from or 0
             slot.w, slot.bias = self._tensor(part.packed), self._tensor(None if bias is None else bias[start:end])
             slot.N, slot.K, slot.kind, slot.qtype, slot.amx_from = (part.out_features, part.in_features, kind, qtype,
                                                                    amx_from)

@@ -6,9 +6,11 @@ packed once at load, and multiplies in float32, or, where the CPU has AVX512-BF1
 faster (Zen 4, whose vdpbf16ps does twice the float32 FMA's work a cycle), takes bf16 rows through
 vdpbf16ps from the same layout. Which kernel, and whether either beats torch, is measured once per
 weight shape (layout) and kept on disk beside the built library; a weight's kernel is the same for
-every row count, so a row's result never depends on its batch. Where torch wins on many rows
-only (a CPU with AMX, whose bf16 tiles oneDNN drives), both layouts are kept and the row count
-picks. A tied embedding reads its rows out of the packed LM head, so the model keeps one copy.
+every row count, so a row's result never depends on its batch. On a CPU with AMX, many bf16 rows go to
+its tiles from a measured row count on (quant_amx.c reads the packed layout, pairing k with k + 1 for
+each column as it goes: no second copy of the weight); where torch wins on many rows only and AMX does
+not beat it, both layouts are kept and the row count picks. A tied embedding reads its rows out of the
+packed LM head, so the model keeps one copy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm, cpu_native
+from kernels import cpu_gemm, cpu_native, quant_amx
 
 NR = 32            # output columns per packed block (two zmm, four ymm of float32)
 # Where column c of a block sits within its 32 values: 2c for the first 16, 2(c-16)+1 for the rest.
@@ -28,6 +30,7 @@ DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes layout() measures
 SAMPLE_ROWS, REPEATS = 8192, 5
 MARGIN = 1.1
 TORCH_FROM_ROWS = 64   # with both layouts kept: few rows read the packed one, more go to torch
+AMX_ROWS = (16, 32, 64, 128, PREFILL_ROWS)   # the row counts at which AMX is weighed against the packed kernel
 
 
 class PackedWeight:
@@ -40,6 +43,8 @@ class PackedWeight:
         self.plain: torch.Tensor | None = None
         # bf16 rows through the kernel's vdpbf16ps path, where it measured faster (float32 rows never)
         self.dot = False
+        # bf16 rows from this many on through AMX (quant_amx.c), where it measured faster; None: never
+        self.amx_from: int | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -86,8 +91,11 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU backend's projection: the packed kernel for a packed weight, else cpu_gemm's path."""
     if isinstance(weight, PackedWeight):
-        if weight.plain is not None and x.shape[0] >= TORCH_FROM_ROWS:
+        rows = x.shape[0]
+        if weight.plain is not None and rows >= TORCH_FROM_ROWS:
             return F.linear(x, weight.plain, bias)
+        if weight.amx_from is not None and rows >= weight.amx_from and x.dtype == torch.bfloat16:
+            return quant_amx.product(x, weight, quant_amx.BF16P, bias)
         return matmul(x, weight, bias)
     return cpu_gemm.linear(x, weight, bias)
 
@@ -115,7 +123,8 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         return weight
     packed = pack(weight)
     packed.dot = dot
-    if chosen == "both":
+    packed.amx_from, beats_torch = amx_rows(*weight.shape, dot)
+    if chosen == "both" and not beats_torch:
         packed.plain = weight
     return packed
 
@@ -138,6 +147,44 @@ def layout(n: int, k: int) -> tuple[str, bool]:
         _log(n, k, ms, dot, faster)
         _decisions[key] = ("torch" if len(faster) == 2 else "both" if faster == [PREFILL_ROWS] else "packed", dot)
     return _decisions[key]
+
+
+_amx_decisions: dict[tuple[int, int, int, bool], tuple[int | None, bool]] = {}
+
+
+def amx_rows(n: int, k: int, dot: bool) -> tuple[int | None, bool]:
+    """From which row count AMX beats the packed kernel (its vdpbf16ps path with `dot`) at it and every
+    larger count of AMX_ROWS, or None; and whether it also beats torch at PREFILL_ROWS (then no plain copy
+    is kept for torch). (None, False) without AMX, for bf16 rows, here. Measured once, kept as layout()."""
+    if k % 32 or not quant_amx.available():
+        return None, False
+    key = (torch.get_num_threads(), n, k, dot)
+    if key not in _amx_decisions:
+        rows = ",".join(map(str, AMX_ROWS))
+        ms = cpu_native.kept_measurement(".bf16-amx.json", f"{key[0]} threads {n}x{k} dot {int(dot)} rows {rows}",
+                                         lambda: _measure_amx(n, k, dot))
+        start = quant_amx.threshold(ms, "kernel", AMX_ROWS)
+        beats_torch = start is not None and ms[f"amx_{PREFILL_ROWS}"] <= ms[f"torch_{PREFILL_ROWS}"] * MARGIN
+        _amx_decisions[key] = (start, beats_torch)
+        structlog.get_logger().info("bf16 linear on AMX", shape=f"{n}x{k}", amx_from_rows=start,
+                                    beats_torch=beats_torch, ms=ms)
+    return _amx_decisions[key]
+
+
+def _measure_amx(n: int, k: int, dot: bool) -> dict[str, float]:
+    """Best-of milliseconds of AMX and of the packed kernel at each of AMX_ROWS, and of torch at PREFILL_ROWS."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
+    packed = pack(weight)
+    packed.dot = dot
+    ms = {}
+    for rows in AMX_ROWS:
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        runs = {"kernel": lambda: matmul(x, packed), "amx": lambda: quant_amx.product(x, packed, quant_amx.BF16P)}
+        if rows == PREFILL_ROWS:
+            runs["torch"] = lambda: cpu_gemm.linear(x, weight)
+        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
+    return ms
 
 
 def _dot_faster(ms: dict[str, float]) -> bool:

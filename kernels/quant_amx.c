@@ -20,6 +20,11 @@
  * super-block of 256 values: its block b (32 values) is sub-block b % 8 of super-block b / 8, widened with that
  * sub-block's scales (widen_kblock).
  *
+ * A bf16 weight in packed_linear.py's layout (BF16P: 32 columns a block, each k's 32 values together, columns c and
+ * 16 + c in one 4-byte lane) is the degenerate case: its "widening" only pairs k with k + 1 for each column, one
+ * block of 32 columns giving both groups of a pair (widen_bf16_pair); so bf16 weights take the tiles without a
+ * second copy in the tiles' layout.
+ *
  * Without the kernel's permission for the tiles (amx.h), or in a build for a CPU without AMX,
  * matinee_quant_amx returns -4 and the caller keeps quant_gemm.c.
  */
@@ -187,6 +192,18 @@ static void widen_q6k(const uint8_t *g, int b, uint16_t *tile) {
     }
 }
 
+/* Values k = 32b.. of a packed bf16 block (32 columns; k's 32 values are columns 0, 16, 1, 17, ..., as 16 lanes of
+ * 4 bytes) -> the B tiles of its two groups: row p of the first holds column n's k = 2p and 2p + 1 in lane n, the
+ * low halves of rows 2p and 2p + 1's lanes; the second their high halves. */
+static void widen_bf16_pair(const uint16_t *blk, uint16_t *t0, uint16_t *t1) {
+    for (int p = 0; p < 16; p++) {
+        const __m512i a = _mm512_loadu_si512((const void *)(blk + 2 * p * 32));
+        const __m512i b = _mm512_loadu_si512((const void *)(blk + (2 * p + 1) * 32));
+        _mm512_store_si512((void *)(t0 + p * 32), _mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(b, 16)));
+        _mm512_store_si512((void *)(t1 + p * 32), _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(a, 16), b));
+    }
+}
+
 /* Block b of a group (16 rows of the whole of K) -> its B tile; gb: a block's bytes, a super-block's for a K-quant. */
 static void widen_group_block(int type, const uint8_t *group, long gb, long b, uint16_t *tile) {
     if (type == Q6_K) widen_q6k(group + b / 8 * gb, (int)(b % 8), tile);
@@ -206,13 +223,17 @@ typedef struct {
 /* Groups g and g + 1 of w, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
 static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
     const long stride = (is_k(type) ? nb / 8 : nb) * gb;   /* a group's bytes */
-    Widening pair = {type, gb, w + g * stride, g + 1 < groups ? w + (g + 1) * stride : NULL, tiles,
+    Widening pair = {type, gb, w + g * stride, g + 1 < groups || type == BF16P ? w + (g + 1) * stride : NULL, tiles,
                      tiles + nb * 16 * 32};
     if (!pair.w1) memset(pair.t1, 0, (size_t)nb * 16 * 64);
     return pair;
 }
 
 static void widen(const Widening *next, long b) {
+    if (next->type == BF16P) {   /* both groups from one block of the packed layout, zero columns past N */
+        widen_bf16_pair((const uint16_t *)next->w0 + b * 32 * 32, next->t0 + b * 16 * 32, next->t1 + b * 16 * 32);
+        return;
+    }
     widen_group_block(next->type, next->w0, next->gb, b, next->t0 + b * 16 * 32);
     if (next->w1) widen_group_block(next->type, next->w1, next->gb, b, next->t1 + b * 16 * 32);
 }
@@ -360,8 +381,9 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
 
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
-    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !is_k(type)) return -2;
-    if (is_k(type) && K % QKK) return -2;
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !is_k(type) && type != BF16P)
+        return -2;
+    if ((is_k(type) && K % QKK) || K % QK) return -2;
     if (!amx_permitted()) return -4;
     if (M <= 0) return 0;
     /* Every pair of groups reads all of x's tiles: past L2 they come from memory each time (2048 x 576 rows
@@ -370,7 +392,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     const long most = X_BYTES / (2 * K) / 32 * 32 > 32 ? X_BYTES / (2 * K) / 32 * 32 : 32;
     const long parts = (M + most - 1) / most, whole = M / 32 * 32;
     const long nb = K / QK, groups = (N + GR - 1) / GR;
-    Call c = {x, type, M * N * 2 > STREAM_BYTES, w, bias, y, M, N, K, nb, groups, group_bytes(type),
+    Call c = {x, type, M * N * 2 > STREAM_BYTES, w, bias, y, M, N, K, nb, groups, type == BF16P ? 16 * QK * 2 : group_bytes(type),
               (groups + 1) / 2, ((M + parts - 1) / parts + 31) / 32 * 32, NULL};
     /* x's tiles are read where they lie (a copy cost more than it saved below COPY_PAIRS: o 576 x 576 at 512
      * rows 1.4x faster without) */

@@ -23,6 +23,7 @@ ROWS = (16, 24, 32, 64, 128, 256, 512)   # the row counts measured (24: the int8
 MARGIN = 1.1                         # AMX must win by 10%: noise never flips the choice
 SAMPLE_ROWS, REPEATS = 4096, 4
 UNAVAILABLE = -4                     # quant_amx.c's answer on a CPU (or kernel) without AMX
+BF16P = 30                           # quant_layout.h: a bf16 weight in packed_linear.py's layout
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
@@ -30,17 +31,25 @@ def matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = Non
     Raises RuntimeError where this CPU or build has no AMX."""
     if weight.qtype not in TYPES:
         raise ValueError(f"quant_amx.c does not read GGML type {weight.qtype}")
+    return product(x, weight, weight.qtype, bias, lib)
+
+
+def product(x: torch.Tensor, weight, qtype: int, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """quant_amx.c's product of bf16 rows and a weight of `qtype` (a GGUF type, or BF16P for a
+    packed_linear.PackedWeight): the launcher both share."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the AMX product takes bf16 rows, not {x.dtype}")
+    if weight.in_features % 32:
+        raise ValueError(f"AMX takes whole blocks of 32 inputs, not {weight.in_features}")
 
     def launch(lib, x, bias, out, bf16):
-        status = lib.matinee_quant_amx(x.data_ptr(), weight.qtype, weight.packed.data_ptr(),
+        status = lib.matinee_quant_amx(x.data_ptr(), qtype, weight.packed.data_ptr(),
                                        None if bias is None else bias.data_ptr(), out.data_ptr(),
                                        x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads())
         if status == UNAVAILABLE:
             raise RuntimeError("this CPU or kernel build has no AMX tiles")
         return status
-    return cpu_native.projection(x, weight, bias, lib, "AMX quantized linear", "bf16", launch)
+    return cpu_native.projection(x, weight, bias, lib, "AMX linear", "bf16", launch)
 
 
 def linear(x: torch.Tensor, weight: QuantWeight | QuantStack, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,11 +143,12 @@ def from_rows(qtype: int, n: int, k: int) -> int | None:
     return _decisions[key]
 
 
-def threshold(ms: dict[str, float]) -> int | None:
-    """From `_measure`'s timings: the row count from which AMX wins by MARGIN at every larger count."""
+def threshold(ms: dict[str, float], other: str = "int8", rows_measured: tuple[int, ...] = ROWS) -> int | None:
+    """From `_measure`'s timings: the row count from which AMX wins by MARGIN over `other` at every larger
+    count."""
     start = None
-    for rows in reversed(ROWS):
-        if ms[f"amx_{rows}"] * MARGIN >= ms[f"int8_{rows}"]:
+    for rows in reversed(rows_measured):
+        if ms[f"amx_{rows}"] * MARGIN >= ms[f"{other}_{rows}"]:
             break
         start = rows
     return start

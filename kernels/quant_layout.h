@@ -14,6 +14,8 @@
 #define Q4_K 12
 #define Q5_K 13
 #define Q6_K 14
+#define BF16P 30                    /* not GGUF's: packed_linear.py's bf16 layout (ggml's number for bf16), which
+                                       quant_amx.c takes too */
 #define QKK 256                     /* values per K-quant super-block: 8 blocks of x */
 
 static inline int is_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }

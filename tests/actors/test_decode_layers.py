@@ -108,6 +108,7 @@ def test_packed_bf16_weights(arch, dot, tiny_model_dir, monkeypatch, fused_calls
     if dot and not cpu_native.library().matinee_packed_dot():
         pytest.skip("this CPU has no AVX512-BF16")
     monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", dot))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (None, False))
     fused = _runner(tiny_model_dir(arch), "bfloat16")
     assert all(isinstance(w, PackedWeight) and w.dot == dot
                for w in (fused.model.layers[0].qkv_weight, fused.model.layers[0].o_weight))
@@ -168,6 +169,27 @@ def test_amx_projections_in_the_c_loop(tiny_model_dir, tmp_path, fused_calls):
     step = ForwardBatch([SequenceInput([9], 3, [0, 1], 1)])
     assert not torch.equal(amx.execute(step), int8.execute(step))
     assert fused_calls[-1] is True
+
+
+@pytest.mark.skipif(not quant_amx.available(), reason="no AMX on this CPU")
+def test_packed_bf16_weights_on_amx_in_the_c_loop(tiny_model_dir, monkeypatch, fused_calls):
+    """Packed bf16 projections on AMX from one row on: the C loop is handed each weight's threshold, and its logits
+    are the loop's bit for bit, whose projections went to quant_amx.c. (AMX and the packed kernel both sum exact
+    bf16 products in float32 and round each output to bf16, so their logits agree too: the plan is checked.)"""
+    monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("both", False))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (1, True))
+    fused, looped = (_runner(tiny_model_dir("llama_tied"), "bfloat16") for _ in range(2))
+    weight = fused.model.layers[0].gate_up_weight
+    assert isinstance(weight, PackedWeight) and weight.amx_from == 1 and weight.plain is None   # no copy for torch
+    on_amx = []
+    product = quant_amx.product
+    monkeypatch.setattr(quant_amx, "product", lambda x, w, qtype, bias=None: on_amx.append(qtype)
+                        or product(x, w, qtype, bias))
+    _steps(fused, _looping(looped), fused_calls)
+    assert set(on_amx) == {quant_amx.BF16P}   # the loop's projections, each call
+    plan = decode_layers._plans[fused.model]
+    parts = [getattr(layer, name).part[0] for layer in plan.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert {(p.kind, p.amx_from) for p in parts} == {(decode_layers.PACKED, 1)}
 
 
 def test_each_layer_is_announced_once_its_kv_is_in_the_cache(tiny_model_dir, tmp_path, fused_calls):
