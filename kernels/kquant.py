@@ -20,9 +20,12 @@ scales widened to a byte each (Q4_K/Q5_K: 148 and 180 bytes a row against the fi
   bits 0-1, 2-3, 4-5 and 6-7 for columns 32b + 8i + k, 32b + 16 + 8i + k, 32b + 8i + 4 + k and
   32b + 16 + 8i + 4 + k.
 
-The product quantizes x per block of 32 as the other GGUF types do; per block the exact int32 dot
-product times the sub-block's integer scale is scaled by d * d_x in float32, and Q4_K/Q5_K take
-dmin * d_x times the integer m * sum(x_q) off: `reference_matmul` is that sequence, bit for bit.
+The product quantizes x as llama.cpp's block_q8_K: one float32 scale per super-block of 256 (amax / 127),
+int8 values and their sums per 16. Within a super-block everything is integer: each sub-block's exact dot
+product times its integer scale, added up (Q6_K: its unsigned values' products less 32 x sum(sc * sum(x))),
+and Q4_K/Q5_K's sum of m * sum(x_q); then one float32 step per super-block, + dot * (d * d_x), and for
+Q4_K/Q5_K - mins * (dmin * d_x): `reference_matmul` is that sequence, bit for bit. One float step per 256
+values, not per 32, is what lets a K-quant weight byte cost what a Q4_0 one does.
 """
 from __future__ import annotations
 
@@ -176,41 +179,42 @@ def unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
     return blocks.transpose(1, 2).reshape(groups * GR, -1).contiguous()
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As quant_linear.quantize_rows, with each block's sum over its first 16 values (Q6_K's half)."""
-    from kernels.quant_linear import quantize_rows as per_block   # here: quant_linear imports this module
-
-    q, scale, total = per_block(x)
-    return q, scale, total, q[..., :16].sum(dim=-1)
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 values as float32 [M, S, 256], scales [M, S], sums per 16 values [M, S, 16]), as
+    quant_gemm.c quantizes a K-quant's rows: scale amax / 127 per super-block, values x * (1 / scale) rounded
+    to nearest even."""
+    blocks = x.float().reshape(x.shape[0], -1, QK_K)
+    scale = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(blocks * inverse[..., None])
+    return q, scale, q.reshape(*q.shape[:2], 16, 16).sum(dim=-1)
 
 
 def reference_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
-    """x [M, K] @ the K-quant rows `raw` [n, ...].T in quant_gemm.c's sequence, float32 [M, n]: the integer
-    parts are exact (float64 holds them), each product rounded to float32 as the kernel rounds it."""
+    """x [M, K] @ the K-quant rows `raw` [n, ...].T in quant_gemm.c's sequence, float32 [M, n]: each super-block's
+    integer sums are exact (float64 holds them), then rounded to float32 and scaled as the kernel does."""
     f = decode(raw, qtype)
-    k = f["q"].shape[1] * QK_K
-    q = f["q"].reshape(n, -1, 32).double()                              # [N, nb, 32]
-    d = f["d"].repeat_interleave(8, dim=1)                              # [N, nb] the super-block's d per block
+    supers = f["q"].shape[1]
+    sub = 16 if qtype == Q6_K else 32                                   # values per integer scale
+    q = f["q"].double().reshape(n, supers, -1, sub)                     # [N, S, 256 / sub, sub]
+    if qtype == Q6_K:
+        q = q - 32.0
+    sc = f["sc"].double()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    step = max(1, (1 << 24) // max(1, n * (k // 32)))
+    step = max(1, (1 << 24) // max(1, n * supers * (QK_K // sub)))
     for start in range(0, x.shape[0], step):
-        xq, xd, xs, xh = quantize_rows(x[start:start + step])
-        xq = xq.double()
+        xq, xd, xs = quantize_rows(x[start:start + step])
+        xq = xq.double().reshape(xq.shape[0], supers, -1, sub)
+        dots = (torch.einsum("msjk,nsjk->mnsj", xq, q) * sc[None]).sum(dim=-1)       # [m, N, S]
+        mins = None
+        if qtype != Q6_K:
+            sums = xs.double().reshape(xs.shape[0], supers, 8, 2).sum(dim=-1)         # [m, S, 8] per 32
+            mins = (sums[:, None] * f["m"].double()[None]).sum(dim=-1).float()        # [m, N, S]
+        dots = dots.float()
         y = torch.zeros(xq.shape[0], n)
-        if qtype == Q6_K:
-            sc = f["sc"].double().reshape(n, -1, 2)                     # [N, nb, lo|hi]
-            lo = torch.einsum("mbk,nbk->mnb", xq[..., :16], q[..., :16] - 32.0)
-            hi = torch.einsum("mbk,nbk->mnb", xq[..., 16:], q[..., 16:] - 32.0)
-            total = (lo * sc[None, :, :, 0] + hi * sc[None, :, :, 1]).float()
-            for b in range(q.shape[1]):
-                y = y + total[:, :, b] * (d[None, :, b] * xd[:, None, b])
-        else:
-            sc, mn = f["sc"].reshape(n, -1).double(), f["m"].reshape(n, -1).double()
-            dmin = f["dmin"].repeat_interleave(8, dim=1)
-            total = (torch.einsum("mbk,nbk->mnb", xq, q) * sc[None]).float()
-            mins = (xs.double()[:, None, :] * mn[None]).float()
-            for b in range(q.shape[1]):
-                y = y + total[:, :, b] * (d[None, :, b] * xd[:, None, b])
-                y = y - mins[:, :, b] * (dmin[None, :, b] * xd[:, None, b])
+        for s in range(supers):
+            y = y + dots[:, :, s] * (f["d"][None, :, s] * xd[:, None, s])
+            if mins is not None:
+                y = y - mins[:, :, s] * (f["dmin"][None, :, s] * xd[:, None, s])
         out[start:start + step] = y
     return out

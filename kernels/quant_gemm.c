@@ -20,12 +20,16 @@
  * i at 8i + 4 (the four shifted copies do not overlap, so nothing carries).
  * One broadcast of 4 bytes of x multiplies 16 rows at once; a group's blocks are one stream.
  *
- * The K-quants (Q4_K, Q5_K, Q6_K; kquant.py draws their group of one 256-value super-block) keep the
- * same x blocks: per block of 32 the exact int32 dot product is multiplied, still in int32, by the
- * sub-block's integer scale (Q6_K: two of them, one per half of 16, after taking 32 x sum(x) off each
- * half for its values' offset), then by d * d_x in float32; Q4_K and Q5_K take off
- * (m * sum(x)) * (dmin * d_x). Q5_K's fifth bits and Q6_K's high pairs are shifted into the nibbles
- * in registers (16-bit shifts whose bits from the neighbouring byte the masks drop).
+ * The K-quants (Q4_K, Q5_K, Q6_K; kquant.py draws their group of one 256-value super-block) quantize x
+ * as llama.cpp's block_q8_K: one float32 scale per super-block of 256, the values rounded as above, and
+ * their sums per 16. A super-block then stays in int32 to its end: per sub-block the exact dot product
+ * times the sub-block's integer scale (AVX2: the int16 pair sums widened by a madd with the scale), added
+ * up; Q4_K and Q5_K's minimums as sum(m * sum(x)), Q6_K's offset of 32 as 32 * sum(sc * sum(x)), both by
+ * int16 pairs. Only then float32, once per super-block and row: + dot * (d * d_x), and for Q4_K and
+ * Q5_K - mins * (dmin * d_x) (kquant.reference_matmul, bit for bit). Per block of 32 that float step
+ * (and its scales' broadcasts) cost more than the block's products, and a K-quant weight byte more than
+ * a Q4_0 one. Q5_K's fifth bits and Q6_K's high pairs are shifted into the nibbles in registers (16-bit
+ * shifts whose bits from the neighbouring byte the masks drop).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -60,13 +64,16 @@ typedef __m512 vf;
 #define LOAD_I8_I32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define MULLO _mm512_mullo_epi32
 #define ADDI _mm512_add_epi32
+#define SUBI _mm512_sub_epi32
 #define ORI _mm512_or_si512
 #define SLLI16 _mm512_slli_epi16
 #define SRLI32 _mm512_srli_epi32
+#define SLLI32 _mm512_slli_epi32
 #define SRL16(v, n) _mm512_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm512_sub_ps
 #ifdef __AVX512VNNI__
 #define DOT_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define DOT_I16(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)   /* int16 pairs: a0 b0 + a1 b1 per lane */
 /* Q8_0 bytes made unsigned (w + 128): the +128 comes back as -128 * sum(x) in the start value. */
 #define Q8_BIAS 128
 #define Q8_PREP(w) _mm512_xor_si512(w, SET1B((char)0x80))
@@ -76,6 +83,7 @@ static inline vi dot_u8(vi acc, vi w, vi x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 }
 #define DOT_U8 dot_u8
+#define DOT_I16(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #define Q8_BIAS 0
 #define Q8_PREP(w) (w)
 /* |w| times x with w's sign: pairs stay within int16 (2 * 128 * 127). */
@@ -107,9 +115,11 @@ typedef __m256 vf;
 #define LOAD_I8_I32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define MULLO _mm256_mullo_epi32
 #define ADDI _mm256_add_epi32
+#define SUBI _mm256_sub_epi32
 #define ORI _mm256_or_si256
 #define SLLI16 _mm256_slli_epi16
 #define SRLI32 _mm256_srli_epi32
+#define SLLI32 _mm256_slli_epi32
 #define SRL16(v, n) _mm256_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm256_sub_ps
 static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, within int16 */
@@ -121,6 +131,10 @@ static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, withi
 #define PAIRS16 _mm256_maddubs_epi16
 #define ADD16 _mm256_add_epi16
 #define WIDEN_PAIRS(acc, p) _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+/* The K-quants widen their int16 pair sums by a madd with the sub-block's scale in both halves of a lane:
+ * the widening and the scale's multiply in one instruction. */
+#define MADD16 _mm256_madd_epi16
+#define DOT_I16(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #define Q8_BIAS 0
 #define Q8_PREP(w) (w)
 static inline vi dot_s8(vi acc, vi w, vi x) {
@@ -148,54 +162,98 @@ static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
 #define WIDEN8(p) bf16x8_to_f32(_mm_loadu_si128((const __m128i *)(p)))
 #define WIDEN16(p) bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(p)))
 
-/* One row of x (float32 or bf16) -> int8 values, a float32 scale, the sum of the values per block and
- * the sum of its first 16 (Q6_K's scales cover 16 values). amax is taken over 4 vectors of 8 in one
- * order on both widths (x86's max keeps its second operand for a NaN), the values are truncated to
- * their low byte as (int8_t) does: any x, NaN included, quantizes as the scalar loop did. */
-static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum, int32_t *half) {
+/* 32 values of x widened to float32: 4 vectors of 8 (on AVX-512 loaded as 2 of 16). */
+typedef struct {
+#ifdef __AVX512F__
+    __m512 w[2];
+#endif
+    __m256 v[4];
+} block32;
+
+static inline block32 load_block(const void *x, int x_bf16, long at) {
+    const uint16_t *xh = (const uint16_t *)x + at;
+    const float *xf = (const float *)x + at;
+    block32 b;
+#ifdef __AVX512F__
+    for (int j = 0; j < 2; j++) b.w[j] = x_bf16 ? WIDEN16(xh + 16 * j) : _mm512_loadu_ps(xf + 16 * j);
+    for (int j = 0; j < 4; j++)
+        b.v[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b.w[j / 2]), j & 1));
+#else
+    for (int j = 0; j < 4; j++) b.v[j] = x_bf16 ? WIDEN8(xh + 8 * j) : _mm256_loadu_ps(xf + 8 * j);
+#endif
+    return b;
+}
+
+/* The block's largest |x|, over its 4 vectors of 8 in one order on both widths (x86's max keeps its second
+ * operand for a NaN). */
+static inline __m128 block_amax(const block32 *b) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, b->v[j]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+}
+
+/* The block times inv, rounded to nearest even, into q's 32 int8 (each value truncated to its low byte, as
+ * (int8_t) does); *total and *first get the sums of all 32 and of the first 16. */
+static inline void round_block(const block32 *b, float inv, int8_t *q, int32_t *total, int32_t *first) {
+    __m256i t, f;
+#ifdef __AVX512F__
+    __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(b->w[0], _mm512_set1_ps(inv)));   /* nearest even */
+    __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(b->w[1], _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(r0));   /* vpmovdb: the low bytes */
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(r1));
+    __m512i s = _mm512_add_epi32(r0, r1), h = LOW_I8(r0, 512);
+    t = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    f = _mm256_add_epi32(_mm512_castsi512_si256(h), _mm512_extracti64x4_epi64(h, 1));
+#else
+    __m256i r[4];
+    for (int j = 0; j < 4; j++) r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(b->v[j], _mm256_set1_ps(inv)));
+    /* Low bytes (0..255) packed without saturating; the packs interleave 4-byte groups of the 128-bit halves. */
+    __m256i lo[4];
+    for (int j = 0; j < 4; j++) lo[j] = _mm256_and_si256(r[j], _mm256_set1_epi32(0xff));
+    __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(lo[0], lo[1]), _mm256_packus_epi32(lo[2], lo[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    t = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    f = _mm256_add_epi32(LOW_I8(r[0], 256), LOW_I8(r[1], 256));
+#endif
+    sum2(t, f, total, first);
+}
+
+/* One row of x (float32 or bf16) -> int8 values, a float32 scale (amax / 127) and the sum of the values
+ * per block of 32. Any x, NaN included, quantizes as the scalar loop did. */
+static void quantize_row(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sum) {
     for (long b = 0; b < K / QK; b++) {
-        const uint16_t *xh = (const uint16_t *)x + b * QK;
-        const float *xf = (const float *)x + b * QK;
-        __m256 v[4];
-#ifdef __AVX512F__
-        __m512 w[2];
-        for (int j = 0; j < 2; j++) w[j] = x_bf16 ? WIDEN16(xh + 16 * j) : _mm512_loadu_ps(xf + 16 * j);
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j / 2]), j & 1));
-#else
-        for (int j = 0; j < 4; j++) v[j] = x_bf16 ? WIDEN8(xh + 8 * j) : _mm256_loadu_ps(xf + 8 * j);
-#endif
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-        float scale = _mm_cvtss_f32(m4) / 127.0f;
+        const block32 blk = load_block(x, x_bf16, b * QK);
+        float scale = _mm_cvtss_f32(block_amax(&blk)) / 127.0f;
         float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-        __m256i total, first;
-#ifdef __AVX512F__
-        __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(w[0], _mm512_set1_ps(inv)));   /* nearest even */
-        __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(w[1], _mm512_set1_ps(inv)));
-        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(r0));   /* vpmovdb: the low bytes */
-        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(r1));
-        __m512i t = _mm512_add_epi32(r0, r1), h = LOW_I8(r0, 512);
-        total = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-        first = _mm256_add_epi32(_mm512_castsi512_si256(h), _mm512_extracti64x4_epi64(h, 1));
-#else
-        __m256i r[4];
-        for (int j = 0; j < 4; j++) r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-        /* Low bytes (0..255) packed without saturating; the packs interleave 4-byte groups of the 128-bit halves. */
-        __m256i lo[4];
-        for (int j = 0; j < 4; j++) lo[j] = _mm256_and_si256(r[j], _mm256_set1_epi32(0xff));
-        __m256i p = _mm256_packus_epi16(_mm256_packus_epi32(lo[0], lo[1]), _mm256_packus_epi32(lo[2], lo[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
-        total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-        first = _mm256_add_epi32(LOW_I8(r[0], 256), LOW_I8(r[1], 256));
-#endif
+        int32_t first;
         d[b] = scale;
-        sum2(total, first, sum + b, half + b);
+        round_block(&blk, inv, q + b * QK, sum + b, &first);
+    }
+}
+
+/* The K-quants' x, llama.cpp's block_q8_K: one float32 scale per super-block of 256 (amax / 127, the
+ * blocks' maxima taken in order), the values rounded as quantize_row rounds them, and the sum of each 16
+ * (sums16[16 s + t]: values 16 t.. of super-block s) for the minimums and Q6_K's offset. */
+static void quantize_row_k(const void *x, int x_bf16, long K, int8_t *q, float *d, int32_t *sums16) {
+    for (long s = 0; s < K / QKK; s++) {
+        block32 blk[QKK / QK];
+        __m128 amax = _mm_setzero_ps();
+        for (int j = 0; j < QKK / QK; j++) {
+            blk[j] = load_block(x, x_bf16, s * QKK + j * QK);
+            amax = _mm_max_ss(amax, block_amax(&blk[j]));
+        }
+        float scale = _mm_cvtss_f32(amax) / 127.0f;
+        float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        d[s] = scale;
+        for (int j = 0; j < QKK / QK; j++) {
+            int32_t *at = sums16 + s * 16 + 2 * j, total;
+            round_block(&blk[j], inv, q + s * QKK + j * QK, &total, at);
+            at[1] = total - at[0];
+        }
     }
 }
 
@@ -283,25 +341,73 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
     for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
 }
 
-/* Q4_K and Q5_K: MR rows of x times one half of one group's super-blocks (nb blocks of x). A super-block
- * is 4 pairs of blocks; byte k of a row's 4-byte column c of pair p holds block 2p's value 4c + k in its
- * low nibble and block 2p + 1's in its high one, and the fifth bits of both in bits 2p and 2p + 1 of the
- * Q5_K column c. */
+/* The K-quants' integer scales of 16 rows (bytes at p, one per row) as lanes: on AVX2 in both int16 halves of a
+ * lane, for a madd with int16 pair sums; else an int32 for a mullo. */
+static inline vi scale_u8(const uint8_t *p) {
+    vi v = LOAD_U8_I32(p);
+#ifdef MADD16
+    v = ORI(v, SLLI32(v, 16));
+#endif
+    return v;
+}
+
+static inline vi scale_i8(const uint8_t *p) {
+    vi v = LOAD_I8_I32(p);
+#ifdef MADD16
+    v = ORI(ANDI(v, SET1I(0xffff)), SLLI32(v, 16));
+#endif
+    return v;
+}
+
+/* Two bytes per row (at a and b, unsigned or signed) as the int16 halves of the rows' lanes: a DOT_I16 operand. */
+static inline vi pair_u8(const uint8_t *a, const uint8_t *b) { return ORI(LOAD_U8_I32(a), SLLI32(LOAD_U8_I32(b), 16)); }
+
+static inline vi pair_i8(const uint8_t *a, const uint8_t *b) {
+    return ORI(ANDI(LOAD_I8_I32(a), SET1I(0xffff)), SLLI32(LOAD_I8_I32(b), 16));
+}
+
+/* One super-block's integer sums of MR rows into the float32 accumulators: facc += dot * (d_w * d_x), then for
+ * Q4_K and Q5_K facc -= mins * (dmin_w * d_x), one product and one add each per super-block, in the order
+ * kquant.reference_matmul adds them. */
+static inline __attribute__((always_inline)) void scale_super(const int MR, vf *facc, const vi *dot, const vi *mins,
+                                                              vf dw, vf mw, const float *xd, long ns) {
+    for (int i = 0; i < MR; i++) {
+        const vf dx = VSET1(xd[i * ns]);
+        vf t = VMUL(CVT(dot[i]), VMUL(dw, dx));
+        KEEP(t);
+        facc[i] = VADD(facc[i], t);
+        if (mins) {
+            vf u = VMUL(CVT(mins[i]), VMUL(mw, dx));
+            KEEP(u);
+            facc[i] = VSUB(facc[i], u);
+        }
+    }
+}
+
+/* Q4_K and Q5_K: MR rows of x times one half of one group's ns super-blocks. A super-block is 4 pairs of
+ * sub-blocks of 32; byte k of a row's 4-byte column c of pair p holds sub-block 2p's value 4c + k in its
+ * low nibble and 2p + 1's in its high one, and the fifth bits of both in bits 2p and 2p + 1 of the Q5_K
+ * column c. Per sub-block j the exact int32 dot product times sc[j] is added up over the whole super-block
+ * in int32 (|sum| <= 8 * 63 * 32 * 31 * 127 < 2^26: Q4_K's values are <= 15, Q5_K's <= 31, the scales
+ * 6 bits), and the minimums' sum of m[j] * sum(x of j) (<= 8 * 63 * 32 * 127) by int16 pairs: xp holds
+ * per row and super-block 4 int32s, the x sums of sub-blocks 2t and 2t + 1 as their low and high halves. */
 static inline __attribute__((always_inline)) void kernel_k45(const int type, const int MR, const uint8_t *w,
-                                                             long nb, const int8_t *xq, const float *xd,
-                                                             const int32_t *xs, long K, int h, float *tile) {
+                                                             long ns, const int8_t *xq, const float *xd,
+                                                             const int32_t *xp, long K, int h, float *tile) {
     const long gb = group_bytes(type);
     const vi low = SET1B(0x0f), bit4 = SET1B(0x10);
     vf facc[MR_MAX];
     for (int i = 0; i < MR; i++) facc[i] = VZERO();
-    for (long s = 0; s < nb / 8; s++) {
+    for (long s = 0; s < ns; s++) {
         const uint8_t *blk = w + s * gb;
-        const uint8_t *scp = blk + 4 * GR, *mnp = blk + 12 * GR, *qs = blk + 20 * GR, *qh = qs + 128 * GR;
-        const vf dw = LOAD_F16(blk + h * LANES * 2), mw = LOAD_F16(blk + 2 * GR + h * LANES * 2);
+        const uint8_t *scp = blk + 4 * GR + h * LANES, *mnp = blk + 12 * GR + h * LANES;
+        const uint8_t *qs = blk + 20 * GR, *qh = qs + 128 * GR;
+        vi dot[MR_MAX], mins[MR_MAX];
+        for (int i = 0; i < MR; i++) dot[i] = mins[i] = SET1I(0);
         for (int p = 0; p < 4; p++) {
-            const long b0 = s * 8 + 2 * p;
-            const int8_t *x0 = xq + b0 * QK, *x1 = x0 + QK;
-            vi acc0[MR_MAX], acc1[MR_MAX];
+            const int8_t *x0 = xq + s * QKK + 2 * p * QK, *x1 = x0 + QK;
+            const vi sc0 = scale_u8(scp + 2 * p * GR), sc1 = scale_u8(scp + (2 * p + 1) * GR);
+            vi acc0[MR_MAX], acc1[MR_MAX];   /* AVX2: int16 pair sums, 8 of 2 * 15 * 127 (Q5_K: 4 of 2 * 31 * 127) */
             for (int i = 0; i < MR; i++) acc0[i] = acc1[i] = SET1I(0);
             for (int c = 0; c < 8; c++) {
                 const uint8_t *at = qs + (p * 8 + c) * GR * 4 + h * LANES * 4;
@@ -314,49 +420,60 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
                     hi = ORI(hi, ANDI(SLLI16(hb, 3), bit4));
                 }
                 for (int i = 0; i < MR; i++) {
+#ifdef MADD16
+                    acc0[i] = ADD16(acc0[i], PAIRS16(lo, SET1I(bcast4(x0 + i * K + 4 * c))));
+                    acc1[i] = ADD16(acc1[i], PAIRS16(hi, SET1I(bcast4(x1 + i * K + 4 * c))));
+#else
                     acc0[i] = DOT_U8(acc0[i], lo, SET1I(bcast4(x0 + i * K + 4 * c)));
                     acc1[i] = DOT_U8(acc1[i], hi, SET1I(bcast4(x1 + i * K + 4 * c)));
+#endif
                 }
+#ifdef MADD16
+                if (c == 7 || (type == Q5_K && c == 3))
+                    for (int i = 0; i < MR; i++) {
+                        dot[i] = ADDI(dot[i], ADDI(MADD16(acc0[i], sc0), MADD16(acc1[i], sc1)));
+                        acc0[i] = acc1[i] = SET1I(0);
+                    }
+#endif
             }
-            for (int j = 0; j < 2; j++) {
-                const vi sc = LOAD_U8_I32(scp + (2 * p + j) * GR + h * LANES);
-                const vi mn = LOAD_U8_I32(mnp + (2 * p + j) * GR + h * LANES);
-                for (int i = 0; i < MR; i++) {
-                    const long at = i * nb + b0 + j;
-                    vf t = VMUL(CVT(MULLO(j ? acc1[i] : acc0[i], sc)), VMUL(dw, VSET1(xd[at])));
-                    KEEP(t);
-                    facc[i] = VADD(facc[i], t);
-                    vf u = VMUL(CVT(MULLO(SET1I(xs[at]), mn)), VMUL(mw, VSET1(xd[at])));
-                    KEEP(u);
-                    facc[i] = VSUB(facc[i], u);
-                }
-            }
+#ifndef MADD16
+            for (int i = 0; i < MR; i++) dot[i] = ADDI(dot[i], ADDI(MULLO(acc0[i], sc0), MULLO(acc1[i], sc1)));
+#endif
         }
+        for (int t = 0; t < 4; t++) {
+            const vi m = pair_u8(mnp + 2 * t * GR, mnp + (2 * t + 1) * GR);
+            for (int i = 0; i < MR; i++) mins[i] = DOT_I16(mins[i], m, SET1I(xp[i * ns * 4 + s * 4 + t]));
+        }
+        scale_super(MR, facc, dot, mins, LOAD_F16(blk + h * LANES * 2), LOAD_F16(blk + 2 * GR + h * LANES * 2),
+                    xd + s, ns);
     }
     for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
 }
 
-/* Q6_K: per block b of x, 4 columns of nibbles (low: value 4c + k, high: 16 + 4c + k) and 2 of high
- * pairs (bits 0-1, 2-3, 4-5, 6-7: columns 2i's low and high value, then 2i + 1's). */
-static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const uint8_t *w, long nb,
-                                                             const int8_t *xq, const float *xd, const int32_t *xs,
-                                                             const int32_t *xh, long K, int h, float *tile) {
+/* Q6_K: per 32 values b of a super-block, 4 columns of nibbles (low: value 4c + k, high: 16 + 4c + k) and 2 of
+ * high pairs (bits 0-1, 2-3, 4-5, 6-7: columns 2i's low and high value, then 2i + 1's). The values are
+ * multiplied unsigned (0..63) and each 16's product by its scale, added up over the super-block in int32;
+ * the offset of 32 comes off once per super-block as 32 * sum(sc[s] * sum(x of s)) by int16 pairs (xp: per
+ * row and super-block 8 int32s, the x sums of 16s 2t and 2t + 1 as their halves). What is left,
+ * sum(sc[s] * sum((q - 32) x)), is within 16 * 128 * 16 * 32 * 127 < 2^28; the unsigned part and the offset
+ * within 2^29 each: int32 holds them all. */
+static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const uint8_t *w, long ns,
+                                                             const int8_t *xq, const float *xd, const int32_t *xp,
+                                                             long K, int h, float *tile) {
     const long gb = group_bytes(Q6_K);
     const vi low = SET1B(0x0f), pair = SET1B(0x30);
     vf facc[MR_MAX];
     for (int i = 0; i < MR; i++) facc[i] = VZERO();
-    for (long s = 0; s < nb / 8; s++) {
+    for (long s = 0; s < ns; s++) {
         const uint8_t *blk = w + s * gb;
-        const uint8_t *scp = blk + 2 * GR, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
-        const vf dw = LOAD_F16(blk + h * LANES * 2);
+        const uint8_t *scp = blk + 2 * GR + h * LANES, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
+        vi dot[MR_MAX], offset[MR_MAX];
+        for (int i = 0; i < MR; i++) dot[i] = offset[i] = SET1I(0);
         for (int j = 0; j < 8; j++) {
-            const long b = s * 8 + j;
-            vi acc0[MR_MAX], acc1[MR_MAX];
-            for (int i = 0; i < MR; i++) {   /* the values' offset of 32: -32 x the half's sum of x */
-                acc0[i] = SET1I(-32 * xh[i * nb + b]);
-                acc1[i] = SET1I(-32 * (xs[i * nb + b] - xh[i * nb + b]));
-            }
-            const int8_t *xb = xq + b * QK;
+            const int8_t *xb = xq + s * QKK + j * QK;
+            const vi s0 = scale_i8(scp + 2 * j * GR), s1 = scale_i8(scp + (2 * j + 1) * GR);
+            vi acc0[MR_MAX], acc1[MR_MAX];   /* AVX2: int16 pair sums, 2 of 2 * 63 * 127 */
+            for (int i = 0; i < MR; i++) acc0[i] = acc1[i] = SET1I(0);
             for (int c = 0; c < 4; c++) {
                 const uint8_t *at = ql + (j * 4 + c) * GR * 4 + h * LANES * 4;
                 _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
@@ -371,33 +488,46 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                     hi = ORI(hi, ANDI(SLLI16(hb, 2), pair));
                 }
                 for (int i = 0; i < MR; i++) {
+#ifdef MADD16
+                    acc0[i] = ADD16(acc0[i], PAIRS16(lo, SET1I(bcast4(xb + i * K + 4 * c))));
+                    acc1[i] = ADD16(acc1[i], PAIRS16(hi, SET1I(bcast4(xb + i * K + 16 + 4 * c))));
+#else
                     acc0[i] = DOT_U8(acc0[i], lo, SET1I(bcast4(xb + i * K + 4 * c)));
                     acc1[i] = DOT_U8(acc1[i], hi, SET1I(bcast4(xb + i * K + 16 + 4 * c)));
+#endif
                 }
+#ifdef MADD16
+                if (c & 1)
+                    for (int i = 0; i < MR; i++) {
+                        dot[i] = ADDI(dot[i], ADDI(MADD16(acc0[i], s0), MADD16(acc1[i], s1)));
+                        acc0[i] = acc1[i] = SET1I(0);
+                    }
+#endif
             }
-            const vi s0 = LOAD_I8_I32(scp + 2 * j * GR + h * LANES);
-            const vi s1 = LOAD_I8_I32(scp + (2 * j + 1) * GR + h * LANES);
-            for (int i = 0; i < MR; i++) {
-                vf t = VMUL(CVT(ADDI(MULLO(acc0[i], s0), MULLO(acc1[i], s1))), VMUL(dw, VSET1(xd[i * nb + b])));
-                KEEP(t);
-                facc[i] = VADD(facc[i], t);
-            }
+#ifndef MADD16
+            for (int i = 0; i < MR; i++) dot[i] = ADDI(dot[i], ADDI(MULLO(acc0[i], s0), MULLO(acc1[i], s1)));
+#endif
         }
+        for (int t = 0; t < 8; t++) {
+            const vi sc = pair_i8(scp + 2 * t * GR, scp + (2 * t + 1) * GR);
+            for (int i = 0; i < MR; i++) offset[i] = DOT_I16(offset[i], sc, SET1I(xp[i * ns * 8 + s * 8 + t]));
+        }
+        for (int i = 0; i < MR; i++) dot[i] = SUBI(dot[i], SLLI32(offset[i], 5));
+        scale_super(MR, facc, dot, 0, LOAD_F16(blk + h * LANES * 2), VZERO(), xd + s, ns);
     }
     for (int i = 0; i < MR; i++) VSTORE(tile + i * GR + h * LANES, facc[i]);
 }
 
-typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, const int32_t *,
-                          const int32_t *, const float *, long, int, float *);
+typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, const float *, long,
+                          int, float *);
 
 #define INSTANCE(T, MR)                                                                                    \
     static void kernel_##T##_##MR(const uint8_t *w, long nb, const int8_t *xq, const float *xd,           \
-                                  const int32_t *xs, const int32_t *xh, const int32_t *xo,                 \
-                                  const float *xm, long K, int h, float *tile) {                           \
+                                  const int32_t *xo, const float *xm, long K, int h, float *tile) {        \
         if (T == Q6_K)                                                                                     \
-            kernel_q6k(MR, w, nb, xq, xd, xs, xh, K, h, tile);                                             \
+            kernel_q6k(MR, w, K / QKK, xq, xd, xo, K, h, tile);                                            \
         else if (T == Q4_K || T == Q5_K)                                                                   \
-            kernel_k45(T, MR, w, nb, xq, xd, xs, K, h, tile);                                              \
+            kernel_k45(T, MR, w, K / QKK, xq, xd, xo, K, h, tile);                                         \
         else                                                                                               \
             kernel(T, MR, w, nb, xq, xd, xo, xm, K, h, tile);                                              \
     }
@@ -486,6 +616,17 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 #endif
 }
 
+/* n pairs of sums: the sum of `span` sums16 as a pair's low int16 half, the next `span`'s as its high one
+ * (|a sum of 32| <= 32 * 127 fits). */
+static void sum_pairs(const int32_t *sums16, int span, long n, int32_t *pairs) {
+    for (long t = 0; t < n; t++) {
+        const int32_t *at = sums16 + 2 * span * t;
+        int32_t a = at[0], b = at[span];
+        if (span == 2) a += at[1], b += at[3];
+        pairs[t] = (int32_t)((uint32_t)(uint16_t)a | (uint32_t)b << 16);
+    }
+}
+
 /* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32, K a multiple of 32; w the packed weight
  * of `type`; bias float32 [N] or NULL; y [M, N] bf16 (y_bf16) or float32. Returns 0, -1 when out of
  * memory, -2 for a type it does not read, -3 for a K-quant whose K is not whole super-blocks. */
@@ -501,17 +642,19 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     size_t qbytes = ((size_t)M * K + 63) & ~(size_t)63;
     int8_t *xq = aligned_alloc(64, qbytes ? qbytes : 64);
     float *xd = malloc((M * nb + 1) * sizeof(float));
-    int32_t *xs = malloc((M * nb + 1) * sizeof(int32_t)), *xh = malloc((M * nb + 1) * sizeof(int32_t));
-    int32_t *xo = malloc((M * nb + 1) * sizeof(int32_t));
+    int32_t *xs = malloc((2 * M * nb + 1) * sizeof(int32_t)), *xo = malloc((M * nb + 1) * sizeof(int32_t));
     float *xm = malloc((M * nb + 1) * sizeof(float));
-    if (!xq || !xd || !xs || !xh || !xo || !xm) {
-        free(xq), free(xd), free(xs), free(xh), free(xo), free(xm);
+    if (!xq || !xd || !xs || !xo || !xm) {
+        free(xq), free(xd), free(xs), free(xo), free(xm);
         return -1;
     }
     /* What a block of the 32-value types adds besides its products, per row: the offset's int32 start
      * value (-8, -16 or Q8_0's -Q8_BIAS times the sum of x), the minimum's multiplier d * sum in float32.
      * Worked out once per row and block, not once per group, and read by a broadcast from memory. */
     const int32_t offset = type == Q8_0 ? -Q8_BIAS : type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
+    /* A K-quant row's x: a scale per super-block (xd), its sums per 16 (xs), and those sums as the int16 pairs
+     * its kernel reads (xo: per super-block Q6_K's 8 pairs of 16s, Q4_K's and Q5_K's 4 pairs of 32s). */
+    const long sd = is_k(type) ? K / QKK : nb, so = is_k(type) ? K / QKK * (type == Q6_K ? 8 : 4) : nb;
     long chunk = MAX_CHUNK_BYTES / K;
     if (chunk < MR_MAX) chunk = MR_MAX;
     const long gb = (is_k(type) ? K / QKK : nb) * group_bytes(type);   /* one group's whole stream */
@@ -520,10 +663,14 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     {
 #pragma omp for schedule(static)
         for (long m = 0; m < M; m++) {
-            quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb,
-                         xh + m * nb);
-            for (long b = m * nb; b < (m + 1) * nb && !is_k(type); b++)   /* the K-quants read xs, xh */
-                xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
+            const void *row = (const char *)x + m * K * (x_bf16 ? 2 : 4);
+            if (is_k(type)) {
+                quantize_row_k(row, x_bf16, K, xq + m * K, xd + m * sd, xs + m * 2 * nb);
+                sum_pairs(xs + m * 2 * nb, type == Q6_K ? 1 : 2, so, xo + m * so);
+                continue;
+            }
+            quantize_row(row, x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
+            for (long b = m * nb; b < (m + 1) * nb; b++) xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
         }
         for (long m0 = 0; m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
@@ -535,8 +682,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
                 for (long parts = (rows + MR_MAX - 1) / MR_MAX; left > 0; parts--) {
                     int mr = (int)((left + parts - 1) / parts);   /* near-equal groups: 9 rows as 5 + 4 */
                     for (int h = 0; h < HALVES; h++)
-                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * nb, xs + m * nb, xh + m * nb, xo + m * nb,
-                                    xm + m * nb, K, h, tile);
+                        kernels[mr](w + g * gb, nb, xq + m * K, xd + m * sd, xo + m * so, xm + m * nb, K, h, tile);
                     emit(tile, mr, cols, bias ? bias + g * GR : 0, (char *)y + (m * N + g * GR) * elem, y_bf16, N);
                     m += mr;
                     left -= mr;
@@ -544,7 +690,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
             }
         }
     }
-    free(xq), free(xd), free(xs), free(xh), free(xo), free(xm);
+    free(xq), free(xd), free(xs), free(xo), free(xm);
     return 0;
 }
 

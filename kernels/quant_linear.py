@@ -4,8 +4,8 @@ reference of the same math.
 A weight stays in its file's block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the K-quants Q4_K, Q5_K,
 Q6_K of kquant.py), repacked once at load into groups of 16 output rows (see quant_gemm.c); nothing is widened
 to float in memory. The product quantizes x
-per block of 32 to int8 (one float32 scale, amax / 127, rounded to nearest even) and sums exact
-int32 block products scaled in float32, as llama.cpp does: `reference_matmul` is that math in plain
+per block of 32 to int8 (one float32 scale, amax / 127, rounded to nearest even; per super-block of 256
+for the K-quants, see kquant.py) and sums exact int32 block products scaled in float32, as llama.cpp does: `reference_matmul` is that math in plain
 torch, what the torch backend serves a quantized weight with and what the tests hold the kernel to.
 A tied embedding reads its rows out of the quantized LM head, so the model keeps one copy.
 """

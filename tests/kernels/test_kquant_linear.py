@@ -1,7 +1,8 @@
 """The K-quant CPU matmul (Q4_K, Q5_K, Q6_K in quant_gemm.c) and its layout (kernels/kquant.py): the packer
 keeps the file's bits (unpacking gives the file's bytes back) and dequantizes as the gguf package does, bit
-for bit; both builds (-march=native and AVX2) equal the torch reference of the same math bit for bit, and
-dequantize-then-matmul in float32 within the error of quantizing x to int8 per block of 32.
+for bit; both builds (-march=native and AVX2) equal the torch reference of the same math bit for bit (x
+quantized per super-block of 256, llama.cpp's Q8_K, the sums integer within a super-block), and
+dequantize-then-matmul in float32 within the error of quantizing x to int8 per super-block.
 
 The blocks come from tests/kquants.py, a small reference quantizer (gguf cannot write K-quants; it writes
 the Q5_0 and Q5_1 parts fused with them)."""
@@ -16,7 +17,6 @@ from gguf.quants import dequantize
 
 from kernels import get_ops, kquant, quant_linear
 from kernels.quant_linear import QuantStack, QuantTensor
-from tests.kernels.test_quant_linear import _activation_bound as activation_bound
 from tests.kernels.test_quant_linear import assert_unpacks_and_dequantizes_as_gguf
 from tests.kquants import quantize
 
@@ -46,9 +46,11 @@ def test_packing_keeps_the_file_bits_and_dequantizes_as_gguf_does(qtype, n, k):
 
 
 def _activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The Q4/Q8 kernels' bound (half of x's quantization step per block), plus float32 rounding of the
+    """Each x is off by at most half its super-block's step (amax / 254), plus float32 rounding of the
     super-blocks' scaled sums (2^-20 of the sum of |x| |w|)."""
-    return activation_bound(x, w) + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
+    step = x.double().reshape(x.shape[0], -1, 256).abs().amax(-1) / 254        # [M, S]
+    per_super = w.double().abs().reshape(w.shape[0], -1, 256).sum(-1)          # [N, S]
+    return step @ per_super.T + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
 
 
 @pytest.mark.parametrize("m", [1, 3, 9, 40])
@@ -58,7 +60,7 @@ def test_matches_the_reference_and_dequantize_then_matmul(each_build, qtype, m, 
     raw, weight = _quantized(qtype, n, k, m * 1000 + n + k)
     gen = torch.Generator().manual_seed(m + n + k)
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    x[0, 64:96] = 0.0                                      # a block of x of scale 0
+    x[0, k - 256:] = 0.0                                   # a super-block of x of scale 0
     got = quant_linear.matmul(x, weight, bias)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert torch.equal(got, quant_linear.reference_matmul(x, weight, bias))   # the same sequence, bit for bit
@@ -68,6 +70,53 @@ def test_matches_the_reference_and_dequantize_then_matmul(each_build, qtype, m, 
     got16 = quant_linear.matmul(x.to(torch.bfloat16), weight, bias)
     assert got16.dtype == torch.bfloat16
     assert torch.equal(got16, quant_linear.reference_matmul(x.to(torch.bfloat16), weight, bias))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_row_count_to_16_matches_the_reference(each_build, qtype):
+    """1 to 16 rows: every split into the kernels' row tiles (up to 8 on AVX-512, 4 on AVX2), bit for bit."""
+    raw, weight = _quantized(qtype, 45, 512, 7)
+    gen = torch.Generator().manual_seed(int(qtype))
+    for m in range(1, 17):
+        x = torch.randn(m, 512, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        x.view(-1)[::97] *= 50.0                       # outliers: most values round to small integers
+        assert torch.equal(quant_linear.matmul(x, weight), quant_linear.reference_matmul(x, weight)), m
+
+
+def _extreme_rows(qtype) -> np.ndarray:
+    """File rows of two super-blocks at the integer sums' limits, d and dmin 1.0: Q4_K and Q5_K all bits set (every
+    value 15 or 31, every scale and min 63); Q6_K's values 63 or 0 (-32 less its offset) with scales -128 or 127."""
+    size, one = kquant.BLOCK_BYTES[qtype], np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype != Q.Q6_K:
+        rows = np.full((16, 2, size), 0xFF, np.uint8)
+        rows[..., 0:2] = rows[..., 2:4] = one
+        rows[1::2, :, 2:4] = 0                         # and without the minimums
+        return rows.reshape(16, -1)
+    rows = np.zeros((16, 2, size), np.uint8)
+    for r in range(16):
+        rows[r, :, :192] = 0xFF if r % 2 else 0
+        rows[r, :, 192:208] = (0x80, 0x7F, 0x80, 0x01)[r // 2 % 4]
+        rows[r, :, 208:210] = one
+    return rows.reshape(16, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_integer_sums_at_their_limits_stay_exact(each_build, qtype):
+    """Every x at +-amax (127 quantized) against the largest values and scales: a super-block's int32 sum reaches
+    Q5_K's 256 * 31 * 127 * 63 (2^26) and Q6_K's unsigned part 256 * 63 * 127 * 128 (2^28); nothing wraps, and
+    the sums' rounding to float32 is the reference's."""
+    raw = _extreme_rows(qtype)
+    w = torch.from_numpy(dequantize(raw, qtype))
+    assert w.abs().max() >= (31 * 63 if qtype == Q.Q5_K else 15 * 63 if qtype == Q.Q4_K else 32 * 128)
+    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), 512))
+    signs = torch.ones(4, 512)
+    signs[1] = -1.0
+    signs[2, 32:64] = signs[2, 256 + 16:256 + 48] = -1.0            # a sub-block of each sign
+    signs[3, 1::2] = -1.0
+    got = quant_linear.matmul(signs, weight)
+    assert torch.equal(got, quant_linear.reference_matmul(signs, weight))
+    exact = signs.double() @ w.double().T                             # x quantizes exactly: 127 * (1 / 127)
+    assert torch.allclose(got.double(), exact, rtol=2.0 ** -20, atol=0)
 
 
 @pytest.mark.parametrize("v_type", [Q.Q6_K, Q.Q5_0, Q.Q5_1], ids=lambda t: t.name)
