@@ -59,8 +59,8 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     int8_amx.c from the weight's `amx_from` rows on, else int8_gemm.c where the weight was prepared for it,
     the CPU has AVX-512 VNNI and x has at most INT8_KERNEL_ROWS rows, else torch._int_mm (`lib` defaults to
     the loaded kernels; a kernel that refuses leaves the rows to the next)."""
-    xq, x_scale = quantize_activations(x)
     lib = lib or cpu_native.library()
+    xq, x_scale = quantized_rows(x, lib)
     rows = x.shape[0]
     if x.dtype in (torch.float32, torch.bfloat16) and lib is not None:
         amx = weight.amx_from is not None and rows >= weight.amx_from
@@ -77,6 +77,19 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     if bias is not None:
         y = y.add_(bias.float())
     return y.to(x.dtype)
+
+
+def quantized_rows(x: torch.Tensor, lib) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize.quantize_activations(x), bit for bit: through int8_rows.c where `lib` has it (AVX-512) and x is
+    bf16 or float32 on the CPU (one pass over x for its maxima and one for the quotients, where torch's six
+    over float32 copies of x took longer than the AMX product at 256 rows), else through torch."""
+    if lib is not None and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.dim() == 2:
+        x = x.contiguous()
+        xq, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+        if lib.matinee_quantize_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), xq.data_ptr(), scale.data_ptr(),
+                                     x.shape[0], x.shape[1], torch.get_num_threads()) == 0:
+            return xq, scale
+    return quantize_activations(x)
 
 
 def _vnni(lib, xq: torch.Tensor, x_scale: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,

@@ -4,6 +4,7 @@ build's refusal, the per-shape choice of when to use it, and int8_linear's dispa
 on a CPU without AMX-INT8; the choice and dispatch tests run everywhere."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_int8_linear_picks_the_kernel_by_rows(monkeypatch):
     monkeypatch.setattr(int8_amx, "launch", fake("amx", 7.0))
     monkeypatch.setattr(quant_linear_cpu, "_vnni", fake("vnni", 5.0))
     weight = replace(quant_linear_cpu.prepare_int8(_weight(20, 64), measure=False), amx_from=32)
-    x, lib = _x(64, 64, torch.bfloat16), object()
+    x, lib = _x(64, 64, torch.bfloat16), SimpleNamespace(matinee_quantize_rows=lambda *args: -2)   # torch quantizes
     served = {rows: quant_linear_cpu.int8_linear(x[:rows], weight, lib=lib)[0, 0].item() for rows in (1, 16, 17, 31, 32, 64)}
     assert calls == [("vnni", 1), ("vnni", 16), ("amx", 32), ("amx", 64)]
     assert served[1] == served[16] == 5.0 and served[32] == served[64] == 7.0 and served[17] not in (5.0, 7.0)
