@@ -11,9 +11,11 @@
  * The weight stays row-major: each thread transposes two 16-row groups of W at a time into its own buffer in the
  * B tiles' layout (row p of a block's tile holds, for each of the 16 rows n, the 4 bytes W[n, 64b + 4p ..
  * 64b + 4p + 3]: a 16 x 16 transpose of 4-byte units), then multiplies every pair of 16-row tiles of x by them
- * (2 x 2 C tiles); the next two groups are transposed while the first pair of x's tiles multiplies, and each
- * 32 x 32 block of sums goes to y while the next block multiplies (quant_amx.c's structure). x taller than
- * X_BYTES goes in parts, each pair of groups transposed again per part.
+ * (2 x 2 C tiles), K in chunks of CHUNK blocks so that a pair's chunk (32 KB) stays in L1 while every tile pair
+ * of x passes by it (their int32 sums kept between chunks); the next two groups are transposed while the tiles
+ * multiply, a share beside each tile pair of x, and each 32 x 32 block of sums goes to y while the next block
+ * multiplies (quant_amx.c's structure). x taller than X_BYTES goes in parts, each pair of groups transposed
+ * again per part.
  *
  * K not a multiple of 64 is zero-padded in the tiles: W's last block is read with masked loads, and x is copied
  * into a buffer whose rows are padded with zeros to a multiple of 64 bytes. (Otherwise x is read where it lies,
@@ -136,14 +138,22 @@ typedef struct {
     int two;
 } XTiles;
 
+/* What the vector units do while a call's tiles multiply: blocks [from, to) of the next pair to transpose (none
+ * where `pair` is NULL), and the block finished before this one to emit (none where `done` is NULL). */
+typedef struct {
+    const Pair *pair;
+    long from, to;
+    const Emission *done;
+} Aside;
+
 /* Blocks [from, to) of x's tiles times a transposed pair of groups (B tiles at w0 and w1, 1 KB a block)
  * -> the 2 x 2 C tiles, C tile 2i + j x tile i times group j, in `out` (32 x 32 int32): starting from zero, or
- * with `sums`, from the sums there. After each block's products are issued, the vector units work while the
- * tile unit multiplies: with `next`, block b of the next pair is transposed; with `done`, a share of the block
- * finished before this one goes to y. */
+ * with `sums`, from the sums there. After each block's products are issued, the vector units take their share
+ * of `aside` while the tile unit multiplies. */
 static void multiply(const XTiles *x, const int8_t *w0, const int8_t *w1, long from, long to, const int32_t *sums,
-                     int32_t *out, const Pair *next, const Emission *done) {
-    const int share = (int)((32 + (to - from) - 1) / (to - from));   /* rows of `done` emitted a block */
+                     int32_t *out, const Aside *aside) {
+    const long n = to - from, moving = aside->to - aside->from;
+    const int share = (int)((32 + n - 1) / n);   /* rows of `done` emitted a block */
     const int8_t *a1 = x->a + 16 * x->stride;
     if (sums) {
         _tile_loadd(0, sums, 128);
@@ -171,8 +181,10 @@ static void multiply(const XTiles *x, const int8_t *w0, const int8_t *w1, long f
             _tile_dpbssd(2, 5, 6);
             _tile_dpbssd(3, 5, 7);
         }
-        if (next) transpose(next, b);
-        if (done) emit(done, (int)(b - from) * share, (int)(b - from + 1) * share);
+        if (aside->pair)
+            for (long t = aside->from + (b - from) * moving / n; t < aside->from + (b - from + 1) * moving / n; t++)
+                transpose(aside->pair, t);
+        if (aside->done) emit(aside->done, (int)(b - from) * share, (int)(b - from + 1) * share);
     }
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
@@ -229,8 +241,12 @@ static void multiply_part(const Call *c, Share *s, long r, long m) {
                 const XTiles a = {row + 32 <= c->whole ? c->base + row * c->stride : c->tail, c->stride,
                                   m - 16 * t > 16};
                 int32_t *out = end < nb ? s->sums + t / 2 * 1024 : s->out + s->flip * 1024;
-                multiply(&a, w0, w1, k, end, k ? s->sums + t / 2 * 1024 : NULL, out, t == 0 && more ? &next : NULL,
-                         s->done.rows ? &s->done : NULL);
+                /* the next pair's blocks of this chunk, a share to each tile pair of x: the weight comes from
+                 * memory, read beside all of them rather than the first alone */
+                const long pairs_of_x = (tiles + 1) / 2, i = t / 2;
+                const Aside aside = {more ? &next : NULL, k + (end - k) * i / pairs_of_x, k + (end - k) * (i + 1) / pairs_of_x,
+                                     s->done.rows ? &s->done : NULL};
+                multiply(&a, w0, w1, k, end, k ? s->sums + t / 2 * 1024 : NULL, out, &aside);
                 s->done.rows = 0;
                 if (end == nb) {
                     s->done = (Emission){out, m - 16 * t < 32 ? (int)(m - 16 * t) : 32, cols, c->y_bf16, c->xs + row,
