@@ -1,14 +1,17 @@
 """int8 and int4 projections on the CPU.
 
 int8 (W8A8, dynamic): the Int8Weight stays as quantize.py writes it; each call quantizes x per
-token (quantize.quantize_activations), multiplies int8 x int8 -> int32 and applies both scales:
+token (quantize.quantize_activations, through int8_rows.c where it can), multiplies int8 x int8 -> int32 and applies both scales:
 through int8_amx.c (AMX-INT8 tiles) from the row count measured for the weight's shape on
 (int8_amx.py; `amx_from`), else through int8_gemm.c (vpdpbusd) where the CPU has AVX-512 VNNI and
 the step has at most INT8_KERNEL_ROWS rows, else through torch._int_mm, which takes any M, N, K on the
 CPU, and the [N, K] weight as its transposed view (a [K, N] copy measured slower). The three agree bit
 for bit, so the row count picking one never changes a row's result. On a Zen 4 core (Llama-3.2-1B's 8192x2048 and
 2048x8192): at one row both ~0.3 ms; at 4-16 rows int8_gemm.c 0.8-4.1 ms against _int_mm's 3.3-6.9
-(_int_mm falls off a cliff past one row); at 64 rows _int_mm 7.8-10.5 against 11.0.
+(_int_mm falls off a cliff past one row); at 64 rows _int_mm 7.8-10.5 against 11.0. On a Xeon core
+with AMX (one thread, a shared machine, best of 21; 8192x2048 at 16 / 64 / 256 rows): int8_amx.c 1.19 /
+1.75 / 4.3 ms, _int_mm 1.46 / 2.43 / 8.0, int8_gemm.c 3.5 / 12.8 / 50, a bf16 F.linear 2.9 / 4.3 / 10.8;
+at 2048x8192 and 256 rows _int_mm led, 5.6 against 6.8.
 torch._weight_int8pack_mm, the weight-only int8 matmul, measured slower than float32 here.
 bench/quant_linear_cpu.py times both paths against the float32 and bf16 kernels.
 
