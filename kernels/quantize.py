@@ -35,6 +35,7 @@ class Int8Weight:
     qweight: torch.Tensor   # int8 [N, K]
     scale: torch.Tensor     # float32 [N]
     row_sums: torch.Tensor | None = None   # int32 [N]: each row's sum, where the CPU's int8_gemm.c reads it
+    amx_from: int | None = None            # the CPU's int8_amx.c serves calls of this many rows and more
 
     @property
     def out_features(self) -> int:
