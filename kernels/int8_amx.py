@@ -56,31 +56,30 @@ def available(lib=None) -> bool:
 _decisions: dict[tuple[int, int, int], int | None] = {}
 
 
-def from_rows(n: int, k: int) -> int | None:
+def from_rows(n: int, k: int, linear) -> int | None:
     """The smallest measured row count from which AMX beat int8_gemm.c / torch._int_mm at it and at every
-    larger count (quant_amx.threshold), or None. Measured once per shape and thread count, kept on disk."""
+    larger count (quant_amx.threshold), or None. Measured once per shape and thread count, kept on disk;
+    `linear` is quant_linear_cpu.int8_linear, the dispatch measured (passed in: that module imports this one)."""
     key = (torch.get_num_threads(), n, k)
     if key not in _decisions:
         rows = ",".join(map(str, ROWS))   # part of the name: timings kept before a count was added are redone
         ms = cpu_native.kept_measurement(".int8-amx.json", f"{key[0]} threads int8 {n}x{k} rows {rows}",
-                                         lambda: _measure(n, k))
+                                         lambda: _measure(n, k, linear))
         _decisions[key] = quant_amx.threshold(ms, OTHER, ROWS)
         structlog.get_logger().info("int8 linear", shape=f"{n}x{k}", amx_from_rows=_decisions[key], ms=ms)
     return _decisions[key]
 
 
-def _measure(n: int, k: int) -> dict[str, float]:
+def _measure(n: int, k: int, linear) -> dict[str, float]:
     """Best-of milliseconds of int8_linear with and without AMX at each of ROWS (bf16 rows: the paths differ
     only in the output's rounding), on at most SAMPLE_ROWS rows of a random weight."""
-    from kernels import quant_linear_cpu   # which imports this module
-
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (min(n, SAMPLE_ROWS), k), generator=gen, dtype=torch.int8)
-    other = quant_linear_cpu.prepare_int8(Int8Weight(q, torch.rand(q.shape[0], generator=gen) / 127), measure=False)
+    other = Int8Weight(q, torch.rand(q.shape[0], generator=gen) / 127, q.sum(dim=1, dtype=torch.int32).contiguous())
     amx = replace(other, amx_from=1)
     ms = {}
     for rows in ROWS:
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        runs = {OTHER: lambda: quant_linear_cpu.int8_linear(x, other), "amx": lambda: quant_linear_cpu.int8_linear(x, amx)}
+        runs = {OTHER: lambda: linear(x, other), "amx": lambda: linear(x, amx)}
         ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
     return ms

@@ -53,7 +53,7 @@ def prepare_int8(weight: Int8Weight, measure: bool = True) -> Int8Weight:
     """The weight with the row sums int8_gemm.c reads (4 bytes a row, kept on every CPU, so the resident
     bytes do not depend on which path this CPU takes) and, where the kernels have AMX-INT8, the row count
     from which int8_amx.c serves it (measured once per shape; `measure=False` leaves it None)."""
-    amx_from = int8_amx.from_rows(*weight.qweight.shape) if measure and int8_amx.available() else None
+    amx_from = int8_amx.from_rows(*weight.qweight.shape, int8_linear) if measure and int8_amx.available() else None
     return replace(weight, row_sums=weight.qweight.sum(dim=1, dtype=torch.int32).contiguous(), amx_from=amx_from)
 
 

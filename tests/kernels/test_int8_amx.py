@@ -111,18 +111,19 @@ def test_the_threshold_is_where_amx_wins_from_then_on(monkeypatch):
     monkeypatch.setattr(int8_amx, "_decisions", {})
     monkeypatch.setattr(cpu_native, "kept_measurement",
                         lambda suffix, name, measure: asked.append((suffix, name)) or _ms([False] + [True] * (n - 1)))
-    assert int8_amx.from_rows(48, 64) == 24 and int8_amx.from_rows(48, 64) == 24
+    linear = quant_linear_cpu.int8_linear
+    assert int8_amx.from_rows(48, 64, linear) == 24 and int8_amx.from_rows(48, 64, linear) == 24
     assert asked == [(".int8-amx.json", f"{torch.get_num_threads()} threads int8 48x64 rows 16,24,32,64,128,256,512")]
 
 
 def test_prepare_stores_the_measured_rows_where_there_is_amx(monkeypatch):
     plain = _weight(48, 64)
     prepared = quant_linear_cpu.prepare_int8(plain)
-    assert prepared.amx_from == (int8_amx.from_rows(48, 64) if int8_amx.available() else None)
+    assert prepared.amx_from == (int8_amx.from_rows(48, 64, quant_linear_cpu.int8_linear) if int8_amx.available() else None)
     assert prepared.amx_from in int8_amx.ROWS + (None,)
     assert quant_linear_cpu.prepare_int8(plain, measure=False).amx_from is None
     monkeypatch.setattr(int8_amx, "available", lambda lib=None: True)
-    monkeypatch.setattr(int8_amx, "from_rows", lambda n, k: 24 if (n, k) == (48, 64) else None)
+    monkeypatch.setattr(int8_amx, "from_rows", lambda n, k, linear: 24 if (n, k) == (48, 64) else None)
     assert quant_linear_cpu.prepare_int8(plain).amx_from == 24
     monkeypatch.setattr(int8_amx, "available", lambda lib=None: False)
     assert quant_linear_cpu.prepare_int8(plain).amx_from is None
