@@ -21,7 +21,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
-from kernels.packed_linear import TORCH_FROM_ROWS, PackedWeight
+from kernels.packed_linear import PackedWeight
 from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantStack, QuantWeight
 
@@ -143,9 +143,10 @@ def _supported(model) -> bool:
 
 def _plan(model) -> _Plan | None:
     if model not in _plans:
-        packed_plain = any(isinstance(w, PackedWeight) and w.plain is not None for layer in model.layers
-                           for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
-        _plans[model] = _Plan(model, TORCH_FROM_ROWS if packed_plain else None) if _supported(model) else None
+        torch_from = [w.torch_from for layer in model.layers
+                      for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+                      if isinstance(w, PackedWeight) and w.plain is not None]
+        _plans[model] = _Plan(model, min(torch_from, default=None)) if _supported(model) else None
     return _plans[model]
 
 

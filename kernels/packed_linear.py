@@ -8,8 +8,8 @@ vdpbf16ps from the same layout. Which kernel, and whether either beats torch, is
 weight shape (layout) and kept on disk beside the built library; a weight's kernel is the same for
 every row count, so a row's result never depends on its batch. On a CPU with AMX, many bf16 rows go to
 its tiles from a measured row count on (quant_amx.c reads the packed layout, pairing k with k + 1 for
-each column as it goes: no second copy of the weight); where torch wins on many rows only and AMX does
-not beat it, both layouts are kept and the row count picks. A tied embedding reads its rows out of the
+each column as it goes: no second copy of the weight); where torch wins on many rows only (and, with AMX,
+beats it from a measured row count on), both layouts are kept and the row count picks. A tied embedding reads its rows out of the
 packed LM head, so the model keeps one copy.
 """
 
@@ -45,6 +45,7 @@ class PackedWeight:
         self.dot = False
         # bf16 rows from this many on through AMX (quant_amx.c), where it measured faster; None: never
         self.amx_from: int | None = None
+        self.torch_from = TORCH_FROM_ROWS   # with `plain`: rows from this many on go to torch
 
     @property
     def shape(self) -> torch.Size:
@@ -92,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     """The CPU backend's projection: the packed kernel for a packed weight, else cpu_gemm's path."""
     if isinstance(weight, PackedWeight):
         rows = x.shape[0]
-        if weight.plain is not None and rows >= TORCH_FROM_ROWS:
+        if weight.plain is not None and rows >= weight.torch_from:
             return F.linear(x, weight.plain, bias)
         if weight.amx_from is not None and rows >= weight.amx_from and x.dtype == torch.bfloat16:
             return quant_amx.product(x, weight, quant_amx.BF16P, bias)
@@ -123,9 +124,10 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
         return weight
     packed = pack(weight)
     packed.dot = dot
-    packed.amx_from, beats_torch = amx_rows(*weight.shape, dot)
-    if chosen == "both" and not beats_torch:
+    packed.amx_from, torch_from = amx_rows(*weight.shape, dot)
+    if chosen == "both" and (packed.amx_from is None or torch_from is not None):
         packed.plain = weight
+        packed.torch_from = TORCH_FROM_ROWS if packed.amx_from is None else torch_from
     return packed
 
 
@@ -149,30 +151,33 @@ def layout(n: int, k: int) -> tuple[str, bool]:
     return _decisions[key]
 
 
-_amx_decisions: dict[tuple[int, int, int, bool], tuple[int | None, bool]] = {}
+_amx_decisions: dict[tuple[int, int, int, bool], tuple[int | None, int | None]] = {}
 
 
-def amx_rows(n: int, k: int, dot: bool) -> tuple[int | None, bool]:
+def amx_rows(n: int, k: int, dot: bool) -> tuple[int | None, int | None]:
     """From which row count AMX beats the packed kernel (its vdpbf16ps path with `dot`) at it and every
-    larger count of AMX_ROWS, or None; and whether it also beats torch at PREFILL_ROWS (then no plain copy
-    is kept for torch). (None, False) without AMX, for bf16 rows, here. Measured once, kept as layout()."""
+    larger count of AMX_ROWS, or None; and from which count torch beats AMX in turn (None: never, so no
+    plain copy need be kept for torch). (None, None) without AMX, for bf16 rows, here. Measured once,
+    kept as layout() is."""
     if k % 32 or not quant_amx.available():
-        return None, False
+        return None, None
     key = (torch.get_num_threads(), n, k, dot)
     if key not in _amx_decisions:
         rows = ",".join(map(str, AMX_ROWS))
-        ms = cpu_native.kept_measurement(".bf16-amx.json", f"{key[0]} threads {n}x{k} dot {int(dot)} rows {rows}",
+        ms = cpu_native.kept_measurement(".bf16-amx.json", f"{key[0]} threads {n}x{k} dot {int(dot)} rows {rows} torch",
                                          lambda: _measure_amx(n, k, dot))
         start = quant_amx.threshold(ms, "kernel", AMX_ROWS)
-        beats_torch = start is not None and ms[f"amx_{PREFILL_ROWS}"] <= ms[f"torch_{PREFILL_ROWS}"] * MARGIN
-        _amx_decisions[key] = (start, beats_torch)
+        # torch only where AMX is taken (so where it beats AMX it beats the packed kernel too)
+        torch_from = None if start is None else quant_amx.threshold(
+            ms, "amx", tuple(r for r in AMX_ROWS if r >= start), winner="torch")
+        _amx_decisions[key] = (start, torch_from)
         structlog.get_logger().info("bf16 linear on AMX", shape=f"{n}x{k}", amx_from_rows=start,
-                                    beats_torch=beats_torch, ms=ms)
+                                    torch_from_rows=torch_from, ms=ms)
     return _amx_decisions[key]
 
 
 def _measure_amx(n: int, k: int, dot: bool) -> dict[str, float]:
-    """Best-of milliseconds of AMX and of the packed kernel at each of AMX_ROWS, and of torch at PREFILL_ROWS."""
+    """Best-of milliseconds of AMX, the packed kernel and torch at each of AMX_ROWS."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
     packed = pack(weight)
@@ -180,9 +185,8 @@ def _measure_amx(n: int, k: int, dot: bool) -> dict[str, float]:
     ms = {}
     for rows in AMX_ROWS:
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        runs = {"kernel": lambda: matmul(x, packed), "amx": lambda: quant_amx.product(x, packed, quant_amx.BF16P)}
-        if rows == PREFILL_ROWS:
-            runs["torch"] = lambda: cpu_gemm.linear(x, weight)
+        runs = {"kernel": lambda: matmul(x, packed), "amx": lambda: quant_amx.product(x, packed, quant_amx.BF16P),
+                "torch": lambda: cpu_gemm.linear(x, weight)}
         ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
     return ms
 

@@ -143,12 +143,13 @@ def from_rows(qtype: int, n: int, k: int) -> int | None:
     return _decisions[key]
 
 
-def threshold(ms: dict[str, float], other: str = "int8", rows_measured: tuple[int, ...] = ROWS) -> int | None:
-    """From `_measure`'s timings: the row count from which AMX wins by MARGIN over `other` at every larger
-    count."""
+def threshold(ms: dict[str, float], other: str = "int8", rows_measured: tuple[int, ...] = ROWS,
+              winner: str = "amx") -> int | None:
+    """From `_measure`'s timings: the row count from which `winner` (AMX) wins by MARGIN over `other` at every
+    larger count."""
     start = None
     for rows in reversed(rows_measured):
-        if ms[f"amx_{rows}"] * MARGIN >= ms[f"{other}_{rows}"]:
+        if ms[f"{winner}_{rows}"] * MARGIN >= ms[f"{other}_{rows}"]:
             break
         start = rows
     return start

@@ -108,7 +108,7 @@ def test_packed_bf16_weights(arch, dot, tiny_model_dir, monkeypatch, fused_calls
     if dot and not cpu_native.library().matinee_packed_dot():
         pytest.skip("this CPU has no AVX512-BF16")
     monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("packed", dot))
-    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (None, False))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (None, None))
     fused = _runner(tiny_model_dir(arch), "bfloat16")
     assert all(isinstance(w, PackedWeight) and w.dot == dot
                for w in (fused.model.layers[0].qkv_weight, fused.model.layers[0].o_weight))
@@ -177,7 +177,7 @@ def test_packed_bf16_weights_on_amx_in_the_c_loop(tiny_model_dir, monkeypatch, f
     are the loop's bit for bit, whose projections went to quant_amx.c. (AMX and the packed kernel both sum exact
     bf16 products in float32 and round each output to bf16, so their logits agree too: the plan is checked.)"""
     monkeypatch.setattr(packed_linear, "layout", lambda n, k: ("both", False))
-    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (1, True))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (1, None))
     fused, looped = (_runner(tiny_model_dir("llama_tied"), "bfloat16") for _ in range(2))
     weight = fused.model.layers[0].gate_up_weight
     assert isinstance(weight, PackedWeight) and weight.amx_from == 1 and weight.plain is None   # no copy for torch

@@ -60,7 +60,7 @@ def test_bad_input_is_refused():
         _product(torch.randn(2, 48).to(torch.bfloat16), packed)
     with pytest.raises(ValueError, match="bf16 rows"):
         _product(torch.randn(2, 64), packed_linear.pack(torch.randn(8, 64).to(torch.bfloat16)))
-    assert packed_linear.amx_rows(8, 48, False) == (None, False)   # never chosen for such a shape
+    assert packed_linear.amx_rows(8, 48, False) == (None, None)   # never chosen for such a shape
 
 
 def test_the_cpu_ops_use_amx_from_the_measured_rows_only(monkeypatch):
@@ -71,24 +71,27 @@ def test_the_cpu_ops_use_amx_from_the_measured_rows_only(monkeypatch):
     w = torch.randn(40, 64).to(torch.bfloat16)
     x = torch.randn(packed_linear.TORCH_FROM_ROWS, 64).to(torch.bfloat16)
     ops = get_ops("cpu", "cpu")
-    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (32, True))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (32, None))
     weight = ops.prepare_weight(w)
-    assert weight.amx_from == 32 and weight.plain is None   # AMX beat torch: no plain copy kept
+    assert weight.amx_from == 32 and weight.plain is None   # torch never beat AMX: no plain copy kept
     for rows in (1, 31, 32, 64):
         assert ops.linear(x[:rows], weight).shape == (rows, 40)
     ops.linear(x[:40].float(), weight)   # float32 rows stay with the packed kernel
     assert calls == [32, 64]
-    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (16, False))
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (16, 48))
     weight = ops.prepare_weight(w)
-    assert weight.plain is w   # torch still wins on many rows: AMX between its threshold and torch's
-    ops.linear(x[:20], weight)
-    assert torch.equal(ops.linear(x, weight), torch.nn.functional.linear(x, w))
-    assert calls == [32, 64, 20]
+    assert weight.plain is w and weight.torch_from == 48   # torch wins from 48 rows: AMX between 16 and 48
+    ops.linear(x[:20], weight), ops.linear(x[:47], weight)
+    assert torch.equal(ops.linear(x[:48], weight), torch.nn.functional.linear(x[:48], w))
+    assert calls == [32, 64, 20, 47]
+    monkeypatch.setattr(packed_linear, "amx_rows", lambda n, k, dot: (None, None))
+    weight = ops.prepare_weight(w)
+    assert weight.plain is w and weight.torch_from == packed_linear.TORCH_FROM_ROWS   # no AMX: as before
 
 
 def test_the_amx_choice_is_measured_once_and_kept(monkeypatch):
     if not quant_amx.available():
-        assert packed_linear.amx_rows(64, 64, False) == (None, False)
+        assert packed_linear.amx_rows(64, 64, False) == (None, None)
         return
     monkeypatch.setattr(cpu_native, "BUSY_SHARE", 1.0)   # kept however busy the machine
     monkeypatch.setattr(packed_linear, "_amx_decisions", {})
@@ -96,16 +99,19 @@ def test_the_amx_choice_is_measured_once_and_kept(monkeypatch):
     packed_linear.amx_rows(40, 64, False)
     path = cpu_native.library().path.with_suffix(".bf16-amx.json")
     known = json.loads(path.read_text())
-    assert set(known[f"{threads} threads 40x64 dot 0 rows {rows}"]) == \
-        {f"{name}_{r}" for name in ("amx", "kernel") for r in packed_linear.AMX_ROWS} | {"torch_256"}
+    assert set(known[f"{threads} threads 40x64 dot 0 rows {rows} torch"]) == \
+        {f"{name}_{r}" for name in ("amx", "kernel", "torch") for r in packed_linear.AMX_ROWS}
 
-    def timings(amx_wins_from: int, torch_256: float) -> dict:
-        ms = {f"kernel_{r}": 1.0 for r in packed_linear.AMX_ROWS}
-        return ms | {f"amx_{r}": 0.5 if r >= amx_wins_from else 1.0 for r in packed_linear.AMX_ROWS} | {"torch_256": torch_256}
-    known[f"{threads} threads 8x64 dot 0 rows {rows}"] = timings(32, 1.0)
-    known[f"{threads} threads 16x64 dot 0 rows {rows}"] = timings(128, 0.2)   # torch far faster at 256
-    known[f"{threads} threads 24x64 dot 1 rows {rows}"] = timings(1000, 1.0)  # never wins
+    def timings(amx_wins_from: int, torch_wins_from: int) -> dict:
+        rows_ = packed_linear.AMX_ROWS
+        return ({f"kernel_{r}": 1.0 for r in rows_} | {f"amx_{r}": 0.5 if r >= amx_wins_from else 1.0 for r in rows_}
+                | {f"torch_{r}": 0.2 if r >= torch_wins_from else 1.0 for r in rows_})
+    known[f"{threads} threads 8x64 dot 0 rows {rows} torch"] = timings(32, 1000)
+    known[f"{threads} threads 16x64 dot 0 rows {rows} torch"] = timings(32, 128)   # torch far faster from 128
+    known[f"{threads} threads 24x64 dot 1 rows {rows} torch"] = timings(1000, 16)  # AMX never wins
+    known[f"{threads} threads 32x64 dot 0 rows {rows} torch"] = timings(64, 16)    # torch only where AMX is taken
     path.write_text(json.dumps(known))
-    assert packed_linear.amx_rows(8, 64, False) == (32, True)
-    assert packed_linear.amx_rows(16, 64, False) == (128, False)
-    assert packed_linear.amx_rows(24, 64, True) == (None, False)
+    assert packed_linear.amx_rows(8, 64, False) == (32, None)
+    assert packed_linear.amx_rows(16, 64, False) == (32, 128)
+    assert packed_linear.amx_rows(24, 64, True) == (None, None)
+    assert packed_linear.amx_rows(32, 64, False) == (64, 64)
