@@ -259,14 +259,15 @@ def _start_ranks(config: EngineConfig) -> tuple[RankProcesses | None, RankSpec |
         raise ValueError("the engine runs on node 0; a node of --node-rank above 0 runs its ranks alone "
                          "(serve_ranks)")
     specs = rank_specs(config)
-    others = RankProcesses(specs[1:], _runner_kwargs(config), config.resolved_device()) if specs[1:] else None
+    others = RankProcesses(specs[1:], _runner_kwargs(config), config.resolved_device(),
+                           config.ranks_per_node) if specs[1:] else None
     return others, specs[0]
 
 
 def serve_ranks(config: EngineConfig) -> int:
     """A node of --node-rank above 0: runs its tensor-parallel ranks until they end (rank 0, on node 0,
     stops them with the engine); the first failing rank's status."""
-    ranks = RankProcesses(rank_specs(config), _runner_kwargs(config), config.resolved_device())
+    ranks = RankProcesses(rank_specs(config), _runner_kwargs(config), config.resolved_device(), config.ranks_per_node)
     try:
         return ranks.wait()
     finally:

@@ -21,15 +21,16 @@ log = get_logger(component="tp-ranks")
 
 
 class RankProcesses:
-    def __init__(self, ranks: list[RankSpec], runner_kwargs: dict, device: str) -> None:
-        """Starts one process per spec; on CUDA each takes the GPU of its rank on this node."""
+    def __init__(self, ranks: list[RankSpec], runner_kwargs: dict, device: str, per_node: int) -> None:
+        """Starts one process per spec; on CUDA each takes the GPU of its place among the node's `per_node`
+        ranks (rank 0 keeps the first)."""
         self._stopping = False
         self._lock = threading.Lock()
         self.procs: dict[int, subprocess.Popen] = {}
         for spec in ranks:
             kwargs = dict(runner_kwargs)
             if device.startswith("cuda"):
-                kwargs["device"] = f"cuda:{spec.rank % max(1, _local_gpus())}"
+                kwargs["device"] = f"cuda:{spec.rank % per_node}"
             arg = msgspec.json.encode(RankLaunch(spec, kwargs)).decode()
             self.procs[spec.rank] = subprocess.Popen([sys.executable, "-m", "actors.worker.tp_rank", arg],
                                                      env=_child_env())
@@ -81,9 +82,3 @@ def _child_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
-
-
-def _local_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()

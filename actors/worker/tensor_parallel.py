@@ -42,6 +42,8 @@ class TensorParallel:
         self.plan = plans[spec.rank]
         self._vocab_sizes = [len(p.vocab) for p in plans]
         self.broken: str | None = None
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)   # NCCL binds each rank's communicator to the current device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://{spec.master_addr}:{spec.master_port}", rank=spec.rank,
                                 world_size=spec.size, timeout=timedelta(seconds=spec.timeout_s))

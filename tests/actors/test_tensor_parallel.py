@@ -170,7 +170,7 @@ def test_a_rank_pair_gives_the_logits_of_one_process(tiny_model_dir, tmp_path):
                   quantization="auto")
     port = free_port("127.0.0.1")
     specs = [RankSpec(r, 2, "127.0.0.1", port, 60.0) for r in range(2)]
-    ranks = RankProcesses(specs[1:], kwargs, "cpu")
+    ranks = RankProcesses(specs[1:], kwargs, "cpu", 2)
     try:
         tp = ModelRunner(**kwargs, tensor_parallel=specs[0])
         try:
@@ -229,6 +229,27 @@ def test_bfloat16_tokens_part_only_at_a_near_tie(arch, models):
     assert agreed >= len(one) // 2
 
 
+def test_speculative_verification_and_embeddings(models, tmp_path):
+    """n-gram drafts verified several positions at a time, and pooled hidden states, across two ranks."""
+    from tests.actors.test_pooling import st_folder
+    from tests.actors.test_spec_engine import repetitive, spec_config
+
+    model = models("llama")
+    prompts = [repetitive(40, 7, 1), repetitive(33, 5, 2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    runs, embeddings = [], []
+    for tp in (1, 2):
+        with LLM(model, dtype="float32", num_threads=1, num_blocks=32, tensor_parallel_size=tp,
+                 speculative=spec_config("ngram")) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+            drafted = llm.stats().spec_decode_draft_tokens
+        with LLM(st_folder(model, str(tmp_path / f"st{tp}"), "mean", True), dtype="float32", num_threads=1,
+                 num_blocks=32, max_num_batched_tokens=16, tensor_parallel_size=tp) as llm:
+            embeddings.append(torch.tensor(llm.embed(prompts)))
+    assert runs[1] == runs[0] and drafted > 0
+    assert torch.allclose(embeddings[1], embeddings[0], atol=1e-5)
+
+
 # ---- failures ---------------------------------------------------------------------------------------------
 
 def test_a_killed_rank_stops_the_engine_without_hanging(models):
@@ -282,3 +303,20 @@ def test_ranks_on_a_second_node(models):
     one, _ = _engine_run(model, 1)
     assert [o.token_ids for o in two] == [o.token_ids for o in one]
     assert status == [0]   # rank 0 stopped it
+
+
+def test_a_second_node_serves_its_ranks_alone_and_disaggregation_is_refused(tiny_model_dir, monkeypatch):
+    """`matinee serve --node-rank 1` runs no engine (nor needs the cluster secret); --role prefill or decode
+    hands KV blocks a rank holds only part of: refused before anything starts."""
+    from gateway import cli
+    from gateway.roles import RUNNERS, SECRET_ENV
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    flags = ["serve", "--model", tiny_model_dir("llama"), "--tensor-parallel-size", "2"]
+    for role in ("engine", "all"):
+        args = cli.build_parser({}).parse_args(flags + ["--role", role, "--nnodes", "2", "--node-rank", "1",
+                                                        "--master-port", "29511"])
+        assert RUNNERS[role](args).__qualname__.startswith("_ranks_only")
+    monkeypatch.setenv(SECRET_ENV, "s")
+    with pytest.raises(ValueError, match="--role prefill hands KV blocks"):
+        RUNNERS["prefill"](cli.build_parser({}).parse_args(flags + ["--role", "prefill"]))
