@@ -244,11 +244,23 @@ def _make_runner(config: EngineConfig, rank0: RankSpec | None = None) -> ModelRu
 
 
 def rank_specs(config: EngineConfig) -> list[RankSpec]:
-    """The tensor-parallel ranks this node runs (node n: ranks n*k .. n*k+k-1 of k a node)."""
+    """The tensor-parallel ranks this node runs (node n: ranks n*k .. n*k+k-1 of k a node), on the CPU each
+    on its own group of the cores this process may use."""
     port = config.master_port if config.master_port is not None else free_port(config.master_addr)
     per_node = config.ranks_per_node
-    return [RankSpec(r, config.tensor_parallel_size, config.master_addr, port, config.step_timeout_s)
-            for r in range(config.node_rank * per_node, (config.node_rank + 1) * per_node)]
+    groups = _core_groups(per_node) if config.resolved_device() == "cpu" else [[]] * per_node
+    first = config.node_rank * per_node
+    return [RankSpec(first + i, config.tensor_parallel_size, config.master_addr, port, config.step_timeout_s,
+                     groups[i]) for i in range(per_node)]
+
+
+def _core_groups(n: int) -> list[list[int]]:
+    """The usable cores in `n` contiguous groups (a socket's cores are numbered together); none where there
+    are fewer cores than groups."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        return [[]] * n
+    return [cores[i * len(cores) // n:(i + 1) * len(cores) // n] for i in range(n)]
 
 
 def _start_ranks(config: EngineConfig) -> tuple[RankProcesses | None, RankSpec | None]:

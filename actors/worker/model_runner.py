@@ -88,6 +88,9 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype)
         self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
+            if tensor_parallel is not None and tensor_parallel.cores:
+                # This thread (the compute thread) and the OpenMP team it starts stay on the rank's core group.
+                os.sched_setaffinity(0, tensor_parallel.cores)
             # Every core for the matmuls; the event loop thread mostly waits on this one.
             torch.set_num_threads(num_threads or _usable_cores())
             keep_freed_memory()

@@ -29,6 +29,7 @@ class RankSpec(msgspec.Struct, frozen=True):
     master_addr: str
     master_port: int
     timeout_s: float = 600.0
+    cores: list[int] = []   # on the CPU, the core group its forward runs on (empty: wherever the process may)
 
 
 class RanksLost(RuntimeError):

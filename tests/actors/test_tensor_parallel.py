@@ -257,6 +257,9 @@ def test_a_killed_rank_stops_the_engine_without_hanging(models):
               tensor_parallel_size=2, decode_burst=1)
     try:
         (rank1,) = llm.engine.ranks.procs.values()
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:   # each rank on its own half of the cores
+            assert sorted(os.sched_getaffinity(rank1.pid)) == cores[len(cores) // 2:]
         long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
         killer = threading.Timer(2.0, os.kill, (rank1.pid, signal.SIGKILL))
         killer.start()
