@@ -210,13 +210,14 @@ def test_greedy_parity_gguf_q8_0(arch, models, tmp_path):
     assert stats.preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "uneven"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "uneven"])
 def test_bfloat16_tokens_part_only_at_a_near_tie(arch, models):
     """In bfloat16 each rank rounds its partial sums before the all-reduce adds them: the tokens are one
-    process's until a position where that process's two best tokens were within a few bfloat16 steps."""
+    process's until a position where the token two processes chose was within a few bfloat16 steps of one
+    process's best."""
     model = models(arch)
-    one, _ = _engine_run(model, 1, "bfloat16", logprobs=2)
-    two, _ = _engine_run(model, 2, "bfloat16", logprobs=2)
+    one, _ = _engine_run(model, 1, "bfloat16", logprobs=5)
+    two, _ = _engine_run(model, 2, "bfloat16", logprobs=5)
     agreed = 0
     for a, b in zip(one, two):
         j = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
