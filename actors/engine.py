@@ -10,12 +10,12 @@ import asyncio
 import gc
 import hashlib
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from actors.config import EngineConfig
 from actors.draft.controller import SpecController
+from actors.engine_ranks import on_rank_exit, runner_kwargs, start_ranks
 from actors.draft.draft_actor import DraftWorkerActor, build_proposer, count_params
 from actors.draft.draft_link import AttachNow, DraftLink
 from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
@@ -88,7 +88,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
     await system.start()
     tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.tokenizer or config.model))
     spawned: list[ActorRef] = []
-    ranks, rank0 = _start_ranks(config)
+    ranks, rank0 = start_ranks(config)
     try:
         executor = compute_thread()
         try:
@@ -97,7 +97,7 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
             executor.shutdown(wait=False)
             raise
         if ranks is not None:
-            ranks.watch(_on_rank_exit(system, ranks))
+            ranks.watch(on_rank_exit(system, ranks))
         brake = BurstBrake()   # the scheduler's, to end the worker's decode bursts early
         worker_actor = WorkerActor(runner, executor, seed=config.seed, brake=brake)
         worker = await system.spawn(worker_actor, name=f"{name}-worker")
@@ -225,82 +225,5 @@ async def _load_loras(worker: ActorRef, paths: dict[str, str]) -> None:
             raise ValueError(f"--lora-modules {name}={path}: {outcome.error}")
 
 
-def _runner_kwargs(config: EngineConfig) -> dict[str, Any]:
-    """ModelRunner's arguments, the same for every tensor-parallel rank (JSON for the rank processes)."""
-    num_threads = config.num_threads
-    if num_threads is None and config.ranks_per_node > 1:   # the node's cores, shared by its ranks
-        num_threads = max(1, len(os.sched_getaffinity(0)) // config.ranks_per_node)
-    return dict(model=config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
-                block_size=config.block_size, num_blocks=config.num_blocks,
-                kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
-                num_threads=num_threads, quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-                cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs,
-                max_loras=config.lora_slots, max_lora_rank=config.max_lora_rank)
-
-
 def _make_runner(config: EngineConfig, rank0: RankSpec | None = None) -> ModelRunner:
-    return ModelRunner(**_runner_kwargs(config), tensor_parallel=rank0)
-
-
-def rank_specs(config: EngineConfig) -> list[RankSpec]:
-    """The tensor-parallel ranks this node runs (node n: ranks n*k .. n*k+k-1 of k a node), on the CPU each
-    on its own group of the cores this process may use."""
-    port = config.master_port if config.master_port is not None else free_port(config.master_addr)
-    per_node = config.ranks_per_node
-    groups = _core_groups(per_node) if config.resolved_device() == "cpu" else [[]] * per_node
-    first = config.node_rank * per_node
-    return [RankSpec(first + i, config.tensor_parallel_size, config.master_addr, port, config.step_timeout_s,
-                     groups[i]) for i in range(per_node)]
-
-
-def _core_groups(n: int) -> list[list[int]]:
-    """The usable cores in `n` contiguous groups (a socket's cores are numbered together); none where there
-    are fewer cores than groups."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < n:
-        return [[]] * n
-    return [cores[i * len(cores) // n:(i + 1) * len(cores) // n] for i in range(n)]
-
-
-def _start_ranks(config: EngineConfig) -> tuple[RankProcesses | None, RankSpec | None]:
-    """Under tensor parallelism: this node's ranks past 0 as child processes, and rank 0's own spec."""
-    if config.tensor_parallel_size == 1:
-        return None, None
-    if config.node_rank != 0:
-        raise ValueError("the engine runs on node 0; a node of --node-rank above 0 runs its ranks alone "
-                         "(serve_ranks)")
-    specs = rank_specs(config)
-    others = RankProcesses(specs[1:], _runner_kwargs(config), config.resolved_device(),
-                           config.ranks_per_node) if specs[1:] else None
-    return others, specs[0]
-
-
-def serve_ranks(config: EngineConfig) -> int:
-    """A node of --node-rank above 0: runs its tensor-parallel ranks until they end (rank 0, on node 0,
-    stops them with the engine); the first failing rank's status."""
-    ranks = RankProcesses(rank_specs(config), _runner_kwargs(config), config.resolved_device(), config.ranks_per_node)
-    try:
-        return ranks.wait()
-    finally:
-        ranks.kill()
-
-
-def _on_rank_exit(system: ActorSystem, ranks: RankProcesses):
-    """A rank that ends while the engine serves fails the engine: the other ranks are ended and the node
-    stops (exit status 1), so the cluster moves its streams to another engine; the step in flight, and any
-    after it, fail at once (TensorParallel.broken) rather than wait on the lost rank."""
-    loop = asyncio.get_running_loop()
-
-    def on_exit(rank: int, status: int) -> None:
-        log.critical("tensor-parallel rank lost; stopping the engine", rank=rank, status=status)
-        ranks.kill()
-        loop.call_soon_threadsafe(system.request_shutdown, 1)
-
-    return on_exit
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return ModelRunner(**runner_kwargs(config), tensor_parallel=rank0)

@@ -121,7 +121,7 @@ def engine(args: argparse.Namespace) -> Serve:
 
 def _ranks_only(config: EngineConfig) -> Serve:
     """A machine of --node-rank above 0: its tensor-parallel ranks alone; node 0 runs the engine."""
-    from actors.engine import serve_ranks
+    from actors.engine_ranks import serve_ranks
 
     return lambda: serve_ranks(config)
 

@@ -4,8 +4,8 @@ sharded forward needs (gloo on the CPU, NCCL on GPUs).
 Rank 0 is the engine's model worker; it broadcasts each step's flattened batch (the plan) once, every rank
 runs the forward on its shard, o_proj and down_proj outputs are summed by one all-reduce each, and the
 LM head's vocabulary slices are gathered into whole logits. A collective that fails (a rank died, or the
-group's timeout passed) leaves the ranks out of step for good: every later call raises at once, so the
-engine fails its requests and stops instead of hanging.
+group's timeout passed) leaves the ranks out of step for good: every later call raises RanksLost at once,
+and the engine stops (WorkerActor) instead of hanging.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from actors.config import EngineConfig
-from actors.engine import free_port, serve_ranks
+from actors.engine_ranks import free_port, serve_ranks
 from actors.worker.dequant import dequantize
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.gguf_weights import GGUFWeights
