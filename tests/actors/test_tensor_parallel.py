@@ -150,6 +150,25 @@ def test_gguf_blocks_are_sharded_in_their_stored_form(tiny_model_dir, tmp_path):
     whole.close()
 
 
+def test_a_cut_inside_k_quant_blocks_dequantizes_that_tensor_alone(tiny_model_dir, tmp_path):
+    """Q4_K blocks hold 256 values: o's columns split at 128 (two heads of 64) fall inside them, so that
+    shard is read dequantized; down's split at 256 cuts between blocks and stays packed."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    path = hf_folder_to_gguf(tiny_model_dir("llama_wide"), str(tmp_path / "q4k.gguf"),
+                             quantize=lambda n: Q.Q4_K if n.endswith(".weight") and "norm" not in n else None)
+    whole = GGUFWeights(path)
+    cfg = whole.config
+    plan = plan_shards(cfg, 2)[1]
+    shard = ShardedWeights(GGUFWeights(path), plan, cfg)
+    o, down = "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    assert shard.quantized(o) is None
+    assert torch.equal(shard.get(o, torch.float32), whole.get(o, torch.float32)[:, 128:])
+    assert plan.intermediate == range(256, 512) and shard.quantized(down).qtype == Q.Q4_K
+    shard.close()
+    whole.close()
+
+
 def _q8(name: str):
     from gguf.constants import GGMLQuantizationType as Q
 
