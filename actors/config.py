@@ -109,6 +109,19 @@ class EngineConfig:
         "help": "LoRA adapters resident at once; the running requests read at most this many, a request "
                 "for another waits for a slot (least recently used out first)"})
     max_lora_rank: int = field(default=16, metadata={"help": "the largest LoRA rank an adapter may have"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes the model is split across, Megatron-style (attention heads, MLP rows, vocabulary; "
+                "one per GPU, or per CPU core group): rank 0 runs in the engine, the others are child "
+                "processes it starts and watches; on the CPU the layers run unfused"})
+    nnodes: int = field(default=1, metadata={
+        "help": "machines the tensor-parallel ranks span, each running tensor-parallel-size / nnodes of them"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this machine's index among --nnodes: 0 runs the engine (rank 0 and the engine's actors), the "
+                "others only their ranks"})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "address of node 0, where the tensor-parallel ranks meet"})
+    master_port: int | None = field(default=None, metadata={
+        "help": "port on node 0 where the tensor-parallel ranks meet (unset on one node: a free port)"})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
         "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
@@ -157,6 +170,31 @@ class EngineConfig:
             self.lora_modules = [self.lora_modules]
         self.lora_paths()   # a malformed NAME=PATH fails here
         _positive(self, "max_loras", "max_lora_rank")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        _positive(self, "tensor_parallel_size", "nnodes")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("ranks on several machines (nnodes > 1) need --master-addr and --master-port")
+        if self.tensor_parallel_size == 1:
+            return
+        # What reads or writes rank 0's model or cache alone would see one shard of it.
+        if self.lora_slots:
+            raise ValueError("LoRA adapters are not served with tensor_parallel_size above 1")
+        if self.speculative is not None and self.speculative.method == "layerskip":
+            raise ValueError("layer-skip speculation runs the target's own layers: not with tensor_parallel_size "
+                             "above 1 (a draft model or n-gram can)")
+        if self.kv_offload_memory or self.kv_offload_dir:
+            raise ValueError("the KV offload tiers copy whole blocks: not with tensor_parallel_size above 1")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def lora_paths(self) -> dict[str, str]:
         """--lora-modules as name -> folder."""

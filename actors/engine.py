@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.config import EngineConfig
 from actors.draft.controller import SpecController
+from actors.engine_ranks import on_rank_exit, runner_kwargs, start_ranks
 from actors.draft.draft_actor import DraftWorkerActor, build_proposer, count_params
 from actors.draft.draft_link import AttachNow, DraftLink
 from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
@@ -31,6 +32,8 @@ from actors.worker.model_config import ModelConfig
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model_runner import ModelRunner
+from actors.worker.rank_processes import RankProcesses
+from actors.worker.tensor_parallel import RankSpec
 from actors.worker.worker_actor import WorkerActor, build_runner, compute_thread
 from prefix_store.hashing import HASH_SCHEME
 from runtime import ActorRef, ActorSystem, get_logger
@@ -55,12 +58,15 @@ class Engine:
     draft: ActorRef | None = None     # the draft worker, with speculative decoding
     kv_blocks: KVBlockIO | None = None   # the cache's blocks as bytes, for a KV handoff
     kv_tier: KVTier | None = None        # where the KV manager keeps evicted blocks (--kv-offload-*)
+    ranks: RankProcesses | None = None   # the tensor-parallel ranks past 0 this node started
 
     async def stop(self) -> None:
         """Scheduler first (no new steps), then the draft and target workers and the KV manager."""
         for ref in (self.scheduler, self.draft, self.worker, self.kv):
             if ref is not None and ref.is_alive:
                 await self.system.stop(ref)
+        if self.ranks is not None:   # the worker stopped them: they leave by themselves
+            await asyncio.to_thread(self.ranks.stop)
         if self.kv_tier is not None:
             await asyncio.to_thread(self.kv_tier.close)
         gc.unfreeze()   # what it loaded can be collected again
@@ -82,13 +88,16 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
     await system.start()
     tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, config.tokenizer or config.model))
     spawned: list[ActorRef] = []
+    ranks, rank0 = start_ranks(config)
     try:
         executor = compute_thread()
         try:
-            runner = await build_runner(lambda: _make_runner(config), executor)
+            runner = await build_runner(lambda: _make_runner(config, rank0), executor)
         except BaseException:
             executor.shutdown(wait=False)
             raise
+        if ranks is not None:
+            ranks.watch(on_rank_exit(system, ranks))
         brake = BurstBrake()   # the scheduler's, to end the worker's decode bursts early
         worker_actor = WorkerActor(runner, executor, seed=config.seed, brake=brake)
         worker = await system.spawn(worker_actor, name=f"{name}-worker")
@@ -100,8 +109,9 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                  kv_bytes_per_token=info.kv_bytes_per_token)
         kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
         kv_tier = _open_tier(config, kv_blocks, info.block_size)
+        # A tensor-parallel rank 0 holds only its KV heads: no blocks to give a peer engine.
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
-                                  kv_tier, kv_blocks)
+                                  kv_tier, kv_blocks if rank0 is None else None)
         kv = await system.spawn(kv_actor, name=f"{name}-kv")
         spawned.append(kv)
         tokenizer = await tokenizer_task
@@ -123,12 +133,14 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         tokenizer_task.cancel()
         for ref in spawned:
             await system.stop(ref)
+        if ranks is not None:
+            await asyncio.to_thread(ranks.kill)
         if owns:
             await system.shutdown()
         raise
     freeze_heap()
     return Engine(config, system, scheduler, kv, worker, tokenizer, worker_actor.runner.model_config,
-                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft, kv_blocks, kv_tier)
+                  info.num_blocks, max_model_len, eos, scheduler_actor, owns, draft, kv_blocks, kv_tier, ranks)
 
 
 def _open_tier(config: EngineConfig, blocks: KVBlockIO, block_size: int) -> KVTier | None:
@@ -213,11 +225,5 @@ async def _load_loras(worker: ActorRef, paths: dict[str, str]) -> None:
             raise ValueError(f"--lora-modules {name}={path}: {outcome.error}")
 
 
-def _make_runner(config: EngineConfig) -> ModelRunner:
-    return ModelRunner(config.model, dtype=config.resolved_dtype(), kernels=config.kernels,
-                       block_size=config.block_size, num_blocks=config.num_blocks,
-                       kv_cache_memory=config.kv_cache_memory, device=config.resolved_device(),
-                       num_threads=config.num_threads, quantization=config.quantization,
-                       kv_cache_dtype=config.kv_cache_dtype,
-                       cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs,
-                       max_loras=config.lora_slots, max_lora_rank=config.max_lora_rank)
+def _make_runner(config: EngineConfig, rank0: RankSpec | None = None) -> ModelRunner:
+    return ModelRunner(**runner_kwargs(config), tensor_parallel=rank0)

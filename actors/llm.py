@@ -77,6 +77,17 @@ class _Collector(Actor):
         self.engine = engine
         self.pending: dict[str, _Pending] = {}
 
+    async def on_stop(self) -> None:
+        """The engine's system stopped (a tensor-parallel rank lost stops it): what is still running ends
+        with "error" rather than waiting forever."""
+        for p in self.pending.values():
+            for i, finish in enumerate(p.finish):
+                if finish is None:
+                    p.finish[i], p.errors[i] = "error", "the engine stopped while generating this sequence"
+            if not p.done.done():
+                p.done.set_result(p)
+        self.pending.clear()
+
     async def receive(self, msg: Any) -> Any:
         if not isinstance(msg, TokenDeltas):
             return await super().receive(msg)

@@ -57,6 +57,8 @@ def all_in_one(args: argparse.Namespace) -> Serve:
     """Every actor in this process; prints the URL and a curl line once the engine is ready."""
     config = build(GatewayConfig, args)
     engine_config = EngineConfig(**engine_kwargs(args))
+    if engine_config.node_rank > 0:
+        return _ranks_only(engine_config)
 
     def serve() -> int:
         from aiohttp import web
@@ -106,10 +108,22 @@ def engine(args: argparse.Namespace) -> Serve:
     from actors.engine_node import run_engine_node
     from runtime import run
 
-    node = build(EngineNodeConfig, args, secret=_secret(), role=args.role)
     config = EngineConfig(**engine_kwargs(args))
+    if config.node_rank > 0:
+        return _ranks_only(config)
+    if config.tensor_parallel_size > 1 and args.role != "engine":
+        raise ValueError(f"--role {args.role} hands KV blocks between engines: not with --tensor-parallel-size "
+                         f"above 1")
+    node = build(EngineNodeConfig, args, secret=_secret(), role=args.role)
     transfer = build(KVTransferConfig, args)
     return lambda: run(run_engine_node(node, config, transfer=transfer))
+
+
+def _ranks_only(config: EngineConfig) -> Serve:
+    """A machine of --node-rank above 0: its tensor-parallel ranks alone; node 0 runs the engine."""
+    from actors.engine_ranks import serve_ranks
+
+    return lambda: serve_ranks(config)
 
 
 def draft(args: argparse.Namespace) -> Serve:

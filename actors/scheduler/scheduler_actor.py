@@ -31,6 +31,7 @@ from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve,
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
+from actors.worker.tensor_parallel import RanksLost
 from runtime import Actor, ActorDead, ActorRef, Turns
 
 NOTHING_FITS = "the request does not fit in the engine's KV cache"
@@ -64,6 +65,7 @@ class SchedulerActor(Actor):
         # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
         # soon: no step until one of them ends.
         self._stalled = False
+        self._lost = False   # the model worker is gone for good (a tensor-parallel rank died): no more steps
 
     async def on_start(self) -> None:
         """At the start, and after a restart (the same instance, its requests kept): the step the
@@ -135,14 +137,14 @@ class SchedulerActor(Actor):
         """Start stepping, unless it goes on already, is stalled, or there is nothing to do. The steps
         start in this handler's turn: the mailbox waits for the plan (a Submit or an Abort must not land
         inside its KV transaction)."""
-        if self._steps is not None or self._stalled or not self.scheduler.has_work():
+        if self._steps is not None or self._stalled or self._lost or not self.scheduler.has_work():
             return
         self._steps = self.context.run_in_turns(self._run_steps)
         await self._steps.first_turn()
 
     async def _run_steps(self, turn: Turns) -> None:
         """Step after step while there is work; each next step is planned in the turn the last emitted in."""
-        while not self._stalled and self.scheduler.has_work():
+        while not self._stalled and not self._lost and self.scheduler.has_work():
             await self.step(turn)
         self._steps = None
 
@@ -161,6 +163,11 @@ class SchedulerActor(Actor):
                 self._send_outputs()
                 return
             result = await turn.reenter_after(self._draft_and_forward(plan))
+        except RanksLost:
+            # The worker stops the node (WorkerActor._ranks_lost): no request ends with an error here, so
+            # a cluster sees the engine die and continues them on another.
+            self._lost = True
+            return
         except Exception as error:
             self._step_failed(error)
             self.step_s += time.perf_counter() - self._started

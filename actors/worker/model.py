@@ -16,6 +16,7 @@ import torch
 from actors.worker.lora_slots import LoRABatch
 from actors.worker.model_config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
+from actors.worker.tensor_parallel import TensorParallel
 from kernels import Ops, build_cos_sin_cache
 from kernels.packed_linear import PackedWeight
 from kernels.quant_linear import QuantStack, QuantTensor, QuantWeight, stack
@@ -77,8 +78,12 @@ class _Layer:
 
 
 class DecoderModel:
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
+        """`config` is the model this instance computes: under tensor parallelism (`tp`) one rank's shard of it
+        (ShardPlan.local_config), whose projections' partial sums and vocabulary slices `tp` combines."""
         self.config = config
+        self.tp = tp
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
@@ -217,10 +222,15 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
+        tp = self.tp
+        if tp is None:
+            hidden = ops.embedding(input_ids, self.embed).to(self.dtype)   # int8 rows come in float32
+        else:
+            hidden = tp.embedding(ops, input_ids, self.embed, self.dtype)
         residual = None
+        # The fused all-layers kernel has no place for the ranks' all-reduces: a shard runs the loop below.
         fused = (ops.decode_layers(self, hidden, positions, meta, kv_caches, layer_written=layer_written)
-                 if ops.decode_layers and lora is None else None)
+                 if ops.decode_layers and lora is None and tp is None else None)
         adapt = lora.add if lora is not None else _no_adapter
         if fused is not None:   # the loop below in one kernel call, bit for bit
             hidden, residual = fused
@@ -251,12 +261,16 @@ class DecoderModel:
             attn = attn.reshape(num_tokens, q_size)
             hidden = ops.linear(attn, layer.o_weight, layer.o_bias)
             adapt(i, "o", attn, hidden)
+            if tp is not None:
+                tp.all_reduce(hidden)
             hidden, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             gate_up = ops.linear(hidden, layer.gate_up_weight)
             adapt(i, "gate_up", hidden, gate_up)
             act = ops.silu_and_mul(gate_up)
             hidden = ops.linear(act, layer.down_weight)
             adapt(i, "down", act, hidden)
+            if tp is not None:
+                tp.all_reduce(hidden)
         # Only the rows that need logits go through the final norm and the (large) LM head; the rows
         # an embedding pools go through the norm alone.
         pooled = pool_indices is not None and pool_indices.shape[0] > 0
@@ -266,9 +280,13 @@ class DecoderModel:
             residual = residual.index_select(0, rows)
         hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)
         if pool_indices is None:
-            return ops.linear(hidden, self.lm_head)
+            return self._logits(hidden)
         num_pooled = pool_indices.shape[0]
-        return ops.linear(hidden[num_pooled:], self.lm_head), hidden[:num_pooled]
+        return self._logits(hidden[num_pooled:]), hidden[:num_pooled]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.ops.linear(hidden, self.lm_head)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
 
 def _no_adapter(layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:

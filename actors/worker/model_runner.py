@@ -27,6 +27,9 @@ from actors.worker.hf_weights import HFWeights
 from actors.worker.model_config import read_hf_config
 from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV, why_dequantized
 from actors.worker.model_source import ModelSource, resolve_model_source
+from actors.worker.shard_plan import plan_shards
+from actors.worker.sharded_weights import ShardedWeights
+from actors.worker.tensor_parallel import RankSpec, TensorParallel
 from kernels import get_ops
 from kernels.kv_quant import QUANTIZED_DTYPES, is_quantized
 
@@ -73,16 +76,21 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  device: str | torch.device = "cpu", num_threads: int | None = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto", cuda_graph_batch: int = 0,
-                 max_loras: int = 0, max_lora_rank: int = 16) -> None:
+                 max_loras: int = 0, max_lora_rank: int = 16, tensor_parallel: RankSpec | None = None) -> None:
         """cuda_graph_batch: on CUDA with the Triton kernels, decode steps of up to this many sequences
         replay CUDA graphs captured here (decode_graphs.py); 0 runs every step eagerly. max_loras: slots
-        for LoRA adapters of up to max_lora_rank (lora_slots.py); 0 serves the base model alone."""
+        for LoRA adapters of up to max_lora_rank (lora_slots.py); 0 serves the base model alone.
+        tensor_parallel: this runner is that rank of a model split across processes (tensor_parallel.py); it
+        loads its shard, holds its KV heads' part of the pool, and joins the group before returning."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
+            if tensor_parallel is not None and tensor_parallel.cores:
+                # This thread (the compute thread) and the OpenMP team it starts stay on the rank's core group.
+                os.sched_setaffinity(0, tensor_parallel.cores)
             # Every core for the matmuls; the event loop thread mostly waits on this one.
             torch.set_num_threads(num_threads or _usable_cores())
             keep_freed_memory()
@@ -90,8 +98,25 @@ class ModelRunner:
         self.ops = get_ops(kernels, self.device)
         self.block_size = block_size
         config, weights = open_model(self.source)
-        self.model_config: ModelConfig = config
-        self.model = DecoderModel(config, self.ops, self.dtype, self.device)
+        self.model_config: ModelConfig = config   # the whole model's, also under tensor parallelism
+        self.tp: TensorParallel | None = None
+        kv_heads = config.num_kv_heads   # per rank: the pool of every rank holds as many blocks
+        if tensor_parallel is not None:
+            if max_loras:
+                weights.close()
+                raise ValueError("LoRA adapters are not served with --tensor-parallel-size above 1")
+            try:
+                plans = plan_shards(config, tensor_parallel.size)
+            except ValueError:
+                weights.close()
+                raise
+            plan = plans[tensor_parallel.rank]
+            kv_heads = max(len(p.kv_heads) for p in plans)
+            weights = ShardedWeights(weights, plan, config)
+            self.tp = TensorParallel(tensor_parallel, plans, self.device)
+            self.model = DecoderModel(plan.local_config(config), self.ops, self.dtype, self.device, self.tp)
+        else:
+            self.model = DecoderModel(config, self.ops, self.dtype, self.device)
         if self.source.kind == "gguf" and (why := why_dequantized(quantization, self.device, self.ops)):
             structlog.get_logger().info("GGUF weights dequantized at load", reason=why,
                                         dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
@@ -108,7 +133,7 @@ class ModelRunner:
                                     of_file=None if not file_bytes else round(self.weight_bytes / file_bytes, 3))
 
         # As `matinee plan` has it, plus an int8 or fp8 cache's scales.
-        self.kv_bytes_per_block = kv_bytes_per_block(config.num_layers, config.num_kv_heads, config.head_dim,
+        self.kv_bytes_per_block = kv_bytes_per_block(config.num_layers, kv_heads, config.head_dim,
                                                      self.kv_cache_dtype.itemsize, block_size,
                                                      scaled=self.kv_cache_dtype in QUANTIZED_DTYPES)
         self.kv_bytes_per_token = self.kv_bytes_per_block / block_size
@@ -123,7 +148,7 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.kv_caches = self.allocate_kv_caches(config.num_layers, self.num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        if cuda_graph_batch and self.device.type == "cuda" and self.ops.backend == "triton" \
+        if cuda_graph_batch and self.device.type == "cuda" and self.ops.backend == "triton" and self.tp is None \
                 and not is_quantized(self.kv_caches[0][0]):
             t0 = time.perf_counter()
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, cuda_graph_batch,
@@ -155,7 +180,7 @@ class ModelRunner:
 
         Also for a layer-skip draft: its own caches for its first `num_layers` layers, passed to forward().
         """
-        cfg = self.model_config
+        cfg = self.model.config   # a tensor-parallel rank's: its KV heads alone
         # One allocation. Zeroed, not empty: attention masks unused slots, but 0 * NaN garbage is still NaN.
         kv = torch.zeros(num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                          dtype=self.kv_cache_dtype, device=self.device)
@@ -245,6 +270,19 @@ class ModelRunner:
         if pool is None and lora is None and self.decode_graphs is not None \
                 and self.decode_graphs.fits(flat, kv_caches):
             return self.decode_graphs.run(flat)
+        if self.tp is None:
+            return self._forward(flat, kv_caches, pool, lora)
+        if kv_caches is not self.kv_caches:
+            raise ValueError("a tensor-parallel model runs on its own KV caches only (no layer-skip draft)")
+        self.tp.send_plan(flat)
+        try:
+            return self._forward(flat, kv_caches, pool, lora)
+        except Exception as e:   # the other ranks ran on or failed: the ranks are out of step for good
+            self.tp.broken = self.tp.broken or f"rank 0 failed a step after sending its plan: {e!r}"
+            raise
+
+    def _forward(self, flat: FlatBatch, kv_caches: list[LayerKV], pool: torch.Tensor | None,
+                 lora: LoRABatch | None) -> torch.Tensor:
         input_ids, positions, slots, tables, seq_lens, starts, logits_indices = self._on_device(flat)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
                                  max_query_len=flat.max_query_len, max_seq_len=flat.max_seq_len)
@@ -255,6 +293,22 @@ class ModelRunner:
             if pool is not None:
                 out, self.last_pooled = out[0], out[1].float().cpu()
             return out.float()
+
+    def follow(self) -> None:
+        """A tensor-parallel rank past 0: runs every step rank 0 plans, until it stops the group."""
+        while (flat := self.tp.receive_plan()) is not None:
+            pool = flat.pool_indices if flat.pool_indices.shape[0] else None
+            self._forward(flat, self.kv_caches, pool, None)
+
+    def close(self) -> None:
+        """Under tensor parallelism, rank 0 stops the other ranks and every rank leaves the group."""
+        if self.tp is None:
+            return
+        try:
+            if self.tp.rank == 0 and self.tp.broken is None:
+                self.tp.send_stop()
+        finally:
+            self.tp.close()
 
     def _on_device(self, flat: FlatBatch) -> list[torch.Tensor]:
         """The batch's arrays where the forward runs: on a GPU, in one copy from pinned memory."""

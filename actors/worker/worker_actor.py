@@ -10,6 +10,7 @@ A structured output's grammar is compiled on a thread before the step that start
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import traceback
@@ -29,6 +30,7 @@ from actors.worker import grammar_compiler
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
+from actors.worker.tensor_parallel import RanksLost
 from actors.worker.pooling import PoolState
 from actors.worker.sampler import Sampler, SamplingState, raw_logprobs, target_logprobs
 from runtime import Actor, ActorRef, get_logger
@@ -70,6 +72,10 @@ class WorkerActor(Actor):
         self._adapter_of.clear()
 
     async def on_stop(self) -> None:
+        if self._executor is not None and getattr(self.runner, "tp", None) is not None:
+            # Rank 0 stops the other ranks once the step in flight is done (a lost rank fails it at once).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.wrap_future(self._executor.submit(self.runner.close)), 30)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)  # never block the loop on a forward
             self._executor = None
@@ -78,7 +84,10 @@ class WorkerActor(Actor):
         match msg:
             case StepPlan():
                 await self._compile_grammars(msg)
-                return await asyncio.get_running_loop().run_in_executor(self._executor, self.step, msg)
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(self._executor, self.step, msg)
+                except RanksLost as e:
+                    return await self._ranks_lost(e)
             case GetWorkerInfo():
                 r = self.runner
                 return WorkerInfo(r.num_blocks, r.block_size, r.max_model_len, r.model_config.vocab_size,
@@ -94,6 +103,13 @@ class WorkerActor(Actor):
                 slots = self.runner.loras
                 return LoRAAdapters({n: a.path for n, a in self.loras.items()}, slots.max_loras if slots else 0)
         return await super().receive(msg)
+
+    async def _ranks_lost(self, error: RanksLost) -> None:
+        """A tensor-parallel rank is gone: the node stops (exit status 1). The scheduler ends no request for
+        it, so the cluster sees the engine die and continues its streams elsewhere."""
+        log.critical("tensor-parallel ranks lost; stopping the engine", error=str(error))
+        self.context.system.request_shutdown(1)
+        raise error
 
     async def _load_lora(self, name: str, path: str) -> LoRAOutcome:
         """Reads and checks the adapter off the loop and off the compute thread (file reads, no tensor
@@ -144,6 +160,8 @@ class WorkerActor(Actor):
             self.runner.layer_written = functools.partial(self._layer_written, plan.layers_to, plan.step_id)
         try:
             tokens = self._run(seqs) if seqs else {}
+        except RanksLost:
+            raise   # no sequence runs alone either: the worker itself is lost
         except Exception:
             failed = self._isolate(seqs, rng)
             rest = [s for s in seqs if s.seq_id not in failed]

@@ -141,6 +141,7 @@ FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
           "--batch-ttft-objective", "--batch-itl-objective"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
+FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
 
 
 def _serve_flags(parser) -> list[str]:
