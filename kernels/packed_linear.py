@@ -9,8 +9,8 @@ weight shape (layout) and kept on disk beside the built library; a weight's kern
 every row count, so a row's result never depends on its batch. On a CPU with AMX, many bf16 rows go to
 its tiles from a measured row count on (quant_amx.c reads the packed layout, pairing k with k + 1 for
 each column as it goes: no second copy of the weight); where torch wins on many rows only (and, with AMX,
-beats it from a measured row count on), both layouts are kept and the row count picks. A tied embedding reads its rows out of the
-packed LM head, so the model keeps one copy.
+beats it from a measured row count on), both layouts are kept and the row count picks. A tied embedding
+reads its rows out of the packed LM head, so the model keeps one copy.
 """
 
 from __future__ import annotations

@@ -138,14 +138,15 @@ static void widen_k45(int type, const uint8_t *g, int j, uint16_t *tile) {
     const __m512 scale = _mm512_mul_ps(d, sc), low = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
     const uint8_t *qs = g + 20 * GR + (j / 2) * 8 * GR * 4, *qh = g + 20 * GR + 128 * GR;
     const int nib = 4 * (j & 1);
+    __m512 ds[4];   /* Q4_K: the scale moved down to meet a nibble left at bit 8k + nib (exact) */
+    for (int k = 0; k < 4; k++) ds[k] = _mm512_mul_ps(scale, _mm512_set1_ps(1.f / (float)(1ul << (8 * k + nib))));
     for (int c = 0; c < 8; c++) {
         const __m512i raw = _mm512_loadu_si512((const void *)(qs + c * GR * 4));
         __m512 col[4];
-        if (type == Q4_K) {   /* the nibble masked where it lies, its scale moved down to meet it (exact) */
+        if (type == Q4_K) {   /* the nibble masked where it lies, meeting ds[k] */
             for (int k = 0; k < 4; k++) {
-                const int at = 8 * k + nib;
-                const __m512i q = _mm512_and_si512(raw, _mm512_set1_epi32((int)(0xfu << at)));
-                col[k] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(q), _mm512_mul_ps(scale, _mm512_set1_ps(1.f / (float)(1ul << at))), low);
+                const __m512i q = _mm512_and_si512(raw, _mm512_set1_epi32((int)(0xfu << (8 * k + nib))));
+                col[k] = _mm512_fmadd_ps(_mm512_cvtepu32_ps(q), ds[k], low);
             }
         } else {
             const __m512i high = _mm512_loadu_si512((const void *)(qh + c * GR * 4));
