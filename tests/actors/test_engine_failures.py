@@ -33,6 +33,9 @@ GARBAGE = -1  # what a failed forward leaves in the paged fake's KV slots
 STEP_FAILED = "internal error: the engine step failed"
 # Repetitive prompts, so that the n-gram proposer drafts and the rejection sampler verifies.
 GOOD = [repetitive(40, 7, 1), repetitive(33, 5, 2)] + prompts(3, (16, 64))
+# Requests a test fails while they decode: far more tokens than the test waits for, so that none can
+# reach its length limit in the moment between the test seeing their first tokens and breaking the step.
+DOOMED = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
 
 
 @pytest.fixture(params=[None, "ngram"], ids=["plain", "ngram"])
@@ -150,7 +153,7 @@ def breakable_forward(monkeypatch) -> list[bool]:
 async def test_a_step_that_fails_for_everyone_errors_every_request_and_the_engine_goes_on(engine, monkeypatch):
     eng, sink, ref, folder = engine
     broken = breakable_forward(monkeypatch)
-    doomed = {f"doomed{i}": (p, GREEDY) for i, p in enumerate(GOOD[:3])}
+    doomed = {f"doomed{i}": (p, DOOMED) for i, p in enumerate(GOOD[:3])}
     for rid, (prompt, params) in doomed.items():
         eng.scheduler.tell(SubmitRequest(rid, prompt, params, ref))
     await sink.wait(lambda: all(sink.tokens.get((rid, 0)) for rid in doomed))  # all decoding together
@@ -158,7 +161,8 @@ async def test_a_step_that_fails_for_everyone_errors_every_request_and_the_engin
     await sink.wait(lambda: all((rid, 0) in sink.finish for rid in doomed))
     assert {sink.finish[(rid, 0)] for rid in doomed} == {"error"}
     expected = hf_greedy(folder, GOOD[:3])
-    assert all(expected[i][:len(sink.tokens[(rid, 0)])] == sink.tokens[(rid, 0)] for i, rid in enumerate(doomed))
+    made = [sink.tokens[(rid, 0)][:NUM_NEW] for rid in doomed]  # the reference holds NUM_NEW tokens
+    assert all(expected[i][:len(m)] == m for i, m in enumerate(made))
     assert {sink.errors[(rid, 0)] for rid in doomed} == {STEP_FAILED}
     broken[0] = False
     await run_batch(eng, sink, ref, good_requests())
@@ -213,7 +217,7 @@ async def test_another_tenants_cached_prompt_stays_hot_after_a_failure(engine, m
     warm, doomed = GOOD[0], GOOD[1:3] if failure == "whole step" else GOOD[1:2]
     await run_salted(eng, sink, ref, {"warm": (warm, "tenant-a")})
     for i, prompt in enumerate(doomed):
-        eng.scheduler.tell(SubmitRequest(f"doomed{i}", prompt, GREEDY, ref, cache_salt="tenant-b"))
+        eng.scheduler.tell(SubmitRequest(f"doomed{i}", prompt, DOOMED, ref, cache_salt="tenant-b"))
     if failure == "whole step":  # both decode together, then a step fails for both
         await sink.wait(lambda: all(sink.tokens.get((f"doomed{i}", 0)) for i in range(len(doomed))))
     broken[0] = True
