@@ -74,7 +74,7 @@ def test_matches_the_reference_and_dequantize_then_matmul(each_build, qtype, m, 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_row_count_to_16_matches_the_reference(each_build, qtype):
-    """1 to 16 rows: every split into the kernels' row tiles (up to 8 on AVX-512, 4 on AVX2), bit for bit."""
+    """1 to 16 rows: every split into the kernels' row tiles (K-quants: up to 6 on AVX-512, 4 on AVX2), bit for bit."""
     raw, weight = _quantized(qtype, 45, 512, 7)
     gen = torch.Generator().manual_seed(int(qtype))
     for m in range(1, 17):
