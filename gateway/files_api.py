@@ -38,12 +38,12 @@ def owner(request: web.Request) -> str:
     return owner_of(api_key_of(request))
 
 
-def find_file(request: web.Request, file_id: str, param: str | None = None) -> dict:
+async def find_file(request: web.Request, file_id: str, param: str | None = None) -> dict:
     """The caller's file, not expired; 404 otherwise (another's file is as unknown as a missing one)."""
     store = request.app[BATCHES].store
-    obj = store.load_file(file_id)
+    obj = await store.load_file(file_id)
     if obj is not None and obj["expires_at"] is not None and obj["expires_at"] <= now():
-        store.delete_file(file_id)
+        await store.delete_file(file_id)
         obj = None
     if obj is None or obj["owner"] != owner(request):
         raise not_found(f"No such File object: {file_id}", param=param)
@@ -63,7 +63,7 @@ async def create_file(request: web.Request) -> web.Response:
     if data is None:
         raise invalid("The upload has no `file` field.", param="file")
     file_id = await save_file(request.app[BATCHES].store, config, data, filename, purpose, owner(request))
-    return json_response(public(request.app[BATCHES].store.load_file(file_id)))
+    return json_response(public(await request.app[BATCHES].store.load_file(file_id)))
 
 
 async def _read_form(request: web.Request, limit: int, timeout_s: float) -> tuple[str | None, str, bytes | None]:
@@ -108,9 +108,9 @@ def _too_large(limit: int) -> APIError:
 async def list_files(request: web.Request) -> web.Response:
     store, purpose = request.app[BATCHES].store, request.query.get("purpose")
     files = []
-    for file_id in store.file_ids():
+    for file_id in await store.file_ids():
         try:
-            obj = find_file(request, file_id)
+            obj = await find_file(request, file_id)
         except APIError:
             continue
         if purpose is None or obj["purpose"] == purpose:
@@ -120,18 +120,18 @@ async def list_files(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.Response:
-    return json_response(public(find_file(request, request.match_info["file_id"])))
+    return json_response(public(await find_file(request, request.match_info["file_id"])))
 
 
 async def file_content(request: web.Request) -> web.Response:
-    file_id = find_file(request, request.match_info["file_id"])["id"]
+    file_id = (await find_file(request, request.match_info["file_id"]))["id"]
     return web.Response(body=await request.app[BATCHES].store.read_data(file_id),
                         content_type="application/octet-stream")
 
 
 async def delete_file(request: web.Request) -> web.Response:
-    file_id = find_file(request, request.match_info["file_id"])["id"]
-    request.app[BATCHES].store.delete_file(file_id)
+    file_id = (await find_file(request, request.match_info["file_id"]))["id"]
+    await request.app[BATCHES].store.delete_file(file_id)
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
