@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from gateway import batch_lines
+from gateway import batch_lines, expiry
 from gateway.batch_lines import Line
 from gateway.batch_store import BatchStore, LeaseLost, new_id, now
 from gateway.state import GatewayState
@@ -85,6 +85,9 @@ class BatchRunner:
         if job is not None:
             return job.record
         record = await self.store.load_batch(batch_id)
+        if record is not None and self._past_retention(record):
+            await self._forget(record)
+            return None
         if record is None or record["batch"]["status"] in ENDED:
             return record
         batch = record["batch"]
@@ -120,6 +123,7 @@ class BatchRunner:
             try:
                 await self._renew()
                 await self._take_over()
+                await self._sweep_files()
             except asyncio.CancelledError:
                 raise
             except Exception:   # the store unreachable for a while: the next round tries again
@@ -136,12 +140,15 @@ class BatchRunner:
                 await self.cancel(batch_id)
 
     async def _take_over(self) -> None:
-        """Claims every batch that has not ended and that no gateway holds; the record is read again
-        once claimed, as its last holder may have moved it on meanwhile."""
+        """Claims every batch that has not ended and that no gateway holds (the record is read again
+        once claimed, as its last holder may have moved it on meanwhile); forgets those ended longer
+        than --batch-retention ago."""
         for batch_id in await self.store.batch_ids():
             if batch_id in self._jobs:
                 continue
             record = await self.store.load_batch(batch_id)
+            if record is not None and self._past_retention(record):
+                await self._forget(record)
             if record is None or record["batch"]["status"] in ENDED:
                 continue
             lease = await self.store.claim(batch_id)
@@ -153,6 +160,25 @@ class BatchRunner:
                 continue
             log.info("batch resumed", batch_id=batch_id, status=record["batch"]["status"])
             self._start(record, lease)
+
+    async def _sweep_files(self) -> None:
+        """Expired files go (in Redis they expire by themselves; a directory keeps them until now)."""
+        for file_id in await self.store.file_ids():
+            obj = await self.store.load_file(file_id)
+            if obj is not None and obj["expires_at"] is not None and obj["expires_at"] <= now():
+                await self.store.delete_file(file_id)
+
+    def _past_retention(self, record: dict) -> bool:
+        return record["batch"]["status"] in ENDED and \
+            expiry.past_retention(record["batch"], self.config.batch_retention_s, now())
+
+    async def _forget(self, record: dict) -> None:
+        batch = record["batch"]
+        for file_id in (batch["output_file_id"], batch["error_file_id"]):
+            if file_id is not None:
+                await self.store.delete_file(file_id)
+        await self.store.delete_batch(batch["id"])
+        log.info("batch deleted after its retention", batch_id=batch["id"])
 
     # --- one batch ----------------------------------------------------------------------------------
 
@@ -275,7 +301,7 @@ class BatchRunner:
             return None
         data = b"".join(msgspec.json.encode(line) + b"\n" for line in lines)
         return await save_file(self.store, self.config, data, f"{job.batch['id']}_{kind}.jsonl", "batch_output",
-                               job.record["owner"])
+                               job.record["owner"], job.record.get("output_ttl_s"))
 
     async def _fail(self, job: _Job, code: str, message: str) -> None:
         job.batch["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None,
@@ -301,14 +327,15 @@ def _cancelling_me() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def save_file(store: BatchStore, config, data: bytes, filename: str, purpose: str, owner: str) -> str:
-    """A new file in the store; its id."""
+async def save_file(store: BatchStore, config, data: bytes, filename: str, purpose: str, owner: str,
+                    ttl_s: int | None = None) -> str:
+    """A new file in the store, kept `ttl_s` (else --batch-file-ttl); its id."""
     file_id = new_id("file-")
     await store.write_data(file_id, data)
     created = now()
     await store.save_file({"id": file_id, "object": "file", "bytes": len(data), "created_at": created,
                      "filename": filename, "purpose": purpose, "status": "processed",
-                     "expires_at": created + int(config.batch_file_ttl_s), "status_details": None,
+                     "expires_at": created + int(ttl_s or config.batch_file_ttl_s), "status_details": None,
                      "owner": owner})
     return file_id
 

@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 import msgspec
 from aiohttp import web
 
-from gateway import api_types, batch_lines, protocol
+from gateway import api_types, batch_lines, expiry, protocol
 from gateway.app_keys import STATE
 from gateway.batch_runner import BATCHES, BatchRunner
 from gateway.batch_store import BatchStore, new_id, now
@@ -31,6 +31,7 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    output_expires_after: expiry.ExpiresAfter | None = None
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -43,6 +44,7 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid(f"`completion_window` must be a number of hours such as '24h', got "
                       f"{req.completion_window!r}.", param="completion_window")
     _check_metadata(req.metadata)
+    output_ttl_s = expiry.seconds_of(req.output_expires_after, "output_expires_after")
     if (await find_file(request, req.input_file_id, param="input_file_id"))["purpose"] != "batch":
         raise invalid(f"The file {req.input_file_id} was not uploaded with purpose 'batch'.", param="input_file_id")
     created = now()
@@ -54,7 +56,7 @@ async def create_batch(request: web.Request) -> web.Response:
              "cancelling_at": None, "cancelled_at": None,
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": req.metadata}
     runner = request.app[BATCHES]
-    record = {"batch": batch, "owner": owner(request)}
+    record = {"batch": batch, "owner": owner(request), "output_ttl_s": output_ttl_s}
     await runner.store.save_batch(record)
     await runner.start(record)
     return json_response(batch)
