@@ -1,11 +1,14 @@
-"""The Batch API in a cluster: two gateways and an engine as processes on loopback, with a
+"""The Batch API in a cluster: two gateways and two engines as processes on loopback, with a
 redis-server of their own holding the files and batches. A batch made through one gateway is read,
-cancelled and downloaded through the other, and when the gateway running a batch is killed the
-other takes it over and answers every line exactly once."""
+cancelled and downloaded through the other; its lines spread over the engines, those sharing a
+prefix together; and when the gateway running a batch is killed the other takes it over and answers
+every line exactly once."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import random
 import time
 
 import openai
@@ -29,23 +32,42 @@ class Cluster:
     def __init__(self, model: str, logs):
         self.redis = h.RedisServer()
         self.redis.start()
-        port = h.free_port()
-        self.engine = h.Node(h.engine_args(model, self.redis.url, port), str(logs / "engine.log")).start()
+        self.engines = [h.Node(h.engine_args(model, self.redis.url, port), str(logs / f"engine-{port}.log")).start()
+                        for port in (h.free_port(), h.free_port())]
         self.gateways, self.clients = [], []
         for i in range(2):
             port = h.free_port()
             self.gateways.append(h.Node(h.gateway_args(model, self.redis.url, port, "--batch-lease", str(LEASE_S),
-                                                       "--batch-concurrency", "2", "--disable-access-log"),
+                                                       "--batch-concurrency", "8", "--disable-access-log"),
                                         str(logs / f"gateway-{i}.log")).start())
             self.clients.append(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                               max_retries=0, timeout=60))
         for client in self.clients:
             base = str(client.base_url).removesuffix("/v1/")
-            h.wait_until(lambda: h.metric(base, "matinee_engines") == 1, 180, "the engine behind each gateway",
+            h.wait_until(lambda: h.metric(base, "matinee_engines") == 2, 180, "both engines behind each gateway",
                          self.nodes())
 
     def nodes(self):
-        return [self.engine, *self.gateways]
+        return [*self.engines, *self.gateways]
+
+    def batch_lines_finished(self) -> dict[str, int]:
+        """{engine address: batch lines it has finished}, asked of each engine."""
+        from actors.messages import GetStats
+        from runtime import ActorSystem
+        from runtime.redis_registry import RedisRegistry
+
+        async def probe() -> dict[str, int]:
+            registry = RedisRegistry(self.redis.url, secret=h.SECRET)
+            system = ActorSystem("probe", secret=h.SECRET)
+            await system.start()
+            try:
+                return {node: (await system.ref_for(node, path).ask(GetStats(), timeout=5)).ballast_finished
+                        for node, path in (await registry.entries("engines/")).values()}
+            finally:
+                await system.shutdown()
+                await registry.close()
+
+        return asyncio.run(probe())
 
     def holder(self, batch_id: str) -> int:
         """Which gateway holds the batch's lease (its token names the process)."""
@@ -131,8 +153,30 @@ def test_a_cancel_through_the_other_gateway_stops_the_batch(cluster):
     assert len(custom_ids(b, done.output_file_id)) == done.request_counts.completed
 
 
+def test_lines_spread_over_the_engines_and_those_sharing_a_prefix_go_together(cluster):
+    """Two system prompts of six blocks, five lines on one and three on the other, sent all at once
+    (before any engine has computed either prefix, so before the prefix index knows of them): each
+    group runs whole on one engine, and the two groups on different engines."""
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(4, 360) for _ in range(6 * 16)] for _ in range(2)]
+    groups = [0, 1, 0, 1, 0, 1, 0, 0]
+    lines = [{"custom_id": f"g{g}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": prefixes[g] + [rng.randrange(4, 360) for _ in range(3)],
+                       "max_tokens": 4, "temperature": 0, "ignore_eos": True}} for i, g in enumerate(groups)]
+    before = cluster.batch_lines_finished()
+    client = cluster.clients[0]
+    f = client.files.create(file=("in.jsonl", io.BytesIO(b"".join(json.dumps(x).encode() + b"\n" for x in lines))),
+                            purpose="batch")
+    done = wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                              completion_window="24h").id, nodes=cluster.nodes())
+    assert done.status == "completed" and done.request_counts.completed == 8
+    after = cluster.batch_lines_finished()
+    ran = sorted(after[node] - before.get(node, 0) for node in after)
+    assert ran == [3, 5], ran   # not 4 and 4 (by load alone), nor 8 and 0 (by prefix alone)
+
+
 def test_a_gateway_killed_mid_batch_leaves_it_to_the_other_which_answers_every_line_once(cluster):
-    n = 12
+    n = 32
     batch = create(cluster.clients[0], n, 32)
     wait(cluster.clients[1], batch.id, until=lambda x: x.request_counts.completed >= 2, nodes=cluster.nodes())
     running = cluster.holder(batch.id)
