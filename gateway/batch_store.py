@@ -1,4 +1,5 @@
-"""Where the Files and Batches API keeps its files, batch objects and finished lines: a directory.
+"""Where the Files and Batches API keeps its files, batch objects and finished lines: a directory,
+for `matinee serve` (a cluster's gateways share gateway/redis_batch_store.py, same interface).
 
     DIR/lock                 held (flock) by the one gateway process that serves from DIR
     DIR/files/ID.json        a file object (OpenAI's fields, and its owner)
@@ -8,30 +9,38 @@
                              a line counts as done: after a restart they are skipped, never rerun
 
 Objects are replaced atomically (write, then rename); a results log cut mid-record (the process
-died while writing it) loses only that record, whose line then runs again. Blocking file work runs
-in a thread, never on the event loop.
+died while writing it) loses only that record, whose line then runs again. One process holds the
+directory, so its leases are always granted and a cancel is always local. Blocking file work on
+bytes and logs runs in a thread, never on the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import fcntl
 import os
+import shutil
 import time
-from typing import Iterator
 
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.decode
+LOCAL_LEASE = "local"
 
 
 class StoreBusy(Exception):
     """Another process serves from this directory."""
 
 
+class LeaseLost(Exception):
+    """Another gateway runs this batch now: this one must stop it, recording nothing more."""
+
+
 class BatchStore:
-    def __init__(self, root: str) -> None:
-        self.root = root
+    lease_s = 10.0   # how often the runner looks after its batches; a directory's lease never lapses
+
+    def __init__(self, root: str, temporary: bool = False) -> None:
+        self.root, self.temporary = root, temporary
         self.files_dir = os.path.join(root, "files")
         self.batches_dir = os.path.join(root, "batches")
         for d in (self.files_dir, self.batches_dir):
@@ -43,25 +52,27 @@ class BatchStore:
             os.close(self._lock_fd)
             raise StoreBusy(f"the batch directory {root} is in use by another server process") from None
 
-    def close(self) -> None:
+    async def close(self) -> None:
         os.close(self._lock_fd)   # releases the lock
+        if self.temporary:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # --- files --------------------------------------------------------------------------------------
 
     def file_path(self, file_id: str) -> str:
         return os.path.join(self.files_dir, f"{file_id}.data")
 
-    def save_file(self, obj: dict) -> None:
+    async def save_file(self, obj: dict) -> None:
         _replace(os.path.join(self.files_dir, f"{obj['id']}.json"), _encode(obj))
 
-    def load_file(self, file_id: str) -> dict | None:
+    async def load_file(self, file_id: str) -> dict | None:
         return _load(os.path.join(self.files_dir, f"{file_id}.json"))
 
-    def delete_file(self, file_id: str) -> None:
+    async def delete_file(self, file_id: str) -> None:
         for suffix in (".json", ".data"):
             _unlink(os.path.join(self.files_dir, file_id + suffix))
 
-    def file_ids(self) -> list[str]:
+    async def file_ids(self) -> list[str]:
         return _ids(self.files_dir)
 
     async def write_data(self, file_id: str, data: bytes) -> None:
@@ -72,17 +83,38 @@ class BatchStore:
 
     # --- batches ------------------------------------------------------------------------------------
 
-    def save_batch(self, record: dict) -> None:
+    async def save_batch(self, record: dict, lease: str | None = None) -> None:
         _replace(os.path.join(self.batches_dir, f"{record['batch']['id']}.json"), _encode(record))
 
-    def load_batch(self, batch_id: str) -> dict | None:
+    async def load_batch(self, batch_id: str) -> dict | None:
         return _load(os.path.join(self.batches_dir, f"{batch_id}.json"))
 
-    def batch_ids(self) -> list[str]:
+    async def delete_batch(self, batch_id: str) -> None:
+        for suffix in (".json", ".results"):
+            _unlink(os.path.join(self.batches_dir, batch_id + suffix))
+
+    async def batch_ids(self) -> list[str]:
         return _ids(self.batches_dir)
 
     def results(self, batch_id: str) -> "ResultLog":
         return ResultLog(os.path.join(self.batches_dir, f"{batch_id}.results"))
+
+    # --- who runs a batch -----------------------------------------------------------------------------
+
+    async def claim(self, batch_id: str) -> str | None:
+        return LOCAL_LEASE
+
+    async def renew(self, batch_id: str, lease: str) -> bool:
+        return True
+
+    async def release(self, batch_id: str, lease: str) -> None:
+        pass
+
+    async def request_cancel(self, batch_id: str) -> None:
+        pass   # every batch runs in this process: the runner cancels it itself
+
+    async def cancel_requested(self, batch_id: str) -> int | None:
+        return None
 
 
 class ResultLog:
@@ -92,25 +124,33 @@ class ResultLog:
         self.path = path
         self._lock = asyncio.Lock()
 
-    def records(self) -> Iterator[dict]:
+    async def records(self) -> list[dict]:
         """Every whole record; a last one cut short by a crash is left out."""
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            data = await asyncio.to_thread(_read, self.path)
         except FileNotFoundError:
-            return
+            return []
+        out = []
         for raw in data.split(b"\n"):
             if raw:
                 try:
-                    yield _decode(raw)
+                    out.append(_decode(raw))
                 except msgspec.DecodeError:
                     continue
+        return out
 
-    async def append(self, record: dict) -> None:
+    async def counts(self) -> tuple[int, int]:
+        """(completed, failed) lines."""
+        records = await self.records()
+        ok = sum(1 for r in records if r["ok"])
+        return ok, len(records) - ok
+
+    async def append(self, record: dict, lease: str | None = None) -> bool:
         """On disk (synced) when this returns: only then may the line count as done."""
         data = _encode(record) + b"\n"
         async with self._lock:
             await asyncio.to_thread(_append_synced, self.path, data)
+        return True
 
 
 def new_id(prefix: str) -> str:

@@ -7,13 +7,13 @@ BatchRunner (gateway/batch_runner.py); a client sees only its own batches (by AP
 from __future__ import annotations
 
 import re
-import shutil
 import tempfile
+from typing import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
 
-from gateway import api_types, batch_lines, protocol
+from gateway import api_types, batch_lines, expiry, protocol
 from gateway.app_keys import STATE
 from gateway.batch_runner import BATCHES, BatchRunner
 from gateway.batch_store import BatchStore, new_id, now
@@ -31,6 +31,7 @@ class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    output_expires_after: expiry.ExpiresAfter | None = None
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -43,7 +44,8 @@ async def create_batch(request: web.Request) -> web.Response:
         raise invalid(f"`completion_window` must be a number of hours such as '24h', got "
                       f"{req.completion_window!r}.", param="completion_window")
     _check_metadata(req.metadata)
-    if find_file(request, req.input_file_id, param="input_file_id")["purpose"] != "batch":
+    output_ttl_s = expiry.seconds_of(req.output_expires_after, "output_expires_after")
+    if (await find_file(request, req.input_file_id, param="input_file_id"))["purpose"] != "batch":
         raise invalid(f"The file {req.input_file_id} was not uploaded with purpose 'batch'.", param="input_file_id")
     created = now()
     batch = {"id": new_id("batch_"), "object": "batch", "endpoint": req.endpoint, "errors": None,
@@ -54,9 +56,9 @@ async def create_batch(request: web.Request) -> web.Response:
              "cancelling_at": None, "cancelled_at": None,
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": req.metadata}
     runner = request.app[BATCHES]
-    record = {"batch": batch, "owner": owner(request)}
-    runner.store.save_batch(record)
-    runner.start(record)
+    record = {"batch": batch, "owner": owner(request), "output_ttl_s": output_ttl_s}
+    await runner.store.save_batch(record)
+    await runner.start(record)
     return json_response(batch)
 
 
@@ -68,16 +70,16 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                       "of up to 512.", param="metadata")
 
 
-def _find(request: web.Request) -> dict:
+async def _find(request: web.Request) -> dict:
     batch_id = request.match_info["batch_id"]
-    record = request.app[BATCHES].view(batch_id)
+    record = await request.app[BATCHES].view(batch_id)
     if record is None or record["owner"] != owner(request):
         raise not_found(f"No such Batch object: {batch_id}", param="batch_id")
     return record
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    return json_response(_find(request)["batch"])
+    return json_response((await _find(request))["batch"])
 
 
 async def list_batches(request: web.Request) -> web.Response:
@@ -89,7 +91,8 @@ async def list_batches(request: web.Request) -> web.Response:
     if not 1 <= limit <= MAX_LIST:
         raise invalid(f"`limit` must be in [1, {MAX_LIST}].", param="limit")
     runner, me = request.app[BATCHES], owner(request)
-    records = [r for i in runner.store.batch_ids() if (r := runner.view(i)) is not None and r["owner"] == me]
+    records = [r for i in await runner.store.batch_ids() if (r := await runner.view(i)) is not None
+               and r["owner"] == me]
     batches = sorted((r["batch"] for r in records), key=lambda b: (b["created_at"], b["id"]), reverse=True)
     after = request.query.get("after")
     if after is not None:
@@ -101,27 +104,36 @@ async def list_batches(request: web.Request) -> web.Response:
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    record = _find(request)
-    running = request.app[BATCHES].cancel(record["batch"]["id"])
+    record = await _find(request)
+    running = await request.app[BATCHES].cancel(record["batch"]["id"])
     if running is None:
         raise APIError(409, f"Cannot cancel a batch with status {record['batch']['status']!r}.",
                        code="batch_not_cancellable")
     return json_response(running["batch"])
 
 
+StoreOpener = Callable[[], Awaitable[BatchStore]]
+# How the app opens its batch store: a cluster's gateway sets one (gateway/cluster.py: Redis);
+# without it, the directory --batch-dir, or a temporary one.
+BATCH_STORE = web.AppKey("batch_store", StoreOpener)
+
+
+async def open_directory_store(config) -> BatchStore:
+    if config.batch_dir is not None:
+        return BatchStore(config.batch_dir)
+    return BatchStore(tempfile.mkdtemp(prefix="matinee-batches-"), temporary=True)
+
+
 async def batch_lifecycle(app: web.Application):
-    """cleanup_ctx: the store opened (a temporary one without --batch-dir) and unfinished batches
-    resumed; at shutdown the runner stops, its lines in flight left to run again."""
-    config = app[STATE].config
-    root = config.batch_dir or tempfile.mkdtemp(prefix="matinee-batches-")
-    store = BatchStore(root)
+    """cleanup_ctx: the store opened and unfinished batches resumed; at shutdown the runner stops,
+    its lines in flight left to run again."""
+    opener = app.get(BATCH_STORE)
+    store = await opener() if opener is not None else await open_directory_store(app[STATE].config)
     runner = app[BATCHES] = BatchRunner(app[STATE], store)
-    runner.resume()
+    runner.open()
     yield
     await runner.stop()
-    store.close()
-    if config.batch_dir is None:
-        shutil.rmtree(root, ignore_errors=True)
+    await store.close()
 
 
 ENDPOINTS = [

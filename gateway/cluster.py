@@ -2,6 +2,7 @@
 
 The gateway loads only the tokenizer; engines are found in the Redis registry and reached over
 the runtime's TCP transport with the cluster secret. /ready is 200 while some engine is routable.
+Files and batches live in the same Redis, so any gateway answers for any batch and runs it on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.app_keys import STATE
+from gateway.batches_api import BATCH_STORE
 from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool, PoolConfig
 from gateway.metrics import GatewayMetrics
@@ -30,6 +32,10 @@ class GatewayNodeConfig:
     pool: PoolConfig | None = None
     index_namespace: str = "matinee:prefix"
     registry_prefix: str = "matinee:registry:"
+    batch_namespace: str = "matinee:batch"
+    batch_lease_s: float = field(default=30.0, metadata={
+        "help": "seconds a gateway holds a batch it runs (renewed every third of it); a gateway that dies "
+                "mid-batch leaves it to another after this long", "flag": "batch-lease"})
     index_timeout_s: float = field(default=0.1, metadata={   # a `matinee serve` flag (gateway/flags.py)
         "help": "seconds a prefix-index lookup may take before routing falls back to load",
         "flag": "index-timeout"})
@@ -39,6 +45,8 @@ class GatewayNodeConfig:
             raise ValueError("a gateway node needs the cluster secret (MATINEE_CLUSTER_SECRET)")
         if self.index_timeout_s <= 0:
             raise ValueError(f"index_timeout_s must be positive, got {self.index_timeout_s}")
+        if self.batch_lease_s <= 0:
+            raise ValueError(f"batch_lease_s must be positive, got {self.batch_lease_s}")
         self.pool = self.pool or PoolConfig()
 
 
@@ -91,6 +99,12 @@ def create_cluster_app(config: GatewayConfig, node: GatewayNodeConfig) -> web.Ap
     metrics = ClusterMetrics()
     app = create_app(config, cluster_launcher(node, metrics), system)
     app[STATE].metrics = metrics
+
+    async def batch_store():
+        from gateway.redis_batch_store import RedisBatchStore
+        return RedisBatchStore.from_url(node.redis_url, node.batch_namespace, node.batch_lease_s)
+
+    app[BATCH_STORE] = batch_store
 
     async def own_system(app: web.Application):
         await system.start()

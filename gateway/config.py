@@ -85,6 +85,9 @@ class GatewayConfig:
     batch_file_ttl_s: float = field(default=30 * 86400.0, metadata={
         "help": "seconds a file (a batch's input, output or errors) is kept after it was made",
         "flag": "batch-file-ttl"})
+    batch_retention_s: float = field(default=30 * 86400.0, metadata={
+        "help": "seconds an ended batch is kept after it ended: then it goes, with its output and error files",
+        "flag": "batch-retention"})
     enable_lora_runtime_updates: bool = field(default=False, metadata={
         "help": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), behind the API key"})
     retry_after_s: int = 1
@@ -120,6 +123,8 @@ class GatewayConfig:
             raise ValueError("batch_max_file_bytes, batch_max_lines and batch_concurrency must be at least 1")
         if self.batch_file_ttl_s <= 0:
             raise ValueError(f"batch_file_ttl_s must be positive, got {self.batch_file_ttl_s}")
+        if self.batch_retention_s <= 0:
+            raise ValueError(f"batch_retention_s must be positive, got {self.batch_retention_s}")
         if isinstance(self.api_key, str):   # one key, as before several were allowed
             self.api_key = [self.api_key]
         if isinstance(self.served_model_name, str):

@@ -7,6 +7,10 @@ streams the first token and hands the KV over; a prompt of at most `local_prefil
 whole on the decode engine. A handoff that fails, or an engine of the pair
 that dies before it, continues the request from its tokens so far, as a migration does.
 
+Batch lines (ballast) are routed as any request, by prefix and by load (which counts every line
+sent since the engine's last stats, so a wave of lines spreads over the engines), and a line goes
+where this gateway just sent one sharing more of its prefix (gateway/prefix_affinity.py).
+
 `EnginePool` is an `EngineConnection` as `EngineClient` is (gateway/engine_connection.py), so the
 HTTP side does not care whether one embedded engine or many remote ones serve it.
 """
@@ -18,6 +22,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from actors.engine_node import REGISTRY_PREFIX
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
                              KVHandoffFailed, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
@@ -25,8 +31,10 @@ from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInf
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
+from gateway.prefix_affinity import PrefixAffinity
 from gateway.tenant import current_cache_salt
 from prefix_store import EngineLoad, PrefixRouter, PromptHasher, TenantSalts, adapter_salt
+from prefix_store.policy import RouteDecision
 from runtime import Actor, ActorRef, ActorSystem, Terminated, get_logger
 
 log = get_logger(component="engine-pool")
@@ -144,6 +152,7 @@ class EnginePool:
         self._orphans: dict[str, str] = {}   # engine request id -> decode engine, of dropped handoffs
         self._tasks: set[asyncio.Task] = set()
         self._turn = itertools.count()
+        self._affinity = PrefixAffinity()   # batch lines sharing a prefix, kept together
         self._changed = asyncio.Event()
         self.receiver: ActorRef | None = None
 
@@ -244,7 +253,7 @@ class EnginePool:
             async with asyncio.timeout(self.config.no_engine_wait_s):
                 while True:
                     engine, decode, pull_from = await self._choose(prompt, req.cache_salt, params,
-                                                                   req.lora_name)
+                                                                   req.lora_name, req.ballast)
                     if engine is not None and engine.key in self.engines and engine.routable:
                         break
                     # No engine, or every decode engine is full: wait for the next change or stats.
@@ -276,7 +285,7 @@ class EnginePool:
                                       ballast=req.ballast, lora_name=req.lora_name))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None, params: SamplingParams,
-                      lora_name: str | None = None
+                      lora_name: str | None = None, ballast: bool = False
                       ) -> tuple[_Engine | None, _Engine | None, ActorRef | None]:
         """(the engine that runs the request, or prefills it; the decode engine it hands over to; the
         KV transfer actor of an engine it should pull the prompt's prefix from first).
@@ -305,9 +314,9 @@ class EnginePool:
                 return target, None, None   # short: its decode engine prefills it
             if target is not None:
                 prefill = [e for e in prefill if e.info.kv_layout == target.info.kv_layout]
-            return (await self._choose_among(prefill, prompt, cache_salt))[0], target, None
+            return (await self._choose_among(prefill, prompt, cache_salt, ballast))[0], target, None
         colocated = [e for e in routable if e.info.role == "engine"]
-        engine, pull_from = await self._choose_among(colocated or routable, prompt, cache_salt)
+        engine, pull_from = await self._choose_among(colocated or routable, prompt, cache_salt, ballast)
         return engine, None, pull_from
 
     def _blocks_for(self, prompt: list[int]) -> int:
@@ -324,10 +333,11 @@ class EnginePool:
         return min(fits, key=lambda e: (e.load().requests_running + e.load().requests_waiting,
                                          -(free[e.key] or 0)))
 
-    async def _choose_among(self, pool: list[_Engine], prompt: list[int],
-                            cache_salt: str | None) -> tuple[_Engine | None, ActorRef | None]:
+    async def _choose_among(self, pool: list[_Engine], prompt: list[int], cache_salt: str | None,
+                            ballast: bool = False) -> tuple[_Engine | None, ActorRef | None]:
         """The engine, and the KV transfer actor of another that holds more of the prompt's prefix
-        (in its pool or KV tier, of the same KV layout) for it to pull from, if the policy says so."""
+        (in its pool or KV tier, of the same KV layout) for it to pull from, if the policy says so.
+        A batch line (`ballast`) goes where a line sharing more of its prefix was just sent."""
         if not pool:
             return None, None
         if self.config.routing == "round_robin":
@@ -342,10 +352,23 @@ class EnginePool:
         else:
             hashes = self.hasher.block_hashes(prompt, cache_salt)
             decision = await self.router.route(hashes, loads)
+            if ballast:
+                decision = self._keep_together(decision, hashes, by_id)
         engine, holder = by_id.get(decision.engine_id), by_id.get(decision.pull_from)
         if engine is None or holder is None or holder.info.kv_layout != engine.info.kv_layout:
             return engine, None
         return engine, holder.info.kv_receiver
+
+    def _keep_together(self, decision: RouteDecision, hashes: list[bytes], by_id: dict[str, _Engine]) -> RouteDecision:
+        """The engine this gateway lately sent more of the prompt's blocks to than the index knows any
+        engine to hold (they are being computed there), unless it is overloaded; else the decision."""
+        engine_id, blocks = self._affinity.match(hashes)
+        engine = by_id.get(engine_id)
+        if engine is not None and blocks > decision.matched_blocks + decision.tier_blocks \
+                and not self.router.policy.overloaded(engine.load()):
+            decision = msgspec.structs.replace(decision, engine_id=engine_id, pull_from=None)
+        self._affinity.remember(hashes, decision.engine_id)
+        return decision
 
     def _fail(self, req: InflightRequest, error: Exception) -> None:
         entry = self._requests.get(req.request_id)

@@ -152,6 +152,9 @@ def gateway(args: argparse.Namespace) -> Serve:
     from gateway.cluster import create_cluster_app
 
     config = build(GatewayConfig, args)
+    if config.batch_dir is not None:
+        raise ValueError("--batch-dir is for `matinee serve --role all`; a cluster's gateways keep files and "
+                         "batches in the cluster's Redis (--redis-url), shared by all of them")
     node = build(GatewayNodeConfig, args, secret=_secret(), redis_url=args.redis_url, tokenizer=args.model,
                  pool=build(PoolConfig, args))
 

@@ -100,8 +100,11 @@ class LocalCompose:
     def _argv(self, svc: dict, replica: Replica) -> list[str]:
         command = [self._map(str(a), replica) for a in svc.get("command", [])]
         image = svc.get("image", "")
-        if image.startswith("redis"):
-            return [shutil.which("redis-server"), *command[1:], "--port", str(replica.port), "--bind", "127.0.0.1"]
+        if image.startswith("redis"):   # its data (the volume /data) in the work directory
+            data = self.workdir / f"redis-{replica.index}"
+            data.mkdir(exist_ok=True)
+            return [shutil.which("redis-server"), *command[1:], "--port", str(replica.port), "--bind", "127.0.0.1",
+                    "--dir", str(data)]
         if image.startswith("nginx"):
             return self._nginx(svc, replica)
         return [*self.entrypoint, *command]

@@ -54,9 +54,10 @@ class LiveServer:
     def stop_actor(self, ref) -> None:
         self.run(self.engine.system.stop(ref))
 
-    def add_app(self, config: GatewayConfig, ready: bool = True, scheduler=None) -> str:
+    def add_app(self, config: GatewayConfig, ready: bool = True, scheduler=None, setup=None) -> str:
         """Serve a gateway on a free port; returns its base URL. `ready=False`: no engine ever;
-        `scheduler`: reach the engine through this ref instead of its own scheduler."""
+        `scheduler`: reach the engine through this ref instead of its own scheduler; `setup(app)`
+        runs before it starts."""
         async def shared(system):
             handle = engine_handle(self.engine)
             return dataclasses.replace(handle, close=None, scheduler=scheduler or handle.scheduler)
@@ -66,6 +67,8 @@ class LiveServer:
 
         async def go() -> str:
             app = create_app(config, shared if ready else never)
+            if setup is not None:
+                setup(app)
             runner = web.AppRunner(app, **{**server_options(config), "shutdown_timeout": 2.0})
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -13,22 +13,34 @@ import time
 
 import openai
 import pytest
+import redis
 
+from gateway.batches_api import BATCH_STORE
 from gateway.config import GatewayConfig
+from gateway.redis_batch_store import RedisBatchStore
 from tests.gateway import http_util as http
 
 MSG = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 
-class Gateway:
-    """A gateway of its own on the shared engine, which a test may stop and start again."""
+REDIS_URL = "redis://127.0.0.1:6379/0"
 
-    def __init__(self, live, config: GatewayConfig) -> None:
-        self.live, self.config = live, config
+
+class Gateway:
+    """A gateway of its own on the shared engine, which a test may stop and start again; its batch
+    store a directory, or (`namespace`) the shared Redis as in a cluster."""
+
+    def __init__(self, live, config: GatewayConfig, namespace: str | None = None) -> None:
+        self.live, self.config, self.namespace = live, config, namespace
         self.start()
 
+    def _use_redis(self, app) -> None:
+        async def open_store():
+            return RedisBatchStore.from_url(REDIS_URL, self.namespace, lease_s=5.0)
+        app[BATCH_STORE] = open_store
+
     def start(self) -> None:
-        self.url = self.live.add_app(self.config)
+        self.url = self.live.add_app(self.config, setup=self._use_redis if self.namespace else None)
         self.runner = self.live.runners[-1]
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -42,12 +54,18 @@ class Gateway:
 
 
 @pytest.fixture
-def gateway(tiny_servers, tmp_path):
-    gws = []
+def store(request) -> str:
+    """Where the gateway keeps its batches: "dir" unless a test is parametrized over ["dir", "redis"]."""
+    return getattr(request, "param", "dir")
+
+
+@pytest.fixture
+def gateway(tiny_servers, tmp_path, store):
+    gws, namespace = [], f"test:batch:{os.urandom(8).hex()}" if store == "redis" else None
 
     def make(**kw) -> Gateway:
         gw = Gateway(tiny_servers.live, GatewayConfig(served_model_name="tiny", disable_access_log=True,
-                                                      batch_dir=str(tmp_path / "batches"), **kw))
+                                                      batch_dir=str(tmp_path / "batches"), **kw), namespace)
         gws.append(gw)
         return gw
 
@@ -55,6 +73,15 @@ def gateway(tiny_servers, tmp_path):
     for gw in gws:
         if gw.runner in gw.live.runners:
             gw.stop()
+    if namespace is not None:
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=namespace + ":*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+BOTH_STORES = pytest.mark.parametrize("store", ["dir", "redis"], indirect=True)
 
 
 def jsonl(lines) -> bytes:
@@ -88,6 +115,7 @@ def lines_of(client, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
+@BOTH_STORES
 def test_a_batch_answers_each_line_as_the_live_endpoint_does(gateway):
     gw = gateway()
     finished_before = gw.metric("matinee_batch_requests_finished_total")
@@ -139,6 +167,7 @@ def test_completions_and_embeddings_batches(gateway):
     assert body["data"][0]["embedding"] == gw.client.embeddings.create(model="tiny", input="Paris").data[0].embedding
 
 
+@BOTH_STORES
 def test_bad_lines_go_to_the_error_file_and_the_rest_runs(gateway):
     gw = gateway(max_body_bytes=4096)
     data = jsonl([chat_line("good-1"),
@@ -190,6 +219,7 @@ def test_limits_and_bad_requests_are_clear_errors(gateway):
         gw.client.batches.retrieve("batch_missing")
 
 
+@BOTH_STORES
 def test_cancel_keeps_what_finished(gateway):
     gw = gateway(batch_concurrency=1)
     f = upload(gw.client, jsonl(chat_line(f"l{i}", max_tokens=24) for i in range(20)))
@@ -224,6 +254,7 @@ def test_a_restart_mid_batch_answers_every_line_exactly_once(gateway, tmp_path):
     assert os.path.exists(tmp_path / "batches" / "lock")
 
 
+@BOTH_STORES
 def test_each_api_key_sees_only_its_own_files_and_batches(gateway):
     gw = gateway(api_key=["key-a", "key-b"])
     a = openai.OpenAI(base_url=gw.url + "/v1", api_key="key-a", max_retries=0)
@@ -239,11 +270,15 @@ def test_each_api_key_sees_only_its_own_files_and_batches(gateway):
     assert wait(a, batch.id).status == "completed"
 
 
-def test_files_expire(gateway):
+@BOTH_STORES
+def test_files_expire(gateway, store, tmp_path):
     gw = gateway(batch_file_ttl_s=1.0)
     f = upload(gw.client, jsonl([chat_line("x")]))
     assert gw.client.files.retrieve(f.id).expires_at == f.created_at + 1
     time.sleep(2.1)   # whole seconds, as OpenAI's timestamps
+    if store == "dir":   # its bytes go without a request for them (Redis expires its keys itself)
+        data = tmp_path / "batches" / "files" / f"{f.id}.data"
+        _wait_until(lambda: not data.exists(), "the expired file swept from the directory")
     with pytest.raises(openai.NotFoundError):
         gw.client.files.retrieve(f.id)
     assert gw.client.files.list().data == []
@@ -270,6 +305,58 @@ def test_a_batch_past_its_window_at_restart_expires_with_its_lines_in_the_error_
     assert len(lines_of(gw.client, done.output_file_id)) == 1
     errors = lines_of(gw.client, done.error_file_id)
     assert len(errors) == 2 and {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def _wait_until(check, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_files_and_outputs_expire_as_their_policy_says(gateway):
+    gw = gateway()
+    f = gw.client.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("x")]))), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert f.expires_at == f.created_at + 3600 and gw.client.files.retrieve(f.id).expires_at == f.expires_at
+    for policy in ({"anchor": "last_active_at", "seconds": 3600}, {"anchor": "created_at", "seconds": 10}):
+        with pytest.raises(openai.BadRequestError) as e:
+            gw.client.files.create(file=("in.jsonl", io.BytesIO(b"{}")), purpose="batch", expires_after=policy)
+        assert e.value.body["param"] == "expires_after"
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 output_expires_after={"anchor": "created_at", "seconds": 31 * 86400})
+    assert e.value.body["param"] == "output_expires_after" and "30 days" in e.value.body["message"]
+    done = wait(gw.client, gw.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h",
+                                                    output_expires_after={"anchor": "created_at", "seconds": 7200}).id)
+    out = gw.client.files.retrieve(done.output_file_id)
+    assert out.purpose == "batch_output" and out.expires_at == out.created_at + 7200
+
+
+@BOTH_STORES
+def test_ended_batches_go_after_their_retention(gateway, store, tmp_path):
+    gw = gateway(batch_retention_s=1.0)
+    f = upload(gw.client, jsonl([chat_line("a"), chat_line("b", temperature=-1)]))
+    done = wait(gw.client, gw.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h").id)
+    assert done.output_file_id and done.error_file_id
+    time.sleep(2.1)
+    if store == "dir":   # swept without a request for it
+        gone = [tmp_path / "batches" / "batches" / f"{done.id}.json", tmp_path / "batches" / "batches" /
+                f"{done.id}.results", tmp_path / "batches" / "files" / f"{done.output_file_id}.data"]
+        _wait_until(lambda: not any(p.exists() for p in gone), "the ended batch swept from the directory")
+    with pytest.raises(openai.NotFoundError):
+        gw.client.batches.retrieve(done.id)
+    for file_id in (done.output_file_id, done.error_file_id):
+        with pytest.raises(openai.NotFoundError):
+            gw.client.files.retrieve(file_id)
+    assert gw.client.batches.list().data == []
+    assert gw.client.files.retrieve(f.id).id == f.id   # the input keeps its own expiry
+    if store == "redis":
+        client = redis.Redis.from_url(REDIS_URL)
+        assert not list(client.scan_iter(match=f"{gw.namespace}:*{done.id}*"))
+        client.close()
 
 
 def _serve(model_folder: str, port: int, batch_dir: str):

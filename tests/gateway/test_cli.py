@@ -40,6 +40,11 @@ def test_roles_need_their_setup(capsys, monkeypatch):
     assert "MATINEE_CLUSTER_SECRET" in capsys.readouterr().err
     assert cli.main(["serve", "--role", "engine"]) == 2
     assert "MATINEE_CLUSTER_SECRET" in capsys.readouterr().err
+    monkeypatch.setenv("MATINEE_CLUSTER_SECRET", "s")
+    assert cli.main(["serve", "--role", "gateway", "--batch-dir", "/tmp/b"]) == 2   # batches live in Redis
+    assert "--batch-dir is for `matinee serve --role all`" in capsys.readouterr().err
+    assert cli.main(["serve", "--role", "gateway", "--batch-lease", "0"]) == 2
+    assert "batch_lease_s must be positive" in capsys.readouterr().err
 
 
 def test_bad_config_is_a_clear_error(capsys):
@@ -139,7 +144,7 @@ FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
 FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
-          "--batch-ttft-objective", "--batch-itl-objective"]
+          "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
 FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
 

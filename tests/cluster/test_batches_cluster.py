@@ -1,0 +1,195 @@
+"""The Batch API in a cluster: two gateways and two engines as processes on loopback, with a
+redis-server of their own holding the files and batches. A batch made through one gateway is read,
+cancelled and downloaded through the other; its lines spread over the engines, those sharing a
+prefix together; and when the gateway running a batch is killed the other takes it over and answers
+every line exactly once."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import time
+
+import openai
+import pytest
+import redis
+
+from tests.cluster import harness as h
+
+pytestmark = pytest.mark.slow
+LEASE_S = 2
+ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tests.actors.conftest import build_tiny_model
+    return build_tiny_model("llama", str(tmp_path_factory.mktemp("batch-cluster-tiny")))
+
+
+class Cluster:
+    def __init__(self, model: str, logs):
+        self.redis = h.RedisServer()
+        self.redis.start()
+        self.engines = [h.Node(h.engine_args(model, self.redis.url, port), str(logs / f"engine-{port}.log")).start()
+                        for port in (h.free_port(), h.free_port())]
+        self.gateways, self.clients = [], []
+        for i in range(2):
+            port = h.free_port()
+            self.gateways.append(h.Node(h.gateway_args(model, self.redis.url, port, "--batch-lease", str(LEASE_S),
+                                                       "--batch-concurrency", "8", "--disable-access-log"),
+                                        str(logs / f"gateway-{i}.log")).start())
+            self.clients.append(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                              max_retries=0, timeout=60))
+        for client in self.clients:
+            base = str(client.base_url).removesuffix("/v1/")
+            h.wait_until(lambda: h.metric(base, "matinee_engines") == 2, 180, "both engines behind each gateway",
+                         self.nodes())
+
+    def nodes(self):
+        return [*self.engines, *self.gateways]
+
+    def batch_lines_finished(self) -> dict[str, int]:
+        """{engine address: batch lines it has finished}, asked of each engine."""
+        from actors.messages import GetStats
+        from runtime import ActorSystem
+        from runtime.redis_registry import RedisRegistry
+
+        async def probe() -> dict[str, int]:
+            registry = RedisRegistry(self.redis.url, secret=h.SECRET)
+            system = ActorSystem("probe", secret=h.SECRET)
+            await system.start()
+            try:
+                return {node: (await system.ref_for(node, path).ask(GetStats(), timeout=5)).ballast_finished
+                        for node, path in (await registry.entries("engines/")).values()}
+            finally:
+                await system.shutdown()
+                await registry.close()
+
+        return asyncio.run(probe())
+
+    def holder(self, batch_id: str) -> int:
+        """Which gateway holds the batch's lease (its token names the process)."""
+        token = redis.Redis.from_url(self.redis.url).get(f"matinee:batch:lease:{batch_id}")
+        pid = int(token.decode().split(":")[1])
+        return next(i for i, g in enumerate(self.gateways) if g.proc.pid == pid)
+
+    def results(self, batch_id: str) -> list[dict]:
+        raw = redis.Redis.from_url(self.redis.url).hvals(f"matinee:batch:results:{batch_id}")
+        return [json.loads(r) for r in raw]
+
+    def stop(self) -> None:
+        for node in self.nodes():
+            node.kill()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    c = Cluster(model, tmp_path_factory.mktemp("batch-cluster-logs"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def jsonl(n: int, max_tokens: int) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "tiny", "messages": [{"role": "user", "content": f"Line {i}"}],
+                                         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}).encode()
+                    + b"\n" for i in range(n))
+
+
+def create(client, n: int, max_tokens: int):
+    f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(n, max_tokens))), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def wait(client, batch_id: str, until=lambda b: b.status in ENDED, timeout: float = 180.0, nodes=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.1)
+    logs = "\n".join(n.log() for n in nodes)
+    raise AssertionError(f"batch {batch_id} still {batch.status} with {batch.request_counts}\n{logs}")
+
+
+def lines_answered(base: str) -> float:
+    """Batch lines this gateway ran and recorded (none before its first)."""
+    value = h.metric(base, "matinee_batch_lines_total")
+    return 0.0 if value != value else value
+
+
+def custom_ids(client, file_id: str) -> list[str]:
+    return [json.loads(line)["custom_id"] for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_made_through_one_gateway_is_read_through_the_other(cluster):
+    a, b = cluster.clients
+    batch = create(a, 4, 4)
+    assert b.batches.retrieve(batch.id).input_file_id == batch.input_file_id
+    assert b.files.retrieve(batch.input_file_id).bytes > 0
+    assert b.files.content(batch.input_file_id).text.count("\n") == 4
+    done = wait(b, batch.id, nodes=cluster.nodes())
+    assert done.status == "completed" and done.request_counts.completed == 4
+    assert sorted(custom_ids(b, done.output_file_id)) == ["l0", "l1", "l2", "l3"]
+    assert custom_ids(a, done.output_file_id) == custom_ids(b, done.output_file_id)
+    assert batch.id in [x.id for x in b.batches.list().data]
+
+
+def test_a_cancel_through_the_other_gateway_stops_the_batch(cluster):
+    a, b = cluster.clients
+    batch = create(a, 30, 24)
+    running = cluster.holder(batch.id)
+    other = cluster.clients[1 - running]
+    wait(other, batch.id, until=lambda x: x.request_counts.completed >= 1, nodes=cluster.nodes())
+    assert other.batches.cancel(batch.id).status == "cancelling"
+    done = wait(other, batch.id, nodes=cluster.nodes())
+    assert done.status == "cancelled" and done.cancelled_at, done
+    assert 1 <= done.request_counts.completed < 30
+    assert len(custom_ids(b, done.output_file_id)) == done.request_counts.completed
+
+
+def test_lines_spread_over_the_engines_and_those_sharing_a_prefix_go_together(cluster):
+    """Two system prompts of six blocks, five lines on one and three on the other, sent all at once
+    (before any engine has computed either prefix, so before the prefix index knows of them): each
+    group runs whole on one engine, and the two groups on different engines."""
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(4, 360) for _ in range(6 * 16)] for _ in range(2)]
+    groups = [0, 1, 0, 1, 0, 1, 0, 0]
+    lines = [{"custom_id": f"g{g}-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": prefixes[g] + [rng.randrange(4, 360) for _ in range(3)],
+                       "max_tokens": 4, "temperature": 0, "ignore_eos": True}} for i, g in enumerate(groups)]
+    before = cluster.batch_lines_finished()
+    client = cluster.clients[0]
+    f = client.files.create(file=("in.jsonl", io.BytesIO(b"".join(json.dumps(x).encode() + b"\n" for x in lines))),
+                            purpose="batch")
+    done = wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                              completion_window="24h").id, nodes=cluster.nodes())
+    assert done.status == "completed" and done.request_counts.completed == 8
+    after = cluster.batch_lines_finished()
+    ran = sorted(after[node] - before.get(node, 0) for node in after)
+    assert ran == [3, 5], ran   # not 4 and 4 (by load alone), nor 8 and 0 (by prefix alone)
+
+
+def test_a_gateway_killed_mid_batch_leaves_it_to_the_other_which_answers_every_line_once(cluster):
+    n = 32
+    batch = create(cluster.clients[0], n, 32)
+    wait(cluster.clients[1], batch.id, until=lambda x: x.request_counts.completed >= 2, nodes=cluster.nodes())
+    running = cluster.holder(batch.id)
+    survivor = 1 - running
+    base = str(cluster.clients[survivor].base_url).removesuffix("/v1/")
+    answered_before = lines_answered(base)
+    cluster.gateways[running].kill()   # SIGKILL: nothing aborted, nothing flushed, its lease left to lapse
+    recorded = len(cluster.results(batch.id))
+    assert 2 <= recorded < n
+    client = cluster.clients[survivor]
+    done = wait(client, batch.id, nodes=cluster.nodes())
+    assert done.status == "completed" and done.request_counts.completed == n
+    assert sorted(custom_ids(client, done.output_file_id)) == sorted(f"l{i}" for i in range(n))   # none twice
+    assert sorted(r["index"] for r in cluster.results(batch.id)) == list(range(n))
+    answered = lines_answered(base) - answered_before
+    assert answered == n - recorded   # the survivor ran only the lines the dead gateway had not recorded
