@@ -120,7 +120,6 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.step_tokens(), info.block_size,
                               max_model_len, eos, config.scheduling_policy == "priority", config.decode_burst,
                               config.ballast_objective(), config.lora_slots)
-        await _load_loras(worker, config.lora_paths())
         draft, spec = None, None
         if config.speculative is not None:
             draft, spec = await _start_draft(config, system, name, worker_actor.runner)
@@ -129,6 +128,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                                          weight_bytes=info.weight_bytes, kv_bytes_per_token=info.kv_bytes_per_token,
                                          brake=brake)
         scheduler = await system.spawn(scheduler_actor, name=f"{name}-scheduler")
+        spawned.append(scheduler)
+        await _load_loras(scheduler, config.lora_paths())
     except BaseException:
         tokenizer_task.cancel()
         for ref in spawned:
@@ -217,10 +218,11 @@ async def _attach_draft_node(node_id: str, system: ActorSystem, name: str, targe
     return link
 
 
-async def _load_loras(worker: ActorRef, paths: dict[str, str]) -> None:
-    """--lora-modules: an adapter that cannot be served stops the start with its reason."""
+async def _load_loras(scheduler: ActorRef, paths: dict[str, str]) -> None:
+    """--lora-modules, through the scheduler as the load API's adapters go: an adapter that cannot be served
+    stops the start with its reason."""
     for name, path in paths.items():
-        outcome: LoRAOutcome = await worker.ask(LoadLoRAAdapter(name, path), timeout=600)
+        outcome: LoRAOutcome = await scheduler.ask(LoadLoRAAdapter(name, path), timeout=600)
         if outcome.error:
             raise ValueError(f"--lora-modules {name}={path}: {outcome.error}")
 

@@ -113,6 +113,8 @@ class SubmitRequest(msgspec.Struct, tag=True):
                                         # prefix: pull its blocks into this engine's KV tier first
     ballast: bool = False             # a batch line: runs only in room interactive requests leave
     lora_name: str | None = None      # the LoRA adapter to generate with (None: the base model)
+    lora_key: str | None = None       # its identity (name@contents) as the router last heard it from this
+                                      # engine: what a prefix pull hashes with (the scheduler uses its own)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -211,6 +213,7 @@ class EngineStats(msgspec.Struct, tag=True):
     lora_running: dict[str, int] = {}     # adapter -> its requests running now, and waiting
     lora_waiting: dict[str, int] = {}
     lora_requests: dict[str, int] = {}    # adapter -> requests submitted for it since the start
+    lora_keys: dict[str, str] = {}        # adapter -> its identity in the prefix cache's hashes (name@contents)
 
 
 # --- LoRA adapters: front end -> scheduler -> model worker (vLLM's load_lora_adapter API) ----------
@@ -232,6 +235,7 @@ class LoRAOutcome(msgspec.Struct, tag=True):
 
     status: int = 200
     error: str = ""
+    key: str = ""                       # a loaded adapter's identity in the prefix cache: name@contents
 
 
 class ListLoRAAdapters(msgspec.Struct, tag=True):

@@ -282,7 +282,8 @@ class EnginePool:
         engine.ref.tell(SubmitRequest(erid, prompt, params, self.receiver, req.priority, req.cache_salt,
                                       handoff_to if req.lora_name is None else None,
                                       pull_from if handoff_to is None else None,
-                                      ballast=req.ballast, lora_name=req.lora_name))
+                                      ballast=req.ballast, lora_name=req.lora_name,
+                                      lora_key=None if req.lora_name is None else _lora_key([engine], req.lora_name)))
 
     async def _choose(self, prompt: list[int], cache_salt: str | None, params: SamplingParams,
                       lora_name: str | None = None, ballast: bool = False
@@ -296,8 +297,9 @@ class EnginePool:
         routable = [e for e in self.engines.values() if e.routable]
         if lora_name is not None:
             colocated = [e for e in routable if e.info.role == "engine"] or routable
-            engine, pull_from = await self._choose_among(_with_adapter(colocated, lora_name), prompt,
-                                                         adapter_salt(cache_salt, lora_name))
+            holders = _with_adapter(colocated, lora_name)
+            engine, pull_from = await self._choose_among(holders, prompt,
+                                                         adapter_salt(cache_salt, _lora_key(holders, lora_name)))
             return engine, None, pull_from
         prefill = [e for e in routable if e.info.role == "prefill"]
         # A handoff needs one KV layout (dtype, layers, heads) at both ends: `--dtype auto` can
@@ -547,6 +549,15 @@ class EnginePool:
                     e.stats, e.sent, e.reserved, e.full = r, 0, 0, False
             self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
+
+
+def _lora_key(engines: list[_Engine], lora_name: str) -> str:
+    """Adapter `lora_name`'s identity in the engines' prefix-cache hashes (name@contents), as the first of
+    `engines` that has it loaded last reported it; the name alone before any has (no prefix will match)."""
+    for e in engines:
+        if e.stats is not None and lora_name in e.stats.lora_keys:
+            return e.stats.lora_keys[lora_name]
+    return lora_name
 
 
 def _with_adapter(engines: list[_Engine], lora_name: str) -> list[_Engine]:

@@ -34,8 +34,9 @@ def extra_keys_for(cache_salt: str | None) -> tuple:
 
 
 def adapter_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
-    """The prefix-cache salt of a request generating with LoRA adapter `lora_name`: one prompt under two
-    adapters (or under one and the base model) has different KV, so their blocks hash apart."""
+    """The prefix-cache salt of a request generating with LoRA adapter `lora_name` (the engines pass its
+    identity, name@contents: LoRAAdapter.key): one prompt under two adapters (or under one and the base
+    model, or under two contents of one name) has different KV, so their blocks hash apart."""
     if lora_name is None:
         return cache_salt
     return f"lora:{len(lora_name)}:{lora_name}:{cache_salt or ''}"

@@ -88,6 +88,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []      # sorted by sort_key
         self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
         self.counters = Counters()
+        self.lora_keys: dict[str, str] = {}    # adapter name -> name@contents, as the worker loaded it
         # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
         self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
@@ -421,7 +422,7 @@ class Scheduler:
         self._arrivals += 1
         priority = priority if self.cfg.priority_scheduling else 0
         return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
-                            cache_salt, self.cfg.max_model_len, ballast, lora_name)
+                            cache_salt, self.cfg.max_model_len, ballast, lora_name, self.lora_keys.get(lora_name))
 
     def _new_seq(self, req: RequestState, index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, req, index)

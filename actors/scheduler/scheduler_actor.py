@@ -128,7 +128,7 @@ class SchedulerActor(Actor):
             case GetStats():
                 return await self._stats()
             case LoadLoRAAdapter() | UnloadLoRAAdapter() | ListLoRAAdapters():
-                return await self.worker.ask(msg, timeout=self.step_timeout_s)   # the worker holds them
+                return await self._manage_lora(msg)
             case _:
                 return await super().receive(msg)
         return None
@@ -364,7 +364,17 @@ class SchedulerActor(Actor):
             prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
             ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished,
             max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
-            lora_requests=dict(c.lora_requests))
+            lora_requests=dict(c.lora_requests), lora_keys=dict(self.scheduler.lora_keys))
+
+    async def _manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters):
+        """The worker holds the adapters; the scheduler keeps each one's identity (name@contents), which salts
+        the prefix-cache hashes of the requests that name it."""
+        outcome = await self.worker.ask(msg, timeout=self.step_timeout_s)
+        if isinstance(msg, LoadLoRAAdapter) and not outcome.error:
+            self.scheduler.lora_keys[msg.lora_name] = outcome.key
+        elif isinstance(msg, UnloadLoRAAdapter) and not outcome.error:
+            self.scheduler.lora_keys.pop(msg.lora_name, None)
+        return outcome
 
 
 class _HandoffCounters:

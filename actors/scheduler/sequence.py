@@ -29,7 +29,7 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  reply_to: Any, priority: int, arrival: int, cache_salt: str | None, max_model_len: int,
-                 ballast: bool = False, lora_name: str | None = None):
+                 ballast: bool = False, lora_name: str | None = None, lora_key: str | None = None):
         self.request_id = request_id
         self.reply_to = reply_to
         self.params = params
@@ -37,7 +37,7 @@ class RequestState:
         self.arrival = arrival
         self.prompt_token_ids = prompt_token_ids
         self.lora_name = lora_name
-        self.cache_salt = adapter_salt(cache_salt, lora_name)
+        self.cache_salt = adapter_salt(cache_salt, lora_key if lora_key is not None else lora_name)
         self.num_cached_tokens = 0
         self.seqs: list[Sequence] = []
         # The context length caps every request's output, whatever max_tokens says.

@@ -9,6 +9,7 @@ Anything the engine cannot serve is a LoRAError naming the problem.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -48,6 +49,13 @@ class LoRAAdapter:
     # (layer, module) -> (A [r, in], B [out, r]), as stored, on the CPU
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     uid: int = field(default_factory=lambda: next(_ids))   # a reload of the same name is another adapter
+    digest: str = ""                         # of what it computes (content_digest): its KV's identity
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity in the prefix cache's hashes: its name and its contents, so that KV computed
+        with other weights under the same name (reloaded, or changed on disk across a restart) never matches."""
+        return f"{self.name}@{self.digest}"
 
 
 def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -72,7 +80,19 @@ def read_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
         raise LoRAError(f"adapter {name!r} adapts none of the projections "
                         f"{', '.join(m + '_proj' for m in MODULES)} (target_modules "
                         f"{config.get('target_modules')!r})")
-    return LoRAAdapter(name, os.path.abspath(path), rank, scale, modules, weights)
+    return LoRAAdapter(name, os.path.abspath(path), rank, scale, modules, weights,
+                       digest=content_digest(scale, weights))
+
+
+def content_digest(scale: float, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """SHA-256 (its first 16 hex digits) of the scale and every A and B, their places, dtypes and shapes: two
+    adapters with one digest compute the same KV."""
+    h = hashlib.sha256(repr(float(scale)).encode())
+    for (layer, module), pair in sorted(weights.items()):
+        for t in pair:
+            h.update(f"{layer}.{module}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _read_config(path: str) -> dict:

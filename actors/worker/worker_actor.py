@@ -129,8 +129,8 @@ class WorkerActor(Actor):
             return LoRAOutcome(400, f"The lora adapter '{name}' has already been loaded.")
         self.loras[name] = adapter
         log.info("LoRA adapter loaded", name=name, path=adapter.path, rank=adapter.rank,
-                 modules=sorted(adapter.modules))
-        return LoRAOutcome()
+                 modules=sorted(adapter.modules), digest=adapter.digest)
+        return LoRAOutcome(key=adapter.key)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Runs on the compute thread. When the batch fails, the sequences that fail on their own end

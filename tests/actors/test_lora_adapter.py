@@ -56,6 +56,27 @@ def test_scaling_and_modules_as_peft_has_them(base, adapters):
     assert rs.modules == {"q", "v", "o"} and math.isclose(rs.scale, 8 / math.sqrt(4))   # rsLoRA
 
 
+def test_the_key_names_the_contents(base, adapters, tmp_path):
+    """An adapter's prefix-cache identity follows what it computes: the same files under another folder give
+    the same key, one changed weight or alpha another."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = read_hf_config(base)
+    key = read_adapter("x", adapters["all"], cfg, max_rank=16).key
+    assert key.startswith("x@") and read_adapter("x", copy(adapters["all"], tmp_path), cfg, max_rank=16).key == key
+    changed = copy(adapters["all"], tmp_path, "changed")
+    file = os.path.join(changed, "adapter_model.safetensors")
+    tensors = load_file(file)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first].clone()
+    tensors[first].view(-1)[0] += 1.0
+    save_file(tensors, file)
+    assert read_adapter("x", changed, cfg, max_rank=16).key != key
+    scaled = copy(adapters["all"], tmp_path, "scaled")
+    edit_config(scaled, lora_alpha=17)
+    assert read_adapter("x", scaled, cfg, max_rank=16).key != key
+
+
 @pytest.mark.parametrize("breakage,message", [
     ("no folder", "does not exist"),
     ("no config", "has no adapter_config.json"),

@@ -3,7 +3,8 @@
 A tiny random Llama and Qwen2 with three PEFT adapters (all seven projections at rank 8; q, v and o
 at rank 4 with rsLoRA; the MLP and k at rank 16): each adapter alone, then all three mixed in one
 batch with base-model requests, and with fewer slots than adapters (requests wait for a slot and
-adapters are swapped in and out). The same prompt under two adapters never shares cached KV.
+adapters are swapped in and out). The same prompt under two adapters, or under two contents of one
+adapter name, never shares cached KV.
 """
 from __future__ import annotations
 
@@ -88,6 +89,24 @@ def test_same_prompt_under_two_adapters_shares_no_kv(models):
         assert other.outputs[0].token_ids == want["attn"][2]
         assert plain.outputs[0].token_ids == want[None][2]
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == want["all"][2]
+
+
+def test_a_name_reloaded_with_other_weights_never_reads_their_kv(models):
+    """The prefix cache knows an adapter by its contents, not its name: under a name unloaded and loaded
+    again from another folder, the same prompt is computed anew, with the new weights."""
+    base, folders, want, prompts = models["llama"]
+    prompt = prompts[2]   # 40 tokens: two full blocks that a stale key would serve
+    with LLM(base, dtype="float32", num_threads=1, num_blocks=64, enable_lora=True, max_loras=1,
+             max_lora_rank=16) as llm:
+        llm.load_lora("tuned", folders["attn"])
+        first = llm.generate([prompt], GREEDY, lora_request="tuned")[0]
+        llm.unload_lora("tuned")
+        llm.load_lora("tuned", folders["all"])
+        reloaded = llm.generate([prompt], GREEDY, lora_request="tuned")[0]
+        again = llm.generate([prompt], GREEDY, lora_request="tuned")[0]
+        assert first.outputs[0].token_ids == want["attn"][2]
+        assert reloaded.num_cached_tokens == 0 and reloaded.outputs[0].token_ids == want["all"][2]
+        assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == want["all"][2]
 
 
 @pytest.mark.parametrize("method", ["ngram", "layerskip"])

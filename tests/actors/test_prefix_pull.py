@@ -52,8 +52,10 @@ PROMPT = [(i * 37) % 300 + 4 for i in range(150)]
 
 
 async def run(engine, front, ref, rid, prompt, pull_from=None, salt=None, lora=None):
+    # An adapter's key (name@contents) as the router hands it on: from the engine's stats.
+    key = None if lora is None else (await engine.scheduler.ask(GetStats())).lora_keys[lora]
     engine.scheduler.tell(SubmitRequest(rid, prompt, GREEDY, ref, cache_salt=salt, pull_from=pull_from,
-                                        lora_name=lora))
+                                        lora_name=lora, lora_key=key))
     await front.wait(lambda: rid in front.finished)
     return front.tokens[rid]
 
