@@ -1,8 +1,8 @@
 """The Batch API in a cluster: two gateways and two engines as processes on loopback, with a
 redis-server of their own holding the files and batches. A batch made through one gateway is read,
 cancelled and downloaded through the other; its lines spread over the engines, those sharing a
-prefix together; and when the gateway running a batch is killed the other takes it over and answers
-every line exactly once."""
+prefix together; when the gateway running a batch is killed the other takes it over and answers
+every line exactly once; and when an engine is killed its lines continue on the other."""
 from __future__ import annotations
 
 import asyncio
@@ -193,3 +193,27 @@ def test_a_gateway_killed_mid_batch_leaves_it_to_the_other_which_answers_every_l
     assert sorted(r["index"] for r in cluster.results(batch.id)) == list(range(n))
     answered = lines_answered(base) - answered_before
     assert answered == n - recorded   # the survivor ran only the lines the dead gateway had not recorded
+
+
+def test_an_engine_killed_mid_batch_loses_no_line_and_answers_none_twice(cluster):
+    """After the gateway kill above, one gateway is left: an engine SIGKILLed while batch lines run on it.
+    Its lines continue on the other engine; every line is answered once, with the text the live endpoint
+    gives the same request."""
+    alive = next(i for i, g in enumerate(cluster.gateways) if g.proc.poll() is None)
+    client = cluster.clients[alive]
+    n = 24
+    batch = create(client, n, 32)
+    base = str(client.base_url).removesuffix("/v1/")
+    migrated = h.metric(base, "matinee_request_migrations_total")
+    wait(client, batch.id, until=lambda x: x.request_counts.completed >= 2, nodes=cluster.nodes())
+    cluster.engines[0].kill()
+    done = wait(client, batch.id, timeout=300, nodes=cluster.nodes())
+    assert done.status == "completed" and done.request_counts.completed == n and done.request_counts.failed == 0
+    assert h.metric(base, "matinee_request_migrations_total") > migrated   # lines were running on the dead one
+    lines = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"l{i}" for i in range(n))   # each once
+    texts = {x["custom_id"]: x["response"]["body"]["choices"][0]["message"]["content"] for x in lines}
+    for i in range(n):
+        live = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Line {i}"}],
+                                              max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+        assert texts[f"l{i}"] == live.choices[0].message.content, i
