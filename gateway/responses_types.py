@@ -85,3 +85,13 @@ class ResponseDeleted(msgspec.Struct):
     id: str
     object: str
     deleted: bool
+
+
+class InputItemList(msgspec.Struct):
+    """GET /v1/responses/{id}/input_items: a page of the items the response was made from."""
+
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -401,3 +401,80 @@ def test_the_route_has_the_other_routes_limits_and_pings(tiny_servers):
     sdk = openai.OpenAI(base_url=limits + "/v1", api_key="unused", max_retries=0, timeout=120)
     events = events_of(sdk.responses.create(**body("Two")))
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
+
+
+def test_input_items_list_the_requests_own_items_with_ids_and_pages(client):
+    first = client.responses.create(input="Hello world", instructions="Be brief.", max_output_tokens=2, **GREEDY)
+    items = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items.data] == \
+        [("message", "user", "input_text", "Hello world")]
+    assert items.data[0].id.startswith("msg_") and items.first_id == items.last_id == items.data[0].id
+    assert items.has_more is False
+    sent = [{"role": "user", "content": "one"}, {"role": "developer", "content": [{"type": "input_text", "text": "two"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "three"}],
+             "id": "msg_sent_back"},
+            {"role": "user", "content": "four"}, {"role": "user", "content": "five"}]
+    r = client.responses.create(input=sent, previous_response_id=first.id, max_output_tokens=2, **GREEDY)
+    texts = ["one", "two", "three", "four", "five"]
+    whole = client.responses.input_items.list(r.id, order="asc")   # not the history, only this request's input
+    assert [i.content[0].text for i in whole.data] == texts and whole.has_more is False
+    assert [i.role for i in whole.data] == ["user", "developer", "assistant", "user", "user"]
+    assert whole.data[2].id == "msg_sent_back" and whole.data[2].content[0].type == "output_text"
+    assert len({i.id for i in whole.data}) == 5
+    ids = [i.id for i in whole.data]
+    newest = client.responses.input_items.list(r.id)   # desc by default
+    assert [i.id for i in newest.data] == ids[::-1]
+    page = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == ids[:2] and page.has_more and page.last_id == ids[1]
+    assert [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=2)] == ids   # the SDK follows `after`
+    assert [i.id for i in client.responses.input_items.list(r.id, limit=2)] == ids[::-1]
+    after = client.responses.input_items.list(r.id, order="asc", limit=2, after=ids[3])
+    assert [i.id for i in after.data] == ids[4:] and after.has_more is False
+    before = client.responses.input_items.list(r.id, order="asc", limit=2, extra_query={"before": ids[3]})
+    assert [i.id for i in before.data] == ids[1:3] and before.has_more is True
+    desc_before = client.responses.input_items.list(r.id, limit=10, extra_query={"before": ids[1]})
+    assert [i.id for i in desc_before.data] == ids[:1:-1] and desc_before.has_more is False
+
+
+def test_input_items_of_tool_calls_and_their_outputs(client):
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                max_output_tokens=256, store=False, **GREEDY)
+    call = _call(r)
+    sent = ask + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    after = client.responses.create(input=sent, tools=[WEATHER], max_output_tokens=2, **GREEDY)
+    items = client.responses.input_items.list(after.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].id == call.id and items[1].call_id == call.call_id and items[1].arguments == call.arguments
+    assert items[1].name == "get_weather"
+    assert items[2].call_id == call.call_id and items[2].output == "cold" and items[2].id.startswith("fco_")
+
+
+def test_input_items_are_404_for_unknown_deleted_and_other_keys_responses(client, small_store):
+    other_client, _ = small_store   # a server without keys: each bearer token is still its own tenant
+    r = client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.input_items.list("resp_nope")
+    assert e.value.body["param"] == "response_id"
+    mine = other_client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    assert len(other_client.responses.input_items.list(mine.id).data) == 1
+    with pytest.raises(openai.NotFoundError):
+        other_client.with_options(api_key="another-tenant").responses.input_items.list(mine.id)
+    unstored = client.responses.create(input="Hello", max_output_tokens=2, store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r.id)
+
+
+@pytest.mark.parametrize("query, param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+    ({"after": "msg_nope"}, "after"), ({"before": "msg_nope"}, "before"), ({"colour": "red"}, "colour"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+])
+def test_input_items_bad_queries_are_400s_naming_the_parameter(client, query, param):
+    r = client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r.id, extra_query=query)
+    assert e.value.body["param"] == param
