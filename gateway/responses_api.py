@@ -79,7 +79,8 @@ def _fields(req: rp.ResponsesRequest, model: str) -> dict:
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": req.reasoning.summary if req.reasoning else None},
-            "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user}
+            "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user,
+            "top_logprobs": req.top_logprobs}
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -104,7 +105,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         protocol.validate_chat(chat)
         gen, fmt = await handlers.chat_generation(handlers.ids_of(request), state, chat, client, engine, arrival,
                                                   "resp")
-    builder = ResponseBuilder(_fields(req, state.model_name))
+    builder = ResponseBuilder(_fields(req, state.model_name), logprobs=rp.wants_logprobs(req))
 
     def keep(body: dict) -> None:
         if req.store is not False:

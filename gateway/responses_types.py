@@ -79,6 +79,7 @@ class ResponseObject(msgspec.Struct):
     truncation: str
     metadata: dict[str, str]
     user: str | None
+    top_logprobs: int | None
 
 
 class ResponseDeleted(msgspec.Struct):

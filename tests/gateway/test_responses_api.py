@@ -280,8 +280,9 @@ def test_reasoning_effort_reaches_the_chat_template_as_chat_sends_it(tiny_server
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].image_url"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
@@ -478,3 +479,41 @@ def test_input_items_bad_queries_are_400s_naming_the_parameter(client, query, pa
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_items.list(r.id, extra_query=query)
     assert e.value.body["param"] == param
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def test_logprobs_are_the_chat_completions_and_top_logprobs_its_alternatives(client):
+    kw = dict(input="The quick brown fox", max_output_tokens=8, **GREEDY)
+    r = client.responses.create(**kw, include=LOGPROBS, top_logprobs=3)
+    c = chat(client, [{"role": "user", "content": "The quick brown fox"}], max_tokens=8, logprobs=True, top_logprobs=3)
+    want = c.choices[0].logprobs.content
+    got = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 3 and len(got) == len(want) == r.usage.output_tokens
+    for g, w in zip(got, want):
+        assert (g.token, g.bytes, g.logprob) == (w.token, w.bytes, w.logprob)
+        assert [(t.token, t.logprob) for t in g.top_logprobs] == [(t.token, t.logprob) for t in w.top_logprobs]
+        assert len(g.top_logprobs) == 3 and g.top_logprobs[0].logprob >= g.top_logprobs[-1].logprob
+    bare = client.responses.create(**kw, include=LOGPROBS)   # no alternatives unless asked
+    assert [lp.logprob for lp in bare.output[0].content[0].logprobs] == [lp.logprob for lp in got]
+    assert all(lp.top_logprobs == [] for lp in bare.output[0].content[0].logprobs)
+    alone = client.responses.create(**kw, top_logprobs=3)   # top_logprobs alone adds none, as OpenAI's API
+    assert alone.output[0].content[0].logprobs == [] and alone.top_logprobs == 3
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == got
+
+
+def test_streamed_logprobs_ride_on_the_deltas_and_add_up_to_the_whole(client):
+    kw = dict(input="The quick brown fox", max_output_tokens=8, include=LOGPROBS, top_logprobs=2, **GREEDY)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    want = whole.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in want]
+    assert [[t.token for t in lp.top_logprobs] for lp in streamed] == [[t.token for t in lp.top_logprobs] for lp in want]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.logprob for lp in done.logprobs] == [lp.logprob for lp in want]
+    assert events[-1].response.output[0].content[0].logprobs == want
+    plain = list(client.responses.create(input="The quick brown fox", max_output_tokens=8, stream=True, **GREEDY))
+    assert all(e.logprobs == [] for e in plain if e.type == "response.output_text.delta")
