@@ -95,6 +95,29 @@ class ResponsesRequest(_Body, kw_only=True):
     reasoning: Reasoning | None = None
     top_logprobs: int | None = None  # alternatives per token, with include's message.output_text.logprobs
     include: list[str] | None = None  # message.output_text.logprobs only
+    # vLLM's extensions of this API, as the chat path has them (VLLM_FIELDS); `vllm bench serve
+    # --backend openai-responses` sends ignore_eos and its sampling flags.
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# Passed to the chat request under the same names, where the chat path checks and honours them.
+VLLM_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "ignore_eos", "logit_bias", "include_stop_str_in_output",
+               "skip_special_tokens", "priority", "cache_salt", "chat_template_kwargs")
 
 
 def validate(req: ResponsesRequest) -> None:
@@ -223,4 +246,5 @@ def chat_request(req: ResponsesRequest, conversation: list[protocol.ChatMessage]
         parallel_tool_calls=req.parallel_tool_calls, response_format=response_format,
         reasoning_effort=req.reasoning.effort if req.reasoning is not None else None, user=req.user,
         logprobs=True if wants_logprobs(req) else None,
-        top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else None)
+        top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else None,
+        **{name: getattr(req, name) for name in VLLM_FIELDS})
