@@ -519,26 +519,6 @@ def test_streamed_logprobs_ride_on_the_deltas_and_add_up_to_the_whole(client):
     assert all(e.logprobs == [] for e in plain if e.type == "response.output_text.delta")
 
 
-def test_vllm_bench_serves_openai_responses_request_streams_to_a_terminal_event(tiny_servers):
-    """The body `vllm bench serve --backend openai-responses` sends (vLLM 0.32's
-    async_request_openai_responses; the random dataset sets ignore_eos, --temperature and the other
-    sampling flags go in as extra body), read as it reads the stream: text deltas, then
-    response.completed or response.incomplete with usage."""
-    body = {"model": "tiny", "input": "alpha beta gamma delta epsilon", "max_output_tokens": 8, "stream": True,
-            "store": False, "ignore_eos": True, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "temperature": 0.0,
-            "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-    conn, resp = http.open_request("POST", tiny_servers.main + "/v1/responses", json_body=body,
-                                   headers={**AUTH, "x-request-id": "bench-4836566b-0"})
-    try:
-        assert resp.status == 200, resp.read()
-        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines() if line.startswith("data: ")]
-    finally:
-        conn.close()
-    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
-    assert deltas and events[-1]["type"] in ("response.completed", "response.incomplete")
-    assert events[-1]["response"]["usage"]["output_tokens"] == 8 and not any("error" == e["type"] for e in events)
-
-
 def test_vllm_sampling_fields_reach_the_sampler_as_on_chat(client):
     extra = {"top_k": 4, "min_p": 0.05, "seed": 7, "repetition_penalty": 1.3, "presence_penalty": 0.5,
              "frequency_penalty": 0.2, "ignore_eos": True, "stop_token_ids": [2], "skip_special_tokens": True,
