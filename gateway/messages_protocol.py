@@ -64,14 +64,25 @@ class RedactedThinkingBlock(_Refused, tag="redacted_thinking"):
     pass
 
 
-Block = Union[TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, DocumentBlock, ThinkingBlock,
-              RedactedThinkingBlock]
+_SERVER_TOOL = "Server tool blocks are not supported: server tools are not available here; declare your own tools."
 _REFUSED_BLOCKS = {
     "image": "Image blocks are not supported: only text models are served.",
     "document": "Document blocks are not supported: send the document's text in a text block.",
     "thinking": "Thinking blocks are not supported: extended thinking is not available here.",
     "redacted_thinking": "Thinking blocks are not supported: extended thinking is not available here.",
+    "search_result": "Search result blocks are not supported: send the result's text in a text block.",
+    "browser_state": "Browser state blocks are not supported: only text models are served.",
+    "tool_reference": "Tool reference blocks are not supported: tool search is not available here.",
+    "container_upload": "Container upload blocks are not supported: code execution is not available here.",
+    **{t: _SERVER_TOOL for t in ("server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                                 "code_execution_tool_result", "bash_code_execution_tool_result",
+                                 "text_editor_code_execution_tool_result", "tool_search_tool_result")},
 }
+# The other blocks Anthropic's SDK sends (in a message, or in a tool_result's content), each its own tag.
+_MORE_REFUSED = tuple(msgspec.defstruct(f"Refused_{tag}", [], bases=(_Refused,), tag=tag)
+                      for tag in _REFUSED_BLOCKS if tag not in ("image", "document", "thinking", "redacted_thinking"))
+Block = Union[(TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, DocumentBlock, ThinkingBlock,
+               RedactedThinkingBlock, *_MORE_REFUSED)]
 
 
 class MessageParam(protocol._Body):

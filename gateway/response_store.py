@@ -1,5 +1,5 @@
 """Stored responses of /v1/responses: what `previous_response_id` continues and what
-GET and DELETE /v1/responses/{id} reach.
+GET and DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items reach.
 
 In this gateway process's memory only: bounded in entries and in bytes (the least recently used
 goes first) and in age (an entry expires `ttl_s` after it was stored, used or not). Gateways do
@@ -22,6 +22,7 @@ _encode = msgspec.json.Encoder().encode
 class StoredResponse:
     body: dict          # the Response object, as it was returned
     history: list       # the conversation after it, as chat messages (instructions left out)
+    inputs: list        # the request's own input items, with ids (GET /v1/responses/{id}/input_items)
     stored_at: float
     size: int           # bytes counted against the store's bound
 
@@ -40,9 +41,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, body: dict, history: list) -> bool:
+    def put(self, response_id: str, body: dict, history: list, inputs: list | None = None) -> bool:
         """Store a response; False when it alone is larger than the store (it is not kept)."""
-        size = len(_encode(body)) + len(_encode(history))
+        inputs = inputs or []
+        size = len(_encode(body)) + len(_encode(history)) + len(_encode(inputs))
         self.delete(response_id)
         if self.max_entries == 0 or size > self.max_bytes:
             return False
@@ -50,7 +52,7 @@ class ResponseStore:
         self._expire(now)
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + size > self.max_bytes):
             self.delete(next(iter(self._entries)))
-        self._entries[response_id] = StoredResponse(body, history, now, size)
+        self._entries[response_id] = StoredResponse(body, history, inputs, now, size)
         self._born[response_id] = now
         self.nbytes += size
         return True

@@ -4,6 +4,11 @@ stream of named events: response.created ... response.completed.
 Whole and streamed responses are built by the same feed, so the two cannot disagree. The message
 item opens at the first text that is not blank: text that is only whitespace before tool calls
 makes no message, as in the chat response where the parser leaves such content empty.
+
+With `logprobs` (the request's include of message.output_text.logprobs), each token's logprob and
+its alternatives, as the chat chunks carry them, ride on the text delta that shows the token (a
+token whose text is held back, a possible stop string, waits for the next text), and the whole
+list is the output_text part's `logprobs`.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ class ResponseBuilder:
     """`fields`: what every copy of the Response object carries besides its status, output and
     usage (the id, the model, the request's settings echoed)."""
 
-    def __init__(self, fields: dict) -> None:
+    def __init__(self, fields: dict, logprobs: bool = False) -> None:
         self.fields = {"id": _item_id("resp"), "object": "response", "created_at": int(time.time()), **fields}
         self.seq = 0
         self.text = ""
@@ -41,6 +46,9 @@ class ResponseBuilder:
         self.calls: list[dict] = []   # chat tool calls: {"id", "function": {"name", "arguments"}}
         self.finish_reason: str | None = None
         self.output: list[dict] = []
+        self.logprobs = logprobs
+        self.token_lps: list[dict] = []     # every token's, the output_text part's `logprobs`
+        self.waiting_lps: list[dict] = []   # those whose text no delta has shown yet
 
     @property
     def id(self) -> str:
@@ -64,6 +72,10 @@ class ResponseBuilder:
         """One chat chunk (one choice) in; the events it makes out."""
         choice = chunk["choices"][0]
         delta = choice["delta"]
+        if self.logprobs and choice.get("logprobs"):
+            lps = choice["logprobs"]["content"]
+            self.token_lps += lps
+            self.waiting_lps += lps
         events = self._text(delta.get("content") or "")
         self.calls += delta.get("tool_calls") or []
         self.finish_reason = choice["finish_reason"] or self.finish_reason
@@ -79,10 +91,14 @@ class ResponseBuilder:
                 return []
             text, self.pending = self.pending, ""
             events += self._open_message()
-        self.text += text
-        events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                  content_index=0, delta=text, logprobs=[]))
+        events.append(self._delta(text))
         return events
+
+    def _delta(self, text: str) -> Event:
+        self.text += text
+        lps, self.waiting_lps = self.waiting_lps, []
+        return self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                           content_index=0, delta=text, logprobs=[_delta_logprob(lp) for lp in lps])
 
     def _open_message(self) -> list[Event]:
         self.message_id = _item_id("msg")
@@ -100,10 +116,11 @@ class ResponseBuilder:
         if self.pending and self.message_id is not None:
             events += self._text_now(self.pending)
         if self.message_id is not None:
-            part = _part(self.text)
+            part = _part(self.text, self.token_lps)
             item = {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
             at = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-            events += [self._event("response.output_text.done", **at, text=self.text, logprobs=[]),
+            events += [self._event("response.output_text.done", **at, text=self.text,
+                                   logprobs=[_delta_logprob(lp) for lp in self.token_lps]),
                        self._event("response.content_part.done", **at, part=part),
                        self._event("response.output_item.done", output_index=0, item=item)]
             self.output.append(item)
@@ -115,9 +132,7 @@ class ResponseBuilder:
 
     def _text_now(self, text: str) -> list[Event]:
         self.pending = ""
-        self.text += text
-        return [self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                            content_index=0, delta=text, logprobs=[])]
+        return [self._delta(text)]
 
     def _call(self, call: dict) -> list[Event]:
         index, fid = len(self.output), _item_id("fc")
@@ -146,5 +161,11 @@ class ResponseBuilder:
         return protocol.ChatMessage(role="assistant", content=text, tool_calls=calls or None)
 
 
-def _part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
+
+
+def _delta_logprob(lp: dict) -> dict:
+    """A chat logprob in a delta event's shape: token, logprob and alternatives, without bytes."""
+    return {"token": lp["token"], "logprob": lp["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]}

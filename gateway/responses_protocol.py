@@ -17,6 +17,7 @@ from gateway.protocol import _Body
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 MAX_METADATA = 16
+LOGPROBS = "message.output_text.logprobs"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -92,8 +93,31 @@ class ResponsesRequest(_Body, kw_only=True):
     safety_identifier: str | None = None  # accepted, not used
     truncation: str | None = None   # "disabled" only
     reasoning: Reasoning | None = None
-    top_logprobs: int | None = None  # refused above 0
-    include: list[str] | None = None  # refused unless empty
+    top_logprobs: int | None = None  # alternatives per token, with include's message.output_text.logprobs
+    include: list[str] | None = None  # message.output_text.logprobs only
+    # vLLM's extensions of this API, as the chat path has them (VLLM_FIELDS); `vllm bench serve
+    # --backend openai-responses` sends ignore_eos and its sampling flags.
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# Passed to the chat request under the same names, where the chat path checks and honours them.
+VLLM_FIELDS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "ignore_eos", "logit_bias", "include_stop_str_in_output",
+               "skip_special_tokens", "priority", "cache_salt", "chat_template_kwargs")
 
 
 def validate(req: ResponsesRequest) -> None:
@@ -101,12 +125,13 @@ def validate(req: ResponsesRequest) -> None:
     if req.truncation not in (None, "disabled"):
         raise invalid("`truncation` must be \"disabled\": a conversation longer than the context is a 400 "
                       "here, never silently cut.", param="truncation")
-    if req.top_logprobs:
-        raise invalid("`top_logprobs` is not supported on /v1/responses; use /v1/chat/completions with "
-                      "`logprobs`.", param="top_logprobs")
-    if req.include:
-        raise invalid(f"`include` {req.include[0]!r} is not supported: responses carry no extra data "
-                      "(no logprobs, no reasoning, no tool results).", param="include")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= protocol.MAX_LOGPROBS:
+        raise invalid(f"`top_logprobs` must be in [0, {protocol.MAX_LOGPROBS}], got {req.top_logprobs}.",
+                      param="top_logprobs")
+    for i, name in enumerate(req.include or ()):
+        if name != LOGPROBS:
+            raise invalid(f"`include` {name!r} is not supported: the one extra a response carries here is "
+                          f"{LOGPROBS!r} (no reasoning, no tool results).", param=f"include[{i}]")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise invalid(f"`max_output_tokens` must be >= 1, got {req.max_output_tokens}.", param="max_output_tokens")
     if req.reasoning is not None and req.reasoning.effort not in (None, *protocol.REASONING_EFFORTS):
@@ -193,6 +218,12 @@ def _text(content: str | list[InputPart], at: str) -> str:
     return "".join(p.text for p in content)
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Logprobs come with `include`'s message.output_text.logprobs; `top_logprobs` alone adds none, as
+    in OpenAI's API."""
+    return LOGPROBS in (req.include or ())
+
+
 def chat_request(req: ResponsesRequest, conversation: list[protocol.ChatMessage]) -> protocol.ChatRequest:
     """The chat request that generates this response: `conversation` is the history and the
     input as messages; the instructions go first."""
@@ -213,4 +244,7 @@ def chat_request(req: ResponsesRequest, conversation: list[protocol.ChatMessage]
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=tools, tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, response_format=response_format,
-        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None, user=req.user)
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None, user=req.user,
+        logprobs=True if wants_logprobs(req) else None,
+        top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else None,
+        **{name: getattr(req, name) for name in VLLM_FIELDS})

@@ -79,9 +79,20 @@ class ResponseObject(msgspec.Struct):
     truncation: str
     metadata: dict[str, str]
     user: str | None
+    top_logprobs: int | None
 
 
 class ResponseDeleted(msgspec.Struct):
     id: str
     object: str
     deleted: bool
+
+
+class InputItemList(msgspec.Struct):
+    """GET /v1/responses/{id}/input_items: a page of the items the response was made from."""
+
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -119,6 +119,8 @@ ENDPOINTS = [
              example={"input": "Name three colours.", "max_output_tokens": 16}),
     Endpoint("GET", "/v1/responses/{response_id}", responses_api.get_response, "A stored response",
              response=responses_types.ResponseObject),
+    Endpoint("GET", "/v1/responses/{response_id}/input_items", responses_api.list_input_items,
+             "The input items of a stored response", response=responses_types.InputItemList),
     Endpoint("DELETE", "/v1/responses/{response_id}", responses_api.delete_response, "Forget a stored response",
              response=responses_types.ResponseDeleted),
     Endpoint("GET", "/v1/models", list_models, "The models served", response=api_types.ModelList),

@@ -289,3 +289,54 @@ def test_an_engine_lost_mid_stream_ends_it_with_an_error_event(tiny_servers):
     assert names[-1] == "error" and "message_delta" not in names and "message_stop" not in names   # no finish
     error = json.loads(rest.strip().splitlines()[-1].removeprefix("data: "))
     assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+@pytest.mark.parametrize("source", [
+    {"type": "base64", "media_type": "image/png", "data": PNG},
+    {"type": "url", "url": "https://example.com/chart.png"},
+])
+def test_an_image_inside_a_tool_result_is_the_same_clear_400_as_a_top_level_one(claude, source):
+    image = {"type": "image", "source": source, "cache_control": {"type": "ephemeral"}}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_forecast", "input": {"city": "Oslo", "days": 1}}
+    turns = [{"role": "user", "content": "Show me the forecast chart."}, {"role": "assistant", "content": [call]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                           "content": [{"type": "text", "text": "Chart:"}, image]}]}]
+    top = [{"role": "user", "content": [image]}]
+    errors = []
+    for messages in (turns, top):
+        for send in (claude.messages.create, claude.messages.count_tokens):
+            kw = {"max_tokens": 4} if send == claude.messages.create else {}
+            with pytest.raises(anthropic.BadRequestError) as e:
+                send(model="tiny", messages=messages, tools=[FORECAST], **kw)
+            errors.append(e.value.body["error"]["message"])
+    assert errors[0] == errors[1] and "messages[2].content[0].content[1]" in errors[0]
+    assert errors[2] == errors[3] and "messages[0].content[0]" in errors[2]
+    assert all(m.endswith(": Image blocks are not supported: only text models are served.") for m in errors)
+
+
+@pytest.mark.parametrize("block, says", [
+    ({"type": "search_result", "source": "https://example.com", "title": "Oslo",
+      "content": [{"type": "text", "text": "Cold."}]}, "Search result blocks are not supported"),
+    ({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Cold."}},
+     "Document blocks are not supported"),
+    ({"type": "tool_reference", "tool_name": "get_forecast"}, "Tool reference blocks are not supported"),
+])
+def test_other_blocks_inside_a_tool_result_are_clear_400s_naming_them(claude, block, says):
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_forecast", "input": {"city": "Oslo", "days": 1}}
+    turns = [{"role": "user", "content": "Forecast?"}, {"role": "assistant", "content": [call]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [block]}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=4, messages=turns, tools=[FORECAST])
+    assert e.value.body["error"]["message"].startswith(f"messages[2].content[0].content[0]: {says}")
+
+
+def test_server_tool_blocks_in_a_message_are_clear_400s(claude):
+    used = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "Oslo"}}
+    turns = [{"role": "user", "content": "Search."}, {"role": "assistant", "content": [used]},
+             {"role": "user", "content": "And?"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=4, messages=turns)
+    assert e.value.body["error"]["message"].startswith("messages[1].content[0]: Server tool blocks are not supported")

@@ -280,8 +280,9 @@ def test_reasoning_effort_reaches_the_chat_template_as_chat_sends_it(tiny_server
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0].image_url"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
@@ -401,3 +402,135 @@ def test_the_route_has_the_other_routes_limits_and_pings(tiny_servers):
     sdk = openai.OpenAI(base_url=limits + "/v1", api_key="unused", max_retries=0, timeout=120)
     events = events_of(sdk.responses.create(**body("Two")))
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
+
+
+def test_input_items_list_the_requests_own_items_with_ids_and_pages(client):
+    first = client.responses.create(input="Hello world", instructions="Be brief.", max_output_tokens=2, **GREEDY)
+    items = client.responses.input_items.list(first.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items.data] == \
+        [("message", "user", "input_text", "Hello world")]
+    assert items.data[0].id.startswith("msg_") and items.first_id == items.last_id == items.data[0].id
+    assert items.has_more is False
+    sent = [{"role": "user", "content": "one"}, {"role": "developer", "content": [{"type": "input_text", "text": "two"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "three"}],
+             "id": "msg_sent_back"},
+            {"role": "user", "content": "four"}, {"role": "user", "content": "five"}]
+    r = client.responses.create(input=sent, previous_response_id=first.id, max_output_tokens=2, **GREEDY)
+    texts = ["one", "two", "three", "four", "five"]
+    whole = client.responses.input_items.list(r.id, order="asc")   # not the history, only this request's input
+    assert [i.content[0].text for i in whole.data] == texts and whole.has_more is False
+    assert [i.role for i in whole.data] == ["user", "developer", "assistant", "user", "user"]
+    assert whole.data[2].id == "msg_sent_back" and whole.data[2].content[0].type == "output_text"
+    assert len({i.id for i in whole.data}) == 5
+    ids = [i.id for i in whole.data]
+    newest = client.responses.input_items.list(r.id)   # desc by default
+    assert [i.id for i in newest.data] == ids[::-1]
+    page = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == ids[:2] and page.has_more and page.last_id == ids[1]
+    assert [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=2)] == ids   # the SDK follows `after`
+    assert [i.id for i in client.responses.input_items.list(r.id, limit=2)] == ids[::-1]
+    after = client.responses.input_items.list(r.id, order="asc", limit=2, after=ids[3])
+    assert [i.id for i in after.data] == ids[4:] and after.has_more is False
+    before = client.responses.input_items.list(r.id, order="asc", limit=2, extra_query={"before": ids[3]})
+    assert [i.id for i in before.data] == ids[1:3] and before.has_more is True
+    desc_before = client.responses.input_items.list(r.id, limit=10, extra_query={"before": ids[1]})
+    assert [i.id for i in desc_before.data] == ids[:1:-1] and desc_before.has_more is False
+
+
+def test_input_items_of_tool_calls_and_their_outputs(client):
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                max_output_tokens=256, store=False, **GREEDY)
+    call = _call(r)
+    sent = ask + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    after = client.responses.create(input=sent, tools=[WEATHER], max_output_tokens=2, **GREEDY)
+    items = client.responses.input_items.list(after.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].id == call.id and items[1].call_id == call.call_id and items[1].arguments == call.arguments
+    assert items[1].name == "get_weather"
+    assert items[2].call_id == call.call_id and items[2].output == "cold" and items[2].id.startswith("fco_")
+
+
+def test_input_items_are_404_for_unknown_deleted_and_other_keys_responses(client, small_store):
+    other_client, _ = small_store   # a server without keys: each bearer token is still its own tenant
+    r = client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.input_items.list("resp_nope")
+    assert e.value.body["param"] == "response_id"
+    mine = other_client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    assert len(other_client.responses.input_items.list(mine.id).data) == 1
+    with pytest.raises(openai.NotFoundError):
+        other_client.with_options(api_key="another-tenant").responses.input_items.list(mine.id)
+    unstored = client.responses.create(input="Hello", max_output_tokens=2, store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(r.id)
+
+
+@pytest.mark.parametrize("query, param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+    ({"after": "msg_nope"}, "after"), ({"before": "msg_nope"}, "before"), ({"colour": "red"}, "colour"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+])
+def test_input_items_bad_queries_are_400s_naming_the_parameter(client, query, param):
+    r = client.responses.create(input="Hello", max_output_tokens=2, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r.id, extra_query=query)
+    assert e.value.body["param"] == param
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def test_logprobs_are_the_chat_completions_and_top_logprobs_its_alternatives(client):
+    kw = dict(input="The quick brown fox", max_output_tokens=8, **GREEDY)
+    r = client.responses.create(**kw, include=LOGPROBS, top_logprobs=3)
+    c = chat(client, [{"role": "user", "content": "The quick brown fox"}], max_tokens=8, logprobs=True, top_logprobs=3)
+    want = c.choices[0].logprobs.content
+    got = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 3 and len(got) == len(want) == r.usage.output_tokens
+    for g, w in zip(got, want):
+        assert (g.token, g.bytes, g.logprob) == (w.token, w.bytes, w.logprob)
+        assert [(t.token, t.logprob) for t in g.top_logprobs] == [(t.token, t.logprob) for t in w.top_logprobs]
+        assert len(g.top_logprobs) == 3 and g.top_logprobs[0].logprob >= g.top_logprobs[-1].logprob
+    bare = client.responses.create(**kw, include=LOGPROBS)   # no alternatives unless asked
+    assert [lp.logprob for lp in bare.output[0].content[0].logprobs] == [lp.logprob for lp in got]
+    assert all(lp.top_logprobs == [] for lp in bare.output[0].content[0].logprobs)
+    alone = client.responses.create(**kw, top_logprobs=3)   # top_logprobs alone adds none, as OpenAI's API
+    assert alone.output[0].content[0].logprobs == [] and alone.top_logprobs == 3
+    assert client.responses.retrieve(r.id).output[0].content[0].logprobs == got
+
+
+def test_streamed_logprobs_ride_on_the_deltas_and_add_up_to_the_whole(client):
+    kw = dict(input="The quick brown fox", max_output_tokens=8, include=LOGPROBS, top_logprobs=2, **GREEDY)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for d in deltas for lp in d.logprobs]
+    want = whole.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in want]
+    assert [[t.token for t in lp.top_logprobs] for lp in streamed] == [[t.token for t in lp.top_logprobs] for lp in want]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.logprob for lp in done.logprobs] == [lp.logprob for lp in want]
+    assert events[-1].response.output[0].content[0].logprobs == want
+    plain = list(client.responses.create(input="The quick brown fox", max_output_tokens=8, stream=True, **GREEDY))
+    assert all(e.logprobs == [] for e in plain if e.type == "response.output_text.delta")
+
+
+def test_vllm_sampling_fields_reach_the_sampler_as_on_chat(client):
+    extra = {"top_k": 4, "min_p": 0.05, "seed": 7, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+             "frequency_penalty": 0.2, "ignore_eos": True, "stop_token_ids": [2], "skip_special_tokens": True,
+             "include_stop_str_in_output": False, "cache_salt": "salt", "priority": 0}
+    r = client.responses.create(model="tiny", input="Hello world", max_output_tokens=10, temperature=1.0,
+                                extra_body=extra)
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello world"}],
+                                       max_tokens=10, temperature=1.0, extra_body=extra)
+    assert r.output_text == c.choices[0].message.content and r.usage.output_tokens == 10
+    loose = client.responses.create(model="tiny", input="Hello world", max_output_tokens=10, temperature=1.0,
+                                    extra_body={**extra, "top_k": 0, "min_p": 0.0, "seed": 8})
+    assert loose.output_text != r.output_text   # the fields change what is sampled
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="x", extra_body={"top_k": -5})
+    assert e.value.body["param"] == "top_k"

@@ -51,3 +51,33 @@ def test_a_length_finish_is_incomplete_and_usage_is_renamed():
     assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 3,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+
+
+def _lp(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": token, "logprob": logprob, "bytes": list(token.encode())}]}
+
+
+def test_a_held_back_tokens_logprob_rides_on_the_delta_that_shows_its_text():
+    b = ResponseBuilder({"model": "m"}, logprobs=True)
+    events = b.start()
+    for text, lps in (("\n", [_lp("\n", -0.5)]), ("", [_lp("He", -1.0)]), ("Hello", [_lp("llo", -2.0)])):
+        c = chunk(text)
+        c["choices"][0]["logprobs"] = {"content": lps}
+        events += b.feed(c)
+    closing, body = b.finish(USAGE)
+    deltas = [e for name, e in events + closing if name == "response.output_text.delta"]
+    assert [d["delta"] for d in deltas] == ["\nHello"]   # the blank waits for text, its logprob with it
+    assert [lp["token"] for lp in deltas[0]["logprobs"]] == ["\n", "He", "llo"]
+    assert deltas[0]["logprobs"][1] == {"token": "He", "logprob": -1.0, "top_logprobs": [{"token": "He", "logprob": -1.0}]}
+    part = body["output"][0]["content"][0]
+    assert [lp["token"] for lp in part["logprobs"]] == ["\n", "He", "llo"] and part["logprobs"][2]["bytes"] == [108, 108, 111]
+
+
+def test_without_logprobs_asked_the_chunks_logprobs_are_left_out():
+    b = ResponseBuilder({"model": "m"})
+    c = chunk("Hi", finish="stop")
+    c["choices"][0]["logprobs"] = {"content": [_lp("Hi", -1.0)]}
+    events = b.feed(c)
+    _, body = b.finish(USAGE)
+    assert events[-1][1]["logprobs"] == [] and body["output"][0]["content"][0]["logprobs"] == []
