@@ -57,6 +57,10 @@ class EngineConfig:
     kernels: str = field(default="auto", metadata={
         "help": "auto: triton on CUDA; on the CPU the C kernels where they build, else torch",
         "choices": KERNELS})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "a sequence's numbers never depend on the rest of its step, how its prompt was chunked or what "
+                "the prefix cache held: every projection and attention row through one kernel whatever the "
+                "rows (the CPU C kernels; not with LoRA, int4 or CUDA)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     num_blocks: int | None = field(default=None, metadata={
         "help": "KV pool size exactly, in blocks (unset: as many as --kv-cache-memory holds)"})
@@ -171,6 +175,20 @@ class EngineConfig:
         self.lora_paths()   # a malformed NAME=PATH fails here
         _positive(self, "max_loras", "max_lora_rank")
         self._check_tensor_parallel()
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """What --batch-invariant cannot promise is refused, not served with a silent exception."""
+        if self.kernels not in ("auto", "cpu") or self.resolved_device() != "cpu":
+            raise ValueError("batch_invariant is implemented by the CPU C kernels (--kernels cpu or auto on the "
+                             "CPU); the Triton kernels pick their tiles by the batch")
+        if self.quantization == "int4":
+            raise ValueError("batch_invariant: the CPU int4 matmul (torch's) is not batch-invariant; use int8, a "
+                             "GGUF file's own types or none")
+        if self.lora_slots:
+            raise ValueError("batch_invariant: LoRA adapters' products run through torch, which is not "
+                             "batch-invariant")
 
     def _check_tensor_parallel(self) -> None:
         _positive(self, "tensor_parallel_size", "nnodes")

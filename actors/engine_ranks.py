@@ -28,7 +28,8 @@ def runner_kwargs(config: EngineConfig) -> dict[str, Any]:
                 num_threads=num_threads, quantization=config.quantization,
                 kv_cache_dtype=config.kv_cache_dtype,
                 cuda_graph_batch=0 if config.enforce_eager else config.max_num_seqs,
-                max_loras=config.lora_slots, max_lora_rank=config.max_lora_rank)
+                max_loras=config.lora_slots, max_lora_rank=config.max_lora_rank,
+                batch_invariant=config.batch_invariant)
 
 
 def rank_specs(config: EngineConfig) -> list[RankSpec]:

@@ -33,10 +33,12 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's projection on the CPU: this kernel for a few float32 rows, else the reference."""
-    if 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 \
-            and x.device.type == "cpu" and cpu_native.available():
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int | None = MAX_ROWS) -> torch.Tensor:
+    """The model's projection on the CPU: this kernel for up to `max_rows` float32 rows (None: any number, as
+    the batch-invariant kernels take every row through it), else the reference."""
+    if 0 < x.shape[0] and (max_rows is None or x.shape[0] <= max_rows) and x.dtype == torch.float32 \
+            and weight.dtype == torch.float32 and x.device.type == "cpu" and cpu_native.available():
         y = matmul_nt(x, weight)
         return y if bias is None else y.add_(bias)
     return reference_linear(x, weight, bias)

@@ -22,7 +22,7 @@ import torch
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
 from kernels.packed_linear import PackedWeight
-from kernels.paged_attention_cpu import MAX_QUERY_LEN, cache_kind, kernel_takes
+from kernels.paged_attention_cpu import INVARIANT_QUERY_LEN, MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantStack, QuantWeight
 
 GGUF, PACKED, PACKED_DOT = 0, 1, 2   # decode_layers.c's projection kinds
@@ -158,8 +158,9 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     lib = cpu_native.library()
     num_tokens = hidden.shape[0]
     cfg = model.config
-    if lib is None or num_tokens == 0 or not kernel_takes(model.dtype, meta.max_query_len, cfg.num_heads,
-                                                          cfg.num_kv_heads, cfg.head_dim):
+    invariant = model.ops.batch_invariant   # every query run through the decode kernel, which takes any
+    if lib is None or num_tokens == 0 or not (invariant or kernel_takes(model.dtype, meta.max_query_len,
+                                                                        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)):
         return None
     plan = _plan(model)
     if plan is None or (plan.rows_limit is not None and num_tokens >= plan.rows_limit):
@@ -171,7 +172,7 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     check_scales(k_cache, v_cache, k_scales, v_scales)
     shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                    k_cache.shape[1], k_cache.shape[0], meta.block_tables.shape[1], model.cos_sin_cache.shape[0],
-                   MAX_QUERY_LEN[model.dtype], cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
+                   INVARIANT_QUERY_LEN if invariant else MAX_QUERY_LEN[model.dtype], cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
                    cache_kind(k_cache), model.cos_sin_cache.data_ptr())
     embeddings = hidden.contiguous()
     hidden, residual = torch.empty_like(embeddings), torch.empty_like(embeddings)

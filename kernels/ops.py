@@ -7,6 +7,13 @@ torch's int8 and int4 matmuls on weights quantized at load,
 short-query paged attention, one call per norm, rotary embedding, KV write and SiLU-and-multiply;
 the reference for everything else);
 "triton" the Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
+
+The "cpu" backend's batch-invariant table (`get_ops(..., batch_invariant=True)`, `--batch-invariant`) gives
+up every choice of kernel by the step's row count, the only thing that makes a row's numbers depend on its
+batch: projections never switch to AMX tiles or torch from some row count on (quant_gemm.c, packed_gemm.c
+and cpu_gemm.c at every size, each of which sums a row in one order whatever the rows beside it), and every
+query run, prefill chunks too, goes through the decode attention kernel, which computes each row alone
+from its own keys (parts of its context from key 0). int8 products are exact integers on every path.
 """
 
 from dataclasses import dataclass, replace
@@ -15,8 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import activation, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, paged_attention, \
-    lora, paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
+from kernels import activation, cpu_gemm, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, \
+    paged_attention, lora, paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
 from kernels.quantize import Int4Weight, Int8Weight
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -41,6 +48,7 @@ class Ops:
     decode_layers: Callable | None = None
     # (out, x, A stack, B stack, segments): each segment's rows add x @ A[slot] @ B[slot] (kernels/lora.py)
     add_lora: Callable = lora.add_lora
+    batch_invariant: bool = False   # no kernel chosen by the step's rows (the module's docstring)
 
 
 def _torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,9 +110,16 @@ def _cpu_embedding(ids: torch.Tensor, weight) -> torch.Tensor:
 def _cpu_decode_layers(model, *args, **kwargs):
     """decode_layers.c runs the CPU table's own kernels: a table with any of them replaced (a test's
     reference) runs the layer loop, which calls what it holds."""
-    if any(getattr(model.ops, name) is not getattr(CPU_OPS, name) for name in _LAYER_OPS):
+    table = CPU_INVARIANT_OPS if model.ops.batch_invariant else CPU_OPS
+    if any(getattr(model.ops, name) is not getattr(table, name) for name in _LAYER_OPS):
         return None
     return decode_layers.run(model, *args, **kwargs)
+
+
+def _invariant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):   # float32 (bf16 ones are packed): cpu_gemm.c at every row count
+        return cpu_gemm.linear(x, weight, bias, max_rows=None)
+    return _cpu_linear(x, weight, bias)
 
 
 _LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",
@@ -115,6 +130,9 @@ CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
                   rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,
                   silu_and_mul=cpu_layer_ops.silu_and_mul, decode_layers=_cpu_decode_layers)
+CPU_INVARIANT_OPS = replace(CPU_OPS, prepare_weight=packed_linear.prepare_invariant,
+                            prepare_quantized=quant_linear.pack, linear=_invariant_linear,
+                            paged_attention=paged_attention_cpu.invariant_paged_attention, batch_invariant=True)
 
 
 def _triton_interpreter_on() -> bool:
@@ -147,13 +165,21 @@ def _triton_ops() -> Ops:
                    add_lora=lora_triton.add_lora)
 
 
-def get_ops(backend: str = "auto", device: torch.device | str = "cpu") -> Ops:
-    """Return the ops for `backend` ("auto" | "torch" | "cpu" | "triton") on `device`."""
+def get_ops(backend: str = "auto", device: torch.device | str = "cpu", batch_invariant: bool = False) -> Ops:
+    """Return the ops for `backend` ("auto" | "torch" | "cpu" | "triton") on `device`; `batch_invariant`: the
+    "cpu" backend's batch-invariant table (the module's docstring), which no other backend has."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernels backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "cpu" if cpu_native.available() else "torch"
+    if batch_invariant:
+        if backend != "cpu" or device.type != "cpu":
+            raise ValueError(f"batch_invariant needs the CPU C kernels (kernels='cpu' on the CPU), not {backend!r} "
+                             f"on {device.type}")
+        if not cpu_native.available():
+            raise ValueError("batch_invariant needs the CPU C kernels: a C compiler (cc) and a CPU with AVX2 and FMA")
+        return CPU_INVARIANT_OPS
     if backend == "torch":
         return TORCH_OPS
     if backend == "cpu":

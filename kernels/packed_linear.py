@@ -131,6 +131,17 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     return packed
 
 
+def prepare_invariant(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """prepare_weight for the batch-invariant kernels: a bf16 CPU weight always packed, and multiplied by the
+    packed kernel at every row count (no plain copy for torch, no AMX tiles); anything else as it is."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or not cpu_native.available():
+        return weight
+    packed = pack(weight)
+    packed.dot = layout(*weight.shape)[1]
+    return packed
+
+
 _decisions: dict[tuple[int, int, int], tuple[str, bool]] = {}
 
 

@@ -27,6 +27,7 @@ from kernels.paged_attention import paged_attention as reference_paged_attention
 # 8 sequences, 200-1500 tokens of past, on a Zen 5: the decode kernel took 0.79-0.96x the prefill kernel's
 # time at 5 new tokens (bf16 and float32), 0.91-1.07x at 6, 1.0-1.4x at 7 and 8, 2-3x at 16.
 MAX_QUERY_LEN = {torch.float32: 5, torch.bfloat16: 5}
+INVARIANT_QUERY_LEN = 1 << 30   # the batch-invariant table's: every run through the decode kernel
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # paged_attention_cpu.c's kinds (2, 3: int8, fp8)
 PREFILL_D_MULTIPLE, PREFILL_MAX_GROUP = 8, 24
 # The decode kernel's prefetches go into L1 or L2 (paged_attention_cpu.c's `prefetch`): measured once per
@@ -54,6 +55,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not kernel_takes(q.dtype, max_query_len, q.shape[1], k_cache.shape[2], q.shape[2]):
         return _split(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
     return _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales)
+
+
+def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                              max_query_len: int, max_seq_len: int, scale: float, k_scales: torch.Tensor | None = None,
+                              v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention for the batch-invariant kernels: every query run, however long, through the decode
+    kernel, which computes each row alone (its keys from key 0, in parts of SEG keys), so a token's output is
+    the same in a prefill chunk of any length, beside any other runs, and as a lone decode."""
+    lib = cpu_native.library()
+    if lib is None or q.dtype not in _CACHE_KINDS or (k_cache.dtype != q.dtype and not is_quantized(k_cache)) \
+            or q.device.type != "cpu":
+        raise ValueError("batch-invariant attention needs the CPU C kernels and a float32 or bf16 query")
+    check_scales(k_cache, v_cache, k_scales, v_scales)
+    return _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales,
+                   short_max=INVARIANT_QUERY_LEN)
 
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,
@@ -187,7 +204,7 @@ def _chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table:
 
 
 def _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales,
-            v_scales) -> torch.Tensor:
+            v_scales, short_max: int | None = None) -> torch.Tensor:
     """Every query run through paged_attention_cpu.c, reading the context in place: runs of at most
     MAX_QUERY_LEN tokens (decodes, verifications) through its decode kernel, longer ones (prefill chunks)
     through its prefill kernel, which reads each key once for up to 48 (AVX2: 24) query rows. In a step of
@@ -220,7 +237,7 @@ def _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, s
         v_scales.data_ptr() if quantized else None, tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
         out.data_ptr(), batch, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
         k_cache.shape[0], scale, torch.get_num_threads(), int(q.dtype == torch.bfloat16), cache_kind(k_cache),
-        MAX_QUERY_LEN[q.dtype])
+        MAX_QUERY_LEN[q.dtype] if short_max is None else short_max)
     _raise_for(status, q, k_cache)
     return out
 

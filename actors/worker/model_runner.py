@@ -76,12 +76,14 @@ class ModelRunner:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  device: str | torch.device = "cpu", num_threads: int | None = None,
                  quantization: str = "none", kv_cache_dtype: str = "auto", cuda_graph_batch: int = 0,
-                 max_loras: int = 0, max_lora_rank: int = 16, tensor_parallel: RankSpec | None = None) -> None:
+                 max_loras: int = 0, max_lora_rank: int = 16, tensor_parallel: RankSpec | None = None,
+                 batch_invariant: bool = False) -> None:
         """cuda_graph_batch: on CUDA with the Triton kernels, decode steps of up to this many sequences
         replay CUDA graphs captured here (decode_graphs.py); 0 runs every step eagerly. max_loras: slots
         for LoRA adapters of up to max_lora_rank (lora_slots.py); 0 serves the base model alone.
         tensor_parallel: this runner is that rank of a model split across processes (tensor_parallel.py); it
-        loads its shard, holds its KV heads' part of the pool, and joins the group before returning."""
+        loads its shard, holds its KV heads' part of the pool, and joins the group before returning.
+        batch_invariant: the kernels' batch-invariant table (kernels/ops.py)."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.device = torch.device(device)
@@ -95,7 +97,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads or _usable_cores())
             keep_freed_memory()
         self.source = resolve_model_source(model)
-        self.ops = get_ops(kernels, self.device)
+        self.ops = get_ops(kernels, self.device, batch_invariant)
         self.block_size = block_size
         config, weights = open_model(self.source)
         self.model_config: ModelConfig = config   # the whole model's, also under tensor parallelism

@@ -24,6 +24,21 @@ _TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many best tokens 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(dim=-1, keepdim=True), on the CPU a row at a time: torch splits one row's sum over the threads but
+    sums each of several rows alone, so a batched sum would round a row differently beside other rows."""
+    if x.device.type != "cpu" or not x.shape[0]:
+        return x.sum(dim=-1, keepdim=True)
+    return torch.stack([row.sum() for row in x]).unsqueeze(1)
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, dim=-1, keepdim=True), on the CPU a row at a time (row_sums says why)."""
+    if x.device.type != "cpu" or not x.shape[0]:
+        return torch.logsumexp(x, dim=-1, keepdim=True)
+    return torch.stack([torch.logsumexp(row, dim=0) for row in x]).unsqueeze(1)
+
+
 class SamplingState:
     """One sequence's sampling state on the worker.
 
@@ -175,7 +190,7 @@ class Sampler:
         if random_rows:
             weights = probs[random_rows]
             _truncated_weights_(weights, [states[i] for i in random_rows])
-            probs[random_rows] = weights / weights.sum(dim=-1, keepdim=True)
+            probs[random_rows] = weights / row_sums(weights)
         if greedy_rows:
             top = row_argmax(probs[greedy_rows])
             probs[greedy_rows] = 0.0
@@ -313,7 +328,7 @@ def _top_p_cut(w: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor
     cumsum does them, are the whole sorted row's first ones, so the cut is the same."""
     if w.device.type != "cpu":
         return _top_p_cut_on_device(w, states)
-    total = w.sum(dim=-1)
+    total = row_sums(w).squeeze(1)
     top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=w.device)
     goals = (total * top_p).tolist()
     bounds = (total * (1.0 - top_p) / w.shape[1]).tolist()
@@ -338,7 +353,7 @@ def _top_p_cut_on_device(w: torch.Tensor, states: Sequence[SamplingState]) -> to
     sorting the best _TOP_P_CANDIDATES of each row there."""
     device = w.device
     top_p = torch.tensor([s.params.top_p for s in states], dtype=w.dtype, device=device)
-    goal = w.sum(dim=-1) * top_p
+    goal = row_sums(w).squeeze(1) * top_p
     best = w.topk(min(_TOP_P_CANDIDATES, w.shape[1]), dim=-1).values
     cumulative = best.cumsum(dim=-1)
     reached = cumulative[:, -1] >= goal
@@ -375,7 +390,7 @@ def raw_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], rows: li
 
     The subtraction is in float64: x - logsumexp overflows float32 for logits far apart."""
     raw = logits[rows].float()
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    lse = row_logsumexp(raw)
     max_n = max(states[i].num_logprobs for i in rows)
     top_vals, top_ids = raw.topk(min(max_n, raw.shape[1]), dim=-1) if max_n else (raw[:, :0], raw[:, :0].long())
     top_vals = (top_vals.double() - lse.double()).tolist()
@@ -394,7 +409,7 @@ def target_logprobs(logits: torch.Tensor, targets: list[int], num_top: int) -> l
     """Per row of `logits` [R, V]: the logprob of targets[r] (from the unmodified logits, as
     raw_logprobs), its rank (1 + the tokens more likely) and the top `num_top`: prompt logprobs."""
     raw = logits.float()
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True).double()
+    lse = row_logsumexp(raw).double()
     picked = raw.gather(1, torch.tensor(targets, dtype=torch.long, device=raw.device).unsqueeze(1))
     ranks = ((raw > picked).sum(dim=-1) + 1).tolist()
     values = (picked.double() - lse).squeeze(1).tolist()

@@ -376,7 +376,7 @@ def test_the_top_p_cut_is_the_whole_sorted_rows(top_p):
     """The cut found among the candidates (weights >= (1 - top_p) * total / vocab) is the one a
     sort of the whole row finds, on peaked, flat and tied rows; so is the accelerators' (its best
     1024 sorted on the device, the whole row where they hold too little), run here on the CPU."""
-    from actors.worker.sampler import _top_p_cut, _top_p_cut_on_device
+    from actors.worker.sampler import _top_p_cut, _top_p_cut_on_device, row_sums
 
     gen = torch.Generator().manual_seed(int(top_p * 1000))
     for scale in (0.1, 1.0, 4.0, 12.0):
@@ -384,7 +384,7 @@ def test_the_top_p_cut_is_the_whole_sorted_rows(top_p):
         w[5, :20000] = w[5, 0]                          # a tie across a wide plateau
         got = _top_p_cut(w, [state(top_p=top_p)] * 6).squeeze(1)
         assert torch.equal(got, _top_p_cut_on_device(w, [state(top_p=top_p)] * 6).squeeze(1))
-        goals = w.sum(dim=-1) * top_p     # summed as the sampler sums: the last bits depend on the order
+        goals = row_sums(w).squeeze(1) * top_p     # summed as the sampler sums: the last bits depend on the order
         for j in range(6):
             row = w[j].sort(descending=True).values
             cumulative = row.cumsum(dim=0)

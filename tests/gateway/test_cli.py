@@ -147,6 +147,7 @@ FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch
           "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
 FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
+FLAGS += ["--batch-invariant"]
 
 
 def _serve_flags(parser) -> list[str]:
