@@ -108,7 +108,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                  token_capacity=info.num_blocks * info.block_size, kv_cache_dtype=info.kv_cache_dtype,
                  kv_bytes_per_token=info.kv_bytes_per_token)
         kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
-        kv_tier = _open_tier(config, kv_blocks, info.block_size)
+        # A disk tier's start lists and checks its directory: a thread's work, not the event loop's.
+        kv_tier = await asyncio.to_thread(_open_tier, config, kv_blocks, info.block_size)
         # A tensor-parallel rank 0 holds only its KV heads: no blocks to give a peer engine.
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
                                   kv_tier, kv_blocks if rank0 is None else None)

@@ -4,7 +4,9 @@ Host memory holds the most recently evicted blocks (an LRU of `memory_bytes`); w
 every saved block is also written there (by the store's own thread), so the tier outlives the
 memory LRU and the process. A block's bytes are what `KVBlockIO` reads and writes for it alone, the
 layout a KV handoff moves. The hash carries the tenant's salt like the pool's, so a block is only ever found by
-a request that would have computed the same bytes. Only the KV manager calls it, inside its step.
+a request that would have computed the same bytes. Only the KV manager calls it, inside its step. On
+the event loop it never reads a file: what a step reloads or a peer pulls from disk is read first, on a
+thread the KV manager awaits (`read_disk`, then `stage`).
 Blocks entering and leaving the tier are announced in the manager's event log, tagged as the tier's,
 so the prefix index knows this engine can reload them.
 """
@@ -49,6 +51,9 @@ class KVTier:
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
+
+    def in_memory(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._memory
 
     @property
     def memory_used(self) -> int:
