@@ -696,6 +696,14 @@ class KVTierPut(msgspec.Struct, tag=True):
     failed: bool = False
 
 
+class PrefixPullTimed(msgspec.Struct, tag=True, frozen=True):
+    """To the scheduler, from its KV transfer actor: a prefix pull moved `num_bytes` in `seconds` (a
+    measurement of the link, for the next pull-or-compute decision)."""
+
+    num_bytes: int
+    seconds: float
+
+
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.
 register_messages(SubmitRequest, AbortRequest, TokenDeltas, GetStats, EngineStats,
                   GetEngineInfo, EngineInfo, SubmitRefused,

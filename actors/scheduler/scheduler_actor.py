@@ -26,8 +26,8 @@ from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
                              KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
-                             UnloadLoRAAdapter, StepPlan, StepProgress, StepResult, SubmitRequest,
-                             TokenDeltas)
+                             UnloadLoRAAdapter, PrefixPullTimed, StepPlan, StepProgress, StepResult,
+                             SubmitRequest, TokenDeltas)
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
@@ -99,6 +99,9 @@ class SchedulerActor(Actor):
                 self._pull_brake()
                 self._send_outputs()
                 await self._maybe_step()
+            case PrefixPullTimed(num_bytes=num_bytes, seconds=seconds):
+                if self.pulls.cost is not None:
+                    self.pulls.cost.pulled(num_bytes, seconds)
             case AbortRequest(request_id=request_id, index=index):
                 if index is None:
                     self.pulls.abort(request_id)
@@ -157,6 +160,7 @@ class SchedulerActor(Actor):
         """One step: schedule -> KV -> drafts -> forward -> update -> emit. No message is handled but
         while the draft and model workers compute; the update comes after every Abort sent meanwhile."""
         self._started = time.perf_counter()
+        prefilled_before = self.scheduler.counters.prefill_tokens
         try:
             plan = await self._schedule_kv()
             if plan is None:   # nothing fits: stalled on handoffs, or the queue failed
@@ -173,6 +177,8 @@ class SchedulerActor(Actor):
             self.step_s += time.perf_counter() - self._started
         else:
             self._update(plan, result)
+            if self.pulls.cost is not None:   # what computing a prompt costs here, for the next pull's decision
+                self.pulls.cost.prefilled(self.scheduler.counters.prefill_tokens - prefilled_before, result.forward_s)
         self._send_outputs()
 
     async def _schedule_kv(self) -> StepPlan | None:
