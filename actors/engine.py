@@ -23,6 +23,7 @@ from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.structs import KVCacheConfig
 from actors.kv.tier import KVTier
+from actors.kv.tier_codec import Int8BlockCodec
 from actors.kv.tier_disk import DiskTier
 from actors.messages import GetWorkerInfo, LoadLoRAAdapter, LoRAOutcome, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
@@ -150,13 +151,16 @@ def _open_tier(config: EngineConfig, blocks: KVBlockIO, block_size: int) -> KVTi
     if not (config.kv_offload_memory or config.kv_offload_dir) or not config.enable_prefix_caching:
         return None
     disk = None
+    codec = Int8BlockCodec(blocks.tensors) if config.kv_offload_dtype == "int8" else None
     if config.kv_offload_dir:
         identity = {"format": 1, "model": model_fingerprint(config.model), "dtype": config.resolved_dtype(),
                     "kv_layout": blocks.layout, "block_size": block_size, "block_hash": HASH_SCHEME}
+        if codec is not None:   # a directory of the pool's own bytes is not one of int8 blocks
+            identity["tier_dtype"] = config.kv_offload_dtype
         disk = DiskTier(config.kv_offload_dir, identity, config.kv_offload_disk)
         log.info("disk KV tier", path=config.kv_offload_dir, blocks=len(disk), bytes=disk.bytes_used,
                  emptied=disk.reset_reason)
-    return KVTier(blocks, config.kv_offload_memory, disk)
+    return KVTier(blocks, config.kv_offload_memory, disk, codec)
 
 
 def model_fingerprint(path: str) -> str:

@@ -142,7 +142,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
-FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
+FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk", "--kv-offload-dtype"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
           "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
