@@ -211,6 +211,11 @@ class EngineStats(msgspec.Struct, tag=True):
     lora_running: dict[str, int] = {}     # adapter -> its requests running now, and waiting
     lora_waiting: dict[str, int] = {}
     lora_requests: dict[str, int] = {}    # adapter -> requests submitted for it since the start
+    # Prefix pulls (actors/scheduler/pull_cost.py): those the measured rates said to compute instead, and
+    # the rates (0 until measured).
+    prefix_pulls_skipped: int = 0
+    prefill_tokens_per_s: float = 0.0
+    pull_bytes_per_s: float = 0.0
 
 
 # --- LoRA adapters: front end -> scheduler -> model worker (vLLM's load_lora_adapter API) ----------

@@ -28,6 +28,7 @@ from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve,
                              KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
                              UnloadLoRAAdapter, PrefixPullTimed, StepPlan, StepProgress, StepResult,
                              SubmitRequest, TokenDeltas)
+from actors.scheduler.pull_cost import PullCost
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
@@ -370,7 +371,7 @@ class SchedulerActor(Actor):
             prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
             ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished,
             max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
-            lora_requests=dict(c.lora_requests))
+            lora_requests=dict(c.lora_requests), **_pull_rates(self.pulls.cost))
 
 
 class _HandoffCounters:
@@ -414,3 +415,11 @@ def _decode_shape(plan: StepPlan) -> tuple[int, int] | None:
     if not plan.seqs or not all(s.sample and len(s.token_ids) == 1 for s in plan.seqs):
         return None
     return len(plan.seqs), sum(len(s.spec_token_ids) for s in plan.seqs)
+
+
+def _pull_rates(cost: PullCost | None) -> dict[str, float]:
+    """The pull-or-compute decision's measurements, for the stats (none without a transfer actor)."""
+    if cost is None:
+        return {}
+    return {"prefix_pulls_skipped": cost.skipped, "prefill_tokens_per_s": cost.prefill.rate or 0.0,
+            "pull_bytes_per_s": cost.link.rate or 0.0}

@@ -171,7 +171,8 @@ async def test_a_link_measured_slow_makes_the_engine_compute_instead_of_pulling(
         before = stats
         assert await run(puller, front, ref, "p2", others[1], pull_from=holder_tx) == expected_other[1]
         after = await puller.scheduler.ask(GetStats())
-        assert after.kv_tier.tier_pulls == 1 and cost.skipped == 1
+        assert after.kv_tier.tier_pulls == 1 and after.prefix_pulls_skipped == 1
+        assert 0 < after.pull_bytes_per_s * 16 < after.prefill_tokens_per_s * puller.kv_blocks.bytes_per_block
         assert after.prefill_tokens - before.prefill_tokens == len(others[1])
         assert after.kv_blocks_free == after.kv_blocks_total
     finally:
