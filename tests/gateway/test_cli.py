@@ -136,7 +136,8 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
---engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --kv-transfer-chunk --no-kv-transfer-by-layer --index-timeout
+--engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --kv-transfer-chunk
+--no-kv-transfer-by-layer --index-timeout
 --routing --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser --reasoning-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
