@@ -19,6 +19,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")   # weight formats; auto: a GGU
 KERNELS = ("auto", "torch", "cpu", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_OFFLOAD_DTYPES = ("auto", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The step's token budget. A CPU computes ~1k tokens a second with a small model, and a prompt's first
 # token waits for the whole step that finishes it: 2048-token steps stall every decode for two seconds
@@ -78,6 +79,11 @@ class EngineConfig:
                 "own) and found again after a restart with the same model, dtype, KV layout and block size"})
     kv_offload_disk: int = field(default=16 << 30, metadata={
         "help": "bytes the --kv-offload-dir tier keeps at most (oldest blocks go first)", "type": "bytes"})
+    kv_offload_dtype: str = field(default="auto", metadata={
+        "help": "auto: the tiers keep blocks as the pool does; int8 (a float pool only): a byte a value and a "
+                "scale per block and KV head, a quarter of float32's bytes, reloaded KV within half a step "
+                "of the computed (greedy text close to, not always equal to, the computed)",
+        "choices": KV_OFFLOAD_DTYPES})
     max_num_seqs: int = field(default=256, metadata={"help": "sequences running in one step"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": f"tokens computed in one step (unset: {CPU_STEP_TOKENS} on the CPU, {GPU_STEP_TOKENS} on CUDA)"})
@@ -167,6 +173,11 @@ class EngineConfig:
         if self.kv_offload_memory < 0:
             raise ValueError(f"kv_offload_memory must not be negative, got {self.kv_offload_memory}")
         _positive(self, "kv_offload_disk")
+        if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {KV_OFFLOAD_DTYPES}, got {self.kv_offload_dtype!r}")
+        if self.kv_offload_dtype != "auto" and self.kv_cache_dtype != "auto":
+            raise ValueError(f"an int8 KV tier is for a float KV cache; a {self.kv_cache_dtype} cache's blocks "
+                             "go to the tier as they are (leave kv_offload_dtype auto)")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         self.speculative = SpeculativeConfig.parse(self.speculative)

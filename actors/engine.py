@@ -23,6 +23,7 @@ from actors.draft.proposer import vocab_digest
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.structs import KVCacheConfig
 from actors.kv.tier import KVTier
+from actors.kv.tier_codec import Int8BlockCodec
 from actors.kv.tier_disk import DiskTier
 from actors.messages import GetWorkerInfo, LoadLoRAAdapter, LoRAOutcome, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
@@ -108,7 +109,8 @@ async def start_engine(config: EngineConfig | None = None, system: ActorSystem |
                  token_capacity=info.num_blocks * info.block_size, kv_cache_dtype=info.kv_cache_dtype,
                  kv_bytes_per_token=info.kv_bytes_per_token)
         kv_blocks = KVBlockIO(worker_actor.runner.kv_caches)
-        kv_tier = _open_tier(config, kv_blocks, info.block_size)
+        # A disk tier's start lists and checks its directory: a thread's work, not the event loop's.
+        kv_tier = await asyncio.to_thread(_open_tier, config, kv_blocks, info.block_size)
         # A tensor-parallel rank 0 holds only its KV heads: no blocks to give a peer engine.
         kv_actor = KVManagerActor(KVCacheConfig(info.num_blocks, info.block_size, config.enable_prefix_caching),
                                   kv_tier, kv_blocks if rank0 is None else None)
@@ -150,13 +152,16 @@ def _open_tier(config: EngineConfig, blocks: KVBlockIO, block_size: int) -> KVTi
     if not (config.kv_offload_memory or config.kv_offload_dir) or not config.enable_prefix_caching:
         return None
     disk = None
+    codec = Int8BlockCodec(blocks.tensors) if config.kv_offload_dtype == "int8" else None
     if config.kv_offload_dir:
         identity = {"format": 1, "model": model_fingerprint(config.model), "dtype": config.resolved_dtype(),
                     "kv_layout": blocks.layout, "block_size": block_size, "block_hash": HASH_SCHEME}
+        if codec is not None:   # a directory of the pool's own bytes is not one of int8 blocks
+            identity["tier_dtype"] = config.kv_offload_dtype
         disk = DiskTier(config.kv_offload_dir, identity, config.kv_offload_disk)
         log.info("disk KV tier", path=config.kv_offload_dir, blocks=len(disk), bytes=disk.bytes_used,
                  emptied=disk.reset_reason)
-    return KVTier(blocks, config.kv_offload_memory, disk)
+    return KVTier(blocks, config.kv_offload_memory, disk, codec)
 
 
 def model_fingerprint(path: str) -> str:

@@ -74,6 +74,13 @@ SERIES = (
     Series("matinee_prefix_cache_tier_hit_tokens", "counter", "Of those, prompt tokens copied back from the KV "
            "tier (--kv-offload-memory / --kv-offload-dir) instead of computed.",
            lambda s: s.prefix_cache_tier_hit_tokens),
+    Series("matinee_prefix_pulls_skipped", "counter", "Prefix pulls a peer could have given that the measured "
+           "rates said to compute instead.", lambda s: s.prefix_pulls_skipped),
+    Series("matinee_prefill_rate_tokens_per_second", "gauge", "Prompt tokens a second of forward, smoothed over "
+           "the steps that prefilled (0 until measured; what a pull is weighed against).",
+           lambda s: s.prefill_tokens_per_s),
+    Series("matinee_prefix_pull_rate_bytes_per_second", "gauge", "KV bytes a second of the prefix pulls, smoothed "
+           "(0 until one moved a block).", lambda s: s.pull_bytes_per_s),
     *(Series(f"matinee_kv_tier_{name}", kind, text, _tier(field)) for name, kind, text, field in (
         ("hit_blocks_memory", "counter", "KV blocks copied back from the tier's host memory.", "tier_hits_memory"),
         ("hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.", "tier_hits_disk"),

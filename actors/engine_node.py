@@ -22,6 +22,7 @@ import msgspec
 
 from actors.config import EngineConfig
 from actors.kv.transfer import KVTransfer, KVTransferConfig
+from actors.scheduler.pull_cost import PullCost
 from actors.messages import (AbortRequest, EngineInfo, GetEngineInfo, GetStats, KVEventsWaiting, SubmitRefused,
                              SubmitRequest, SubscribeKVEvents)
 from runtime import Actor, ActorRef, ActorSystem, get_logger
@@ -157,6 +158,7 @@ async def attach_kv_transfer(system: ActorSystem, engine: Any, config: KVTransfe
                                         engine.kv), name=f"{name}-kv-transfer")
     engine.scheduler_actor.transfer = ref
     engine.scheduler_actor.pulls.enabled = engine.kv_tier is not None   # pulled blocks land in the tier
+    engine.scheduler_actor.pulls.cost = PullCost(engine.config.block_size, engine.kv_blocks.bytes_per_block)
     engine.scheduler_actor.block_layout = engine.kv_blocks.layout
     # Layer by layer the transfer reads the cache while the forward runs: only where that needs no device sync.
     engine.scheduler_actor.layer_stream = config.by_layer and engine.kv_blocks.on_host

@@ -214,6 +214,11 @@ class EngineStats(msgspec.Struct, tag=True):
     lora_waiting: dict[str, int] = {}
     lora_requests: dict[str, int] = {}    # adapter -> requests submitted for it since the start
     lora_keys: dict[str, str] = {}        # adapter -> its identity in the prefix cache's hashes (name@contents)
+    # Prefix pulls (actors/scheduler/pull_cost.py): those the measured rates said to compute instead, and
+    # the rates (0 until measured).
+    prefix_pulls_skipped: int = 0
+    prefill_tokens_per_s: float = 0.0
+    pull_bytes_per_s: float = 0.0
 
 
 # --- LoRA adapters: front end -> scheduler -> model worker (vLLM's load_lora_adapter API) ----------
@@ -698,6 +703,14 @@ class KVTierPut(msgspec.Struct, tag=True):
     blocks: list[bytes]
     seconds: float = 0.0
     failed: bool = False
+
+
+class PrefixPullTimed(msgspec.Struct, tag=True, frozen=True):
+    """To the scheduler, from its KV transfer actor: a prefix pull moved `num_bytes` in `seconds` (a
+    measurement of the link, for the next pull-or-compute decision)."""
+
+    num_bytes: int
+    seconds: float
 
 
 # What crosses processes between a gateway and an engine; the rest stays inside one engine process.

@@ -192,7 +192,16 @@ class KVManagerActor(Actor):
             case KVHeldRun(block_hashes=hashes):
                 return self.kv.held_run(hashes)
             case KVPull(block_hashes=hashes):
-                return KVPulled(self._share(hashes))
+                if self.blocks is None:
+                    return KVPulled([])
+                before = self.kv.next_event_seq
+                await self._read_ahead_for_share(hashes)
+                try:
+                    return KVPulled(self._share(hashes))
+                finally:
+                    if self.kv.tier is not None:
+                        self.kv.tier.unstage()
+                    self._events_recorded(before)
             case KVTierPut(block_hashes=hashes, blocks=blocks, seconds=seconds, failed=failed):
                 before = self.kv.next_event_seq
                 if self.kv.tier is not None:
@@ -210,12 +219,7 @@ class KVManagerActor(Actor):
         return await super().receive(msg)
 
     def _share(self, hashes: list[bytes]) -> list[bytes]:
-        if self.blocks is None:
-            return []
-        before = self.kv.next_event_seq
-        shared = [b if isinstance(b, bytes) else bytes(self.blocks.read([b])) for b in self.kv.shareable(hashes)]
-        self._events_recorded(before)
-        return shared
+        return [b if isinstance(b, bytes) else bytes(self.blocks.read([b])) for b in self.kv.shareable(hashes)]
 
     async def _read_ahead(self, msg: KVStep) -> None:
         """Tier blocks the step's admissions will want from disk are read on a thread first: the
@@ -225,6 +229,13 @@ class KVManagerActor(Actor):
                                                         admit.read_prefix_cache))]
         if wanted:
             self.kv.tier.stage(await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted))))
+
+    async def _read_ahead_for_share(self, hashes: list[BlockHash]) -> None:
+        """The tier's disk blocks a peer's pull wants are read on a thread first, as a step's are: a slow
+        disk holds up the pull, never this process's event loop."""
+        wanted = self.kv.share_disk_reads(hashes)
+        if wanted:
+            self.kv.tier.stage(await asyncio.to_thread(self.kv.tier.read_disk, wanted))
 
     def _events_recorded(self, before: int) -> None:
         """Subscribers hear of a transaction's events; the events wait in the log for their drain."""

@@ -98,6 +98,24 @@ class KVCacheManager:
             out.append(found[0])
         return out
 
+    def share_disk_reads(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The blocks a `shareable` of `hashes` would read from the tier's disk (to read them ahead, off
+        the event loop): those of its leading run the pool lacks and only the disk holds."""
+        if self.tier is None or self.tier.disk is None:
+            return []
+        wanted = []
+        for block_hash in hashes:
+            block = self._pool.lookup(block_hash)
+            if block is not None:
+                if block.ref_cnt:
+                    break
+                continue
+            if block_hash not in self.tier:
+                break
+            if not self.tier.in_memory(block_hash):
+                wanted.append(block_hash)
+        return wanted
+
     def _pool_run(self, request: KVRequest) -> tuple[list[BlockHash], int, list[int]]:
         """(the request's full-block hashes, how many may hit, the pool's blocks of its leading run)."""
         hashes = hash_full_blocks(request.token_ids, self.block_size, request.cache_salt)

@@ -16,7 +16,7 @@ import time
 
 import msgspec
 
-from actors.messages import KVHeldRun, KVPull, KVPulled, KVTierPut, SubmitRequest
+from actors.messages import KVHeldRun, KVPull, KVPulled, KVTierPut, PrefixPullTimed, SubmitRequest
 from prefix_store.hashing import adapter_salt, hash_full_blocks
 from runtime import ActorRef, get_logger
 
@@ -48,7 +48,9 @@ class PrefixPull:
             log.info("prefix pull failed; computing the rest of the prompt", request_id=submit.request_id,
                      pulled_blocks=len(blocks), error=str(exc) or repr(exc))
         finally:
-            self.kv.tell(KVTierPut(hashes, blocks, time.perf_counter() - started, failed))
+            seconds = time.perf_counter() - started
+            self.kv.tell(KVTierPut(hashes, blocks, seconds, failed))
+            self.scheduler.tell(PrefixPullTimed(sum(len(b) for b in blocks), seconds))
             self.scheduler.tell(msgspec.structs.replace(submit, pull_from=None))
 
     async def serve(self, pull: KVPull) -> KVPulled:

@@ -4,7 +4,10 @@ Host memory holds the most recently evicted blocks (an LRU of `memory_bytes`); w
 every saved block is also written there (by the store's own thread), so the tier outlives the
 memory LRU and the process. A block's bytes are what `KVBlockIO` reads and writes for it alone, the
 layout a KV handoff moves. The hash carries the tenant's salt like the pool's, so a block is only ever found by
-a request that would have computed the same bytes. Only the KV manager calls it, inside its step.
+a request that would have computed the same bytes. Only the KV manager calls it, inside its step. On
+the event loop it never reads a file: what a step reloads or a peer pulls from disk is read first, on a
+thread the KV manager awaits (`read_disk`, then `stage`). With a codec (actors/kv/tier_codec.py) the tier
+keeps each block in the codec's form, in memory and on disk, and gives it back in the pool's.
 Blocks entering and leaving the tier are announced in the manager's event log, tagged as the tier's,
 so the prefix index knows this engine can reload them.
 """
@@ -13,11 +16,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from actors.kv.event_log import EventLog
 from actors.kv.tier_disk import DiskTier
 from prefix_store.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from actors.kv.tier_codec import Int8BlockCodec   # torch: only where an engine runs
 
 
 class BlockBytes(Protocol):
@@ -31,12 +37,15 @@ class BlockBytes(Protocol):
 
 
 class KVTier:
-    def __init__(self, blocks: BlockBytes, memory_bytes: int = 0, disk: DiskTier | None = None):
+    def __init__(self, blocks: BlockBytes, memory_bytes: int = 0, disk: DiskTier | None = None,
+                 codec: Int8BlockCodec | None = None):
         if memory_bytes < 0:
             raise ValueError(f"the tier's memory must not be negative, got {memory_bytes}")
-        if memory_bytes < blocks.bytes_per_block and disk is None:
-            raise ValueError(f"a KV tier of {memory_bytes} bytes holds no block of {blocks.bytes_per_block}")
+        self.block_bytes = codec.stored_bytes if codec is not None else blocks.bytes_per_block   # as kept here
+        if memory_bytes < self.block_bytes and disk is None:
+            raise ValueError(f"a KV tier of {memory_bytes} bytes holds no block of {self.block_bytes}")
         self.blocks = blocks
+        self.codec = codec
         self.memory_bytes = memory_bytes
         self.disk = disk
         self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
@@ -50,9 +59,12 @@ class KVTier:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
 
+    def in_memory(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._memory
+
     @property
     def memory_used(self) -> int:
-        return len(self._memory) * self.blocks.bytes_per_block
+        return len(self._memory) * self.block_bytes
 
     def hashes(self) -> list[BlockHash]:
         """Every block the tier holds, in memory or on disk, once."""
@@ -75,8 +87,8 @@ class KVTier:
             self._announce([], gone)
             return
         for block_id, block_hash in fresh:   # one block at a time: a block's bytes stand alone
-            gone += self._add(block_hash, bytes(self.blocks.read([block_id])))
-        self.bytes_saved += len(fresh) * self.blocks.bytes_per_block
+            gone += self._add(block_hash, self._encode(self.blocks.read([block_id])))
+        self.bytes_saved += len(fresh) * self.block_bytes
         self._announce([h for _, h in fresh], gone)
         self.save_s += time.perf_counter() - started
 
@@ -89,7 +101,7 @@ class KVTier:
         fresh = [(h, b) for h, b in zip(hashes, blocks) if h not in self and len(b) == size]
         gone = []
         for block_hash, block in fresh:
-            gone += self._add(block_hash, block)
+            gone += self._add(block_hash, self._encode(block))
         self.bytes_pulled += len(fresh) * size
         self._announce([h for h, _ in fresh], gone)
 
@@ -101,8 +113,8 @@ class KVTier:
         return gone
 
     def fetch(self, hashes: list[BlockHash]) -> tuple[list[bytes], int]:
-        """The bytes of the leading blocks of `hashes` the tier holds (up to the first it cannot
-        give: absent, or damaged on disk), and how many of them were read from disk."""
+        """The bytes (the pool's layout) of the leading blocks of `hashes` the tier holds (up to the first
+        it cannot give: absent, or damaged on disk), and how many of them were read from disk."""
         started = time.perf_counter()
         found, from_disk, gone = [], 0, self._take_lost()
         for block_hash in hashes:
@@ -118,7 +130,7 @@ class KVTier:
                 from_disk += 1
             else:
                 break
-            found.append(block)
+            found.append(self.codec.decode(block) if self.codec is not None else block)
         self._announce([], gone)
         self.load_s += time.perf_counter() - started
         return found, from_disk
@@ -154,7 +166,7 @@ class KVTier:
             self.blocks.write([block_id], block)
         self.hits_disk += from_disk
         self.hits_memory += len(blocks) - from_disk
-        self.bytes_loaded += len(blocks) * self.blocks.bytes_per_block
+        self.bytes_loaded += len(blocks) * self.block_bytes
         self.load_s += time.perf_counter() - started
 
     def clear(self) -> None:
@@ -179,6 +191,9 @@ class KVTier:
         while self.memory_used > self.memory_bytes:
             gone.append(self._memory.popitem(last=False)[0])
         return gone
+
+    def _encode(self, block: bytes | memoryview) -> bytes:
+        return self.codec.encode(block) if self.codec is not None else bytes(block)
 
     def _take_lost(self) -> list[BlockHash]:
         return self.disk.take_lost() if self.disk is not None else []

@@ -5,7 +5,9 @@ scheme); a directory written under another identity is emptied, never read. Each
 named by its chained hash, with the hash, its length and a checksum in front of the bytes: a file
 that is truncated, corrupted or under the wrong name is deleted and reads as a miss, so the block
 is computed instead. Writes go through one thread (never the step's), to a temporary name and then
-renamed; a write that fails (a full disk) only loses that block. Oldest files go past `max_bytes`.
+renamed; a write that fails only loses that block. Oldest files go past `max_bytes`; a disk found full
+(ENOSPC, a quota) lowers `max_bytes` to what the store holds then, so from there on the oldest files
+make room for new ones (deleted before the new one is written) instead of every write failing.
 
 Which blocks it holds changes only on the caller's thread (a block counts from its `put`, and is read
 from the queue until written); the writer reports the blocks it could not write (`take_lost`).
@@ -13,6 +15,7 @@ from the queue until written); the writer reports the blocks it could not write 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +25,9 @@ import threading
 from collections import OrderedDict
 
 from prefix_store.hashing import BlockHash
+from runtime import get_logger
+
+log = get_logger(component="kv-tier-disk")
 
 MAGIC = b"MKVB1\0"
 _HEAD = struct.Struct("<6s32sQ16s")   # magic, block hash, data length, blake2b-128 of the data
@@ -44,9 +50,11 @@ class DiskTier:
         self._files: OrderedDict[BlockHash, int] = OrderedDict()   # hash -> file size, oldest first
         self._pending: dict[BlockHash, bytes] = {}   # queued, not yet written
         self._lost: list[BlockHash] = []             # the writer could not write them
+        self._full = False                           # a write found the disk full since the last take_lost
         self.bytes_used = 0
         self.pending_bytes = 0
         self.write_failures = self.dropped = self.discarded = 0
+        self.full_at: int | None = None        # bytes held when the disk was last found full
         self.reset_reason: str | None = None   # why an existing directory was emptied at the start
         self._queue: queue.Queue = queue.Queue()   # (hash, bytes) to write, (hash, None) to delete, None: stop
         try:
@@ -73,16 +81,18 @@ class DiskTier:
         if block_hash in self._files:
             self._files.move_to_end(block_hash)
             return []
+        size = _HEAD.size + len(data)
         with self._lock:
-            if self.pending_bytes + len(data) > self.max_pending_bytes:
+            if self.pending_bytes + len(data) > self.max_pending_bytes or size > self.max_bytes:
                 self.dropped += 1
                 return []
             self.pending_bytes += len(data)
             self._pending[block_hash] = data
-        self._files[block_hash] = _HEAD.size + len(data)
-        self.bytes_used += _HEAD.size + len(data)
+        self._files[block_hash] = size
+        self.bytes_used += size
+        gone = self._shrink()   # their deletes are queued first: on a full disk they make the room
         self._queue.put((block_hash, data))
-        return self._shrink()
+        return gone
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The block's bytes, or None when absent or damaged (a damaged file is deleted)."""
@@ -110,8 +120,15 @@ class DiskTier:
         """Blocks whose write failed since the last call: no longer held."""
         with self._lock:
             lost, self._lost = self._lost, []
+            full, self._full = self._full, False
+            pending = self.pending_bytes + len(self._pending) * _HEAD.size
         for block_hash in lost:
             self._forget(block_hash)
+        if full:   # the disk holds no more than what is written now: keep to that
+            self.full_at = self.max_bytes = max(self.bytes_used - pending, 0)
+            log.warning("the KV tier's disk is full: oldest blocks now make room for new ones",
+                        path=self.path, max_bytes=self.max_bytes)
+            return lost + self._shrink()
         return lost
 
     def clear(self) -> None:
@@ -203,9 +220,12 @@ class DiskTier:
                 f.write(data)
             os.replace(tmp, final)
             return True
-        except OSError:
+        except OSError as e:
             self.write_failures += 1
             self._unlink_path(tmp)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                with self._lock:
+                    self._full = True
             return False
 
     def _shrink(self) -> list[BlockHash]:

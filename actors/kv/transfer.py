@@ -42,7 +42,9 @@ class KVTransferConfig:
     by_layer: bool = field(default=True, metadata={
         "help": "send a prompt's KV as the forward writes each layer (a cache in host memory); this flag "
                 "sends whole blocks once each chunk is computed", "flag": "no-kv-transfer-by-layer"})
-    chunk_bytes: int = 1 << 20        # blocks per frame: as many as fit (at least one)
+    chunk_bytes: int = field(default=1 << 20, metadata={
+        "help": "KV bytes per frame of a handoff or a prefix pull: as many blocks as fit, at least one",
+        "type": "bytes", "flag": "kv-transfer-chunk"})
     timeout_s: float = 30.0           # a chunk, an offer or a commit not answered by then cuts the handoff;
                                       # a receiver that hears nothing of a handoff for twice that lets it go
 

@@ -26,8 +26,9 @@ from actors.draft.messages import Propose, Proposals
 from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
                              HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
                              KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
-                             UnloadLoRAAdapter, StepPlan, StepProgress, StepResult, SubmitRequest,
-                             TokenDeltas)
+                             UnloadLoRAAdapter, PrefixPullTimed, StepPlan, StepProgress, StepResult,
+                             SubmitRequest, TokenDeltas)
+from actors.scheduler.pull_cost import PullCost
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
@@ -99,6 +100,9 @@ class SchedulerActor(Actor):
                 self._pull_brake()
                 self._send_outputs()
                 await self._maybe_step()
+            case PrefixPullTimed(num_bytes=num_bytes, seconds=seconds):
+                if self.pulls.cost is not None:
+                    self.pulls.cost.pulled(num_bytes, seconds)
             case AbortRequest(request_id=request_id, index=index):
                 if index is None:
                     self.pulls.abort(request_id)
@@ -157,6 +161,7 @@ class SchedulerActor(Actor):
         """One step: schedule -> KV -> drafts -> forward -> update -> emit. No message is handled but
         while the draft and model workers compute; the update comes after every Abort sent meanwhile."""
         self._started = time.perf_counter()
+        prefilled_before = self.scheduler.counters.prefill_tokens
         try:
             plan = await self._schedule_kv()
             if plan is None:   # nothing fits: stalled on handoffs, or the queue failed
@@ -173,6 +178,8 @@ class SchedulerActor(Actor):
             self.step_s += time.perf_counter() - self._started
         else:
             self._update(plan, result)
+            if self.pulls.cost is not None:   # what computing a prompt costs here, for the next pull's decision
+                self.pulls.cost.prefilled(self.scheduler.counters.prefill_tokens - prefilled_before, result.forward_s)
         self._send_outputs()
 
     async def _schedule_kv(self) -> StepPlan | None:
@@ -364,7 +371,8 @@ class SchedulerActor(Actor):
             prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
             ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished,
             max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
-            lora_requests=dict(c.lora_requests), lora_keys=dict(self.scheduler.lora_keys))
+            lora_requests=dict(c.lora_requests), lora_keys=dict(self.scheduler.lora_keys),
+            **_pull_rates(self.pulls.cost))
 
     async def _manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters):
         """The worker holds the adapters; the scheduler keeps each one's identity (name@contents), which salts
@@ -418,3 +426,11 @@ def _decode_shape(plan: StepPlan) -> tuple[int, int] | None:
     if not plan.seqs or not all(s.sample and len(s.token_ids) == 1 for s in plan.seqs):
         return None
     return len(plan.seqs), sum(len(s.spec_token_ids) for s in plan.seqs)
+
+
+def _pull_rates(cost: PullCost | None) -> dict[str, float]:
+    """The pull-or-compute decision's measurements, for the stats (none without a transfer actor)."""
+    if cost is None:
+        return {}
+    return {"prefix_pulls_skipped": cost.skipped, "prefill_tokens_per_s": cost.prefill.rate or 0.0,
+            "pull_bytes_per_s": cost.link.rate or 0.0}

@@ -121,3 +121,63 @@ async def test_an_adapters_prefix_is_pulled_under_the_adapters_hashes(pair):
     after = await puller.scheduler.ask(GetStats())
     assert after.prefix_cache_tier_hit_tokens - stats.prefix_cache_tier_hit_tokens == full   # the holder's base blocks
     assert after.kv_tier.tier_bytes_pulled == 2 * full // 16 * puller.kv_blocks.bytes_per_block
+
+
+async def test_a_link_measured_slow_makes_the_engine_compute_instead_of_pulling(tiny_model_dir, tmp_path):
+    """The holder gives its first pull from a disk tier whose first block file is a pipe written two
+    seconds late: the puller measures a link far slower than its own prefill, and computes the next
+    prompt a peer could give instead of pulling it (the blocks the holder has in its pool, fast or not)."""
+    import asyncio
+    import os
+    import threading
+
+    from prefix_store import hash_full_blocks
+
+    model = tiny_model_dir("llama")
+    system = ActorSystem("slow-pull-test")
+    await system.start()
+    holder = await start_engine(EngineConfig(model=model, dtype="float32", num_threads=1, block_size=16, num_blocks=12,
+                                             max_num_batched_tokens=128, kv_offload_dir=str(tmp_path / "tier")),
+                                system, name="holder")
+    puller = await start_engine(_config(model), system, name="puller")
+    holder_tx = await attach_kv_transfer(system, holder, name="holder")
+    await attach_kv_transfer(system, puller, name="puller")
+    front = Front()
+    ref = await system.spawn(front, name="front")
+    try:
+        others = [[(i * k) % 300 + 4 for i in range(150)] for k in (41, 43, 47)]
+        expected = await run(holder, front, ref, "h", PROMPT)
+        expected_other = [await run(holder, front, ref, f"h{i}", p) for i, p in enumerate(others[:2])]
+        path = os.path.join(holder.kv_tier.disk.blocks_dir, hash_full_blocks(PROMPT, 16)[0].hex() + ".kvb")
+        while not os.path.exists(path):       # PROMPT's blocks left the holder's pool for its disk
+            await asyncio.sleep(0.02)
+        holder.kv_tier.disk.flush()
+        raw = open(path, "rb").read()
+        os.unlink(path)
+        os.mkfifo(path)
+
+        def write_late() -> None:
+            with open(path, "wb") as pipe:    # returns once the holder opened it to read
+                threading.Event().wait(2.0)
+                pipe.write(raw)
+
+        threading.Thread(target=write_late, daemon=True).start()
+        await run(puller, front, ref, "warm", others[2])   # the puller's own prefill rate, measured
+        assert await run(puller, front, ref, "p", PROMPT, pull_from=holder_tx) == expected
+        stats = await puller.scheduler.ask(GetStats())
+        assert (stats.kv_tier.tier_pulls, stats.kv_tier.tier_pull_failures) == (1, 0)
+        assert stats.prefix_cache_tier_hit_tokens == (len(PROMPT) - 1) // 16 * 16
+        cost = puller.scheduler_actor.pulls.cost
+        assert cost.block_ratio() > 1.0       # pulling a block took longer than computing one
+
+        before = stats
+        assert await run(puller, front, ref, "p2", others[1], pull_from=holder_tx) == expected_other[1]
+        after = await puller.scheduler.ask(GetStats())
+        assert after.kv_tier.tier_pulls == 1 and after.prefix_pulls_skipped == 1
+        assert 0 < after.pull_bytes_per_s * 16 < after.prefill_tokens_per_s * puller.kv_blocks.bytes_per_block
+        assert after.prefill_tokens - before.prefill_tokens == len(others[1])
+        assert after.kv_blocks_free == after.kv_blocks_total
+    finally:
+        await holder.stop()
+        await puller.stop()
+        await system.shutdown()

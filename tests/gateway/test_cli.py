@@ -136,13 +136,14 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --max-num-seqs --max-num-batched-tokens --max-model-len --no-prefix-caching --scheduling-policy --num-threads
 --speculative-method --num-speculative-tokens --speculative-model --speculative-draft-layers
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
---engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --no-kv-transfer-by-layer --index-timeout
+--engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --kv-transfer-chunk
+--no-kv-transfer-by-layer --index-timeout
 --routing --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser --reasoning-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
-FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk"]
+FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk", "--kv-offload-dtype"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
           "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]

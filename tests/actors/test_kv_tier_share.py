@@ -1,0 +1,86 @@
+"""A peer's pull served from the KV tier's disk: the read runs on a thread, so the holder's event loop
+keeps answering other actors meanwhile, and the peer gets the block's bytes. The block's file is a
+named pipe, a read that blocks until the test writes it: were the read on the loop, nothing else
+would run until then."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+from actors.kv import KVCacheConfig
+from actors.kv.kv_actor import KVManagerActor
+from actors.kv.tier_disk import DiskTier
+from actors.messages import GetKVStats, KVPull, KVPulled
+from prefix_store import hash_full_blocks
+from runtime import ActorSystem
+from tests.actors.test_kv_tier import BS, IDENTITY, OTHER, PROMPT, Engine, kv_of
+
+
+class PipeWriter(threading.Thread):
+    """Opens the pipe for writing (which returns once a reader opened it), tells the loop, then waits for
+    the loop's answer (or `patience` seconds) before writing the file's bytes."""
+
+    def __init__(self, path: str, raw: bytes, loop: asyncio.AbstractEventLoop, patience: float = 5.0):
+        super().__init__(daemon=True)
+        self.path, self.raw, self.loop, self.patience = path, raw, loop, patience
+        self.reading: asyncio.Future = loop.create_future()
+        self.answered = threading.Event()
+        self.answered_in_time = False
+
+    def run(self) -> None:
+        with open(self.path, "wb") as pipe:
+            self.loop.call_soon_threadsafe(self.reading.set_result, None)
+            self.answered_in_time = self.answered.wait(self.patience)
+            pipe.write(self.raw)
+
+
+async def test_a_pull_read_from_disk_leaves_the_holders_loop_free(tmp_path):
+    e = Engine(num_blocks=5, memory_bytes=0, disk=DiskTier(str(tmp_path), IDENTITY, 1 << 20))
+    holder = KVManagerActor(KVCacheConfig(num_blocks=5, block_size=BS), e.tier, e.io)
+    e.kv = holder.kv
+    e.run("a", PROMPT)
+    e.run("b", OTHER)                        # PROMPT's two blocks leave the pool: only the disk has them
+    e.tier.disk.flush()
+    hashes = hash_full_blocks(PROMPT, BS)
+    assert e.kv.held_run(hashes) == 2 and e.kv.share_disk_reads(hashes) == hashes
+    path = os.path.join(e.tier.disk.blocks_dir, hashes[1].hex() + ".kvb")
+    raw = open(path, "rb").read()
+    os.unlink(path)
+    os.mkfifo(path)
+
+    system = ActorSystem("share-test")
+    await system.start()
+    try:
+        holder_ref = await system.spawn(holder, name="holder")
+        other = await system.spawn(KVManagerActor(KVCacheConfig(num_blocks=4, block_size=BS)), name="other")
+        writer = PipeWriter(path, raw, asyncio.get_running_loop())
+        writer.start()
+        pull = asyncio.ensure_future(holder_ref.ask(KVPull(hashes, "any"), timeout=30))
+        await writer.reading                  # the holder is inside the block's read now
+        stats = await other.ask(GetKVStats(), timeout=5)   # another actor of the process answers meanwhile
+        assert stats.num_free_blocks == 4
+        writer.answered.set()
+        pulled: KVPulled = await pull
+        writer.join()
+        assert writer.answered_in_time, "the holder's event loop stood still while it read the block"
+        assert len(pulled.blocks) == 2
+        for block, block_hash in zip(pulled.blocks, hashes):   # each one's KV, layer by layer
+            assert block == _expected_bytes(e, block_hash)
+        assert e.kv.num_free_blocks == e.kv.num_total_blocks
+    finally:
+        await system.shutdown()
+        e.tier.close()
+
+
+def _expected_bytes(e: Engine, block_hash: bytes) -> bytes:
+    """A block's bytes as the tier stores them: what computing it writes, in every layer's K and V."""
+    scratch = e.io.tensors
+    saved = [t[0].clone() for t in scratch]
+    for t in scratch:
+        t[0] = kv_of(block_hash)
+    try:
+        return bytes(e.io.read([0]))
+    finally:
+        for t, s in zip(scratch, saved):
+            t[0] = s
