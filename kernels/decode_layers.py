@@ -170,9 +170,10 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     if not quantized and k_cache.dtype != model.dtype:
         return None
     check_scales(k_cache, v_cache, k_scales, v_scales)
+    short_max = INVARIANT_QUERY_LEN if invariant else MAX_QUERY_LEN[model.dtype]
     shape = _Shape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                    k_cache.shape[1], k_cache.shape[0], meta.block_tables.shape[1], model.cos_sin_cache.shape[0],
-                   INVARIANT_QUERY_LEN if invariant else MAX_QUERY_LEN[model.dtype], cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
+                   short_max, cfg.rms_norm_eps, model.scale, int(model.dtype == torch.bfloat16),
                    cache_kind(k_cache), model.cos_sin_cache.data_ptr())
     embeddings = hidden.contiguous()
     hidden, residual = torch.empty_like(embeddings), torch.empty_like(embeddings)

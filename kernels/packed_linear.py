@@ -116,8 +116,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.T
 def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """A bf16 CPU weight packed where the kernel is faster for its shape (with the plain one kept
     beside it where torch is faster on many rows only); anything else as it is."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
-            or not cpu_native.available():
+    if not _packable(weight):
         return weight
     chosen, dot = layout(*weight.shape)
     if chosen == "torch":
@@ -134,12 +133,17 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
 def prepare_invariant(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """prepare_weight for the batch-invariant kernels: a bf16 CPU weight always packed, and multiplied by the
     packed kernel at every row count (no plain copy for torch, no AMX tiles); anything else as it is."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
-            or not cpu_native.available():
+    if not _packable(weight):
         return weight
     packed = pack(weight)
     packed.dot = layout(*weight.shape)[1]
     return packed
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """A bf16 matrix on the CPU, where the kernels build: what the packed layout takes."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2 \
+        and cpu_native.available()
 
 
 _decisions: dict[tuple[int, int, int], tuple[str, bool]] = {}

@@ -47,9 +47,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q[T, Hq, D] -> out[T, Hq, D]; the kernels contract of paged_attention.py."""
     lib = cpu_native.library()
     check_scales(k_cache, v_cache, k_scales, v_scales)
-    quantized = is_quantized(k_cache)
-    if (lib is None or q.dtype not in _CACHE_KINDS or (k_cache.dtype != q.dtype and not quantized)
-            or q.device.type != "cpu"):
+    if not _kernels_take(lib, q, k_cache):
         return _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len,
                           scale, k_scales, v_scales)
     if not kernel_takes(q.dtype, max_query_len, q.shape[1], k_cache.shape[2], q.shape[2]):
@@ -65,12 +63,18 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kernel, which computes each row alone (its keys from key 0, in parts of SEG keys), so a token's output is
     the same in a prefill chunk of any length, beside any other runs, and as a lone decode."""
     lib = cpu_native.library()
-    if lib is None or q.dtype not in _CACHE_KINDS or (k_cache.dtype != q.dtype and not is_quantized(k_cache)) \
-            or q.device.type != "cpu":
+    if not _kernels_take(lib, q, k_cache):
         raise ValueError("batch-invariant attention needs the CPU C kernels and a float32 or bf16 query")
     check_scales(k_cache, v_cache, k_scales, v_scales)
     return _kernel(lib, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scales, v_scales,
                    short_max=INVARIANT_QUERY_LEN)
+
+
+def _kernels_take(lib, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_attention_cpu.c reads these: built, a float32 or bf16 query on the CPU, a cache of its dtype
+    or quantized."""
+    return (lib is not None and q.dtype in _CACHE_KINDS and (k_cache.dtype == q.dtype or is_quantized(k_cache))
+            and q.device.type == "cpu")
 
 
 def _reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale,

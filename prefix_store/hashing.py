@@ -33,13 +33,15 @@ def extra_keys_for(cache_salt: str | None) -> tuple:
     return () if cache_salt is None else (cache_salt,)
 
 
-def adapter_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
-    """The prefix-cache salt of a request generating with LoRA adapter `lora_name` (the engines pass its
-    identity, name@contents: LoRAAdapter.key): one prompt under two adapters (or under one and the base
-    model, or under two contents of one name) has different KV, so their blocks hash apart."""
-    if lora_name is None:
+def adapter_salt(cache_salt: str | None, lora_name: str | None, lora_key: str | None = None) -> str | None:
+    """The prefix-cache salt of a request generating with LoRA adapter `lora_name`, known by `lora_key`, its
+    identity (name@contents: LoRAAdapter.key), where the caller has it: one prompt under two adapters (or
+    under one and the base model, or under two contents of one name) has different KV, so their blocks hash
+    apart."""
+    adapter = lora_key if lora_key is not None else lora_name
+    if adapter is None:
         return cache_salt
-    return f"lora:{len(lora_name)}:{lora_name}:{cache_salt or ''}"
+    return f"lora:{len(adapter)}:{adapter}:{cache_salt or ''}"
 
 
 def hash_full_blocks(

@@ -63,8 +63,8 @@ class PrefixPull:
         """Into `hashes` and `blocks`: the leading run of the prompt's blocks this engine lacks that the
         peer gives, chunk by chunk (what came before a failure is kept)."""
         prompt = submit.prompt_token_ids
-        adapter = submit.lora_key if submit.lora_key is not None else submit.lora_name
-        wanted = hash_full_blocks(prompt, self.block_size, adapter_salt(submit.cache_salt, adapter),
+        wanted = hash_full_blocks(prompt, self.block_size,
+                                  adapter_salt(submit.cache_salt, submit.lora_name, submit.lora_key),
                                   limit=max(len(prompt) - 1, 0) // self.block_size)
         held = await self.kv.ask(KVHeldRun(wanted), timeout=self.timeout_s)
         wanted = wanted[held:]

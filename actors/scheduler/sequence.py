@@ -37,7 +37,7 @@ class RequestState:
         self.arrival = arrival
         self.prompt_token_ids = prompt_token_ids
         self.lora_name = lora_name
-        self.cache_salt = adapter_salt(cache_salt, lora_key if lora_key is not None else lora_name)
+        self.cache_salt = adapter_salt(cache_salt, lora_name, lora_key)
         self.num_cached_tokens = 0
         self.seqs: list[Sequence] = []
         # The context length caps every request's output, whatever max_tokens says.

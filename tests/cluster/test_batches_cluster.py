@@ -6,20 +6,20 @@ every line exactly once; and when an engine is killed its lines continue on the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import random
-import time
 
 import openai
 import pytest
 import redis
 
 from tests.cluster import harness as h
+from tests.gateway import test_batches_api
 
 pytestmark = pytest.mark.slow
 LEASE_S = 2
-ENDED = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +106,7 @@ def create(client, n: int, max_tokens: int):
     return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-def wait(client, batch_id: str, until=lambda b: b.status in ENDED, timeout: float = 180.0, nodes=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        time.sleep(0.1)
-    logs = "\n".join(n.log() for n in nodes)
-    raise AssertionError(f"batch {batch_id} still {batch.status} with {batch.request_counts}\n{logs}")
+wait = functools.partial(test_batches_api.wait, timeout=180.0)   # processes start and route: more time
 
 
 def lines_answered(base: str) -> float:

@@ -99,14 +99,17 @@ def upload(client, data: bytes):
 
 
 def wait(client, batch_id: str, until=lambda b: b.status in ("completed", "failed", "cancelled", "expired"),
-         timeout: float = 120.0):
+         timeout: float = 120.0, nodes=()):
+    """The batch once `until` holds (by default, once it ended); past `timeout`, an error with its state and
+    the logs of `nodes` (a cluster's processes)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)
         if until(batch):
             return batch
         time.sleep(0.05)
-    raise AssertionError(f"batch {batch_id} still {batch.status} with {batch.request_counts}")
+    logs = "".join("\n" + n.log() for n in nodes)
+    raise AssertionError(f"batch {batch_id} still {batch.status} with {batch.request_counts}{logs}")
 
 
 def lines_of(client, file_id: str | None) -> list[dict]:

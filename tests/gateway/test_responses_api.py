@@ -109,6 +109,18 @@ def _call(r):
     return calls[0]
 
 
+OSLO = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def _answered_call(client):
+    """A forced weather call (not stored), and the input that answers it: the question, the output items as
+    returned, the call's output."""
+    r = client.responses.create(input=OSLO, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                max_output_tokens=256, store=False, **GREEDY)
+    call = _call(r)
+    return call, OSLO + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+
+
 def test_a_required_tool_call_validates_and_its_output_continues_the_conversation(client):
     ask = "What is the weather in Paris?"
     r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
@@ -321,13 +333,9 @@ def test_the_route_has_the_other_routes_key_and_request_id(tiny_servers):
 
 def test_output_items_sent_back_as_input_continue_without_the_store(client):
     """The SDK's stateless way: the previous output items, as returned, in the next input."""
-    ask = [{"role": "user", "content": "Weather in Oslo?"}]
-    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                                max_output_tokens=256, store=False, **GREEDY)
-    call = _call(r)
-    items = ask + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    call, items = _answered_call(client)
     stateless = client.responses.create(input=items, tools=[WEATHER], max_output_tokens=4, store=False, **GREEDY)
-    stored = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+    stored = client.responses.create(input=OSLO, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                                      max_output_tokens=256, **GREEDY)
     assert _call(stored).arguments == call.arguments   # greedy: the same call
     chained = client.responses.create(previous_response_id=stored.id, tools=[WEATHER], max_output_tokens=4, **GREEDY,
@@ -438,11 +446,7 @@ def test_input_items_list_the_requests_own_items_with_ids_and_pages(client):
 
 
 def test_input_items_of_tool_calls_and_their_outputs(client):
-    ask = [{"role": "user", "content": "Weather in Oslo?"}]
-    r = client.responses.create(input=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                                max_output_tokens=256, store=False, **GREEDY)
-    call = _call(r)
-    sent = ask + r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "cold"}]
+    call, sent = _answered_call(client)
     after = client.responses.create(input=sent, tools=[WEATHER], max_output_tokens=2, **GREEDY)
     items = client.responses.input_items.list(after.id, order="asc").data
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
