@@ -347,9 +347,12 @@ class EnginePool:
             pool.sort(key=lambda e: e.info.engine_id)
             return pool[next(self._turn) % len(pool)], None
         by_id = {e.info.engine_id: e for e in pool}   # the newest run of an id wins
-        loads = [e.load() for e in by_id.values()]
+
+        def loads() -> list[EngineLoad]:
+            return [e.load() for e in by_id.values()]
+
         if self.config.routing == "least_loaded" or self.hasher is None:
-            decision = self.router.policy.choose(loads, None, 0)
+            decision = self.router.policy.choose(loads(), None, 0)
             self.router.metrics.record_decision("load", 0, 0)
         else:
             hashes = self.hasher.block_hashes(prompt, cache_salt)

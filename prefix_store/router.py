@@ -63,9 +63,13 @@ class PrefixRouter:
         finally:
             self.metrics.lookup_seconds.observe(time.perf_counter() - start)
 
-    async def route(self, block_hashes: Sequence[bytes], loads: Sequence[EngineLoad]) -> RouteDecision:
-        """Pick one of `loads`' engines (ValueError when there is none) for a prompt's hashes."""
+    async def route(self, block_hashes: Sequence[bytes],
+                    loads: Callable[[], Sequence[EngineLoad]]) -> RouteDecision:
+        """Pick one of the engines `loads()` gives (ValueError when there is none) for a prompt's hashes. The
+        loads are read once the index has answered: prompts routed meanwhile (their lookups overlapping this
+        one) have been counted on their engines by then, where loads read before the lookup would have
+        sent a burst of them all to the engine that was least loaded when it started."""
         matched = await self.lookup(block_hashes)
-        decision = self.policy.choose(loads, matched, len(block_hashes))
+        decision = self.policy.choose(loads(), matched, len(block_hashes))
         self.metrics.record_decision(decision.reason, decision.matched_blocks, len(block_hashes))
         return decision

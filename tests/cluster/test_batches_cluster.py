@@ -152,9 +152,11 @@ def test_lines_spread_over_the_engines_and_those_sharing_a_prefix_go_together(cl
     rng = random.Random(11)
     prefixes = [[rng.randrange(4, 360) for _ in range(6 * 16)] for _ in range(2)]
     groups = [0, 1, 0, 1, 0, 1, 0, 0]
+    # Long enough that the lines run together: a line done before the next is routed leaves both engines
+    # idle, and then either may take the other prefix.
     lines = [{"custom_id": f"g{g}-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "tiny", "prompt": prefixes[g] + [rng.randrange(4, 360) for _ in range(3)],
-                       "max_tokens": 4, "temperature": 0, "ignore_eos": True}} for i, g in enumerate(groups)]
+                       "max_tokens": 48, "temperature": 0, "ignore_eos": True}} for i, g in enumerate(groups)]
     before = cluster.batch_lines_finished()
     client = cluster.clients[0]
     f = client.files.create(file=("in.jsonl", io.BytesIO(b"".join(json.dumps(x).encode() + b"\n" for x in lines))),

@@ -66,7 +66,7 @@ async def run_workload(kv_aware: bool, num_requests: int = 300, seed: int = 0) -
         prompt = system[api_key] + [rng.randrange(32000) for _ in range(rng.randrange(8, 40))]
         salt = hasher.cache_salt(api_key)
         if kv_aware:
-            decision = await router.route(hasher.block_hashes(prompt, salt), [e.load() for e in engines])
+            decision = await router.route(hasher.block_hashes(prompt, salt), lambda: [e.load() for e in engines])
             engine = next(e for e in engines if e.engine_id == decision.engine_id)
         else:
             engine = engines[i % len(engines)]

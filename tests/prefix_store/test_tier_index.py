@@ -68,12 +68,12 @@ async def test_the_router_prefers_an_engine_that_reloads_to_one_that_recomputes(
     assert (await store.match_tiers(hashes)) == {"pool": (2, 2), "tier": (1, 8)}
     router = PrefixRouter(store, RoutingPolicy(), timeout_s=5)
     idle = [EngineLoad("pool", 0, 0, 100, 100), EngineLoad("tier", 0, 0, 100, 100)]
-    decision = await router.route(hashes, idle)
+    decision = await router.route(hashes, lambda: idle)
     assert (decision.engine_id, decision.matched_blocks, decision.tier_blocks) == ("tier", 1, 7)
     assert (await store.match(hashes)) == {"pool": 2, "tier": 1}   # the pool-only answer is unchanged
     # A tier block costs a fraction of a computed one: with equal reach, the pool wins.
     await store.apply_events("pool", [BlockStored(0, hashes[2:8], hashes[1], [], BS)])
-    assert (await router.route(hashes, idle)).engine_id == "pool"
+    assert (await router.route(hashes, lambda: idle)).engine_id == "pool"
 
 
 @pytest.mark.parametrize("counts, winner", [({"a": (0, 6), "b": (5, 5)}, "a"), ({"a": (0, 4), "b": (4, 4)}, "b")])
