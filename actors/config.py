@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.draft.config import SpeculativeConfig
-from actors.hub_model import local_model_path
+from actors.model.hub import local_model_path
 from actors.scheduler.ballast import BallastObjective
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")

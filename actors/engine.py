@@ -15,7 +15,7 @@ from typing import Any
 
 from actors.config import EngineConfig
 from actors.draft.controller import SpecController
-from actors.engine_ranks import on_rank_exit, runner_kwargs, start_ranks
+from actors.nodes.engine_ranks import on_rank_exit, runner_kwargs, start_ranks
 from actors.draft.draft_actor import DraftWorkerActor, build_proposer, count_params
 from actors.draft.draft_link import AttachNow, DraftLink
 from actors.draft.messages import AttachDraft, DraftStats, GetDraftStats
@@ -28,8 +28,8 @@ from actors.kv.tier_disk import DiskTier
 from actors.messages import GetWorkerInfo, LoadLoRAAdapter, LoRAOutcome, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
-from actors.tokenizer import Tokenizer, load_tokenizer
-from actors.worker.model_config import ModelConfig
+from actors.text.tokenizer import Tokenizer, load_tokenizer
+from actors.model.config import ModelConfig
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model_runner import ModelRunner

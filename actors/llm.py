@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from actors.config import EngineConfig
-from actors.detokenizer import SampleText
+from actors.text.detokenizer import SampleText
 from actors.engine import Engine, start_engine
 from actors.messages import (AbortRequest, EngineStats, GetStats, LoadLoRAAdapter, LoRAOutcome, SamplingParams,
                              SubmitRequest, TokenDeltas, UnloadLoRAAdapter)

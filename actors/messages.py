@@ -17,7 +17,7 @@ class StructuredOutput(msgspec.Struct, frozen=True):
 
     kind: "json_schema" (spec: the schema as JSON text), "json_object" (spec unused), "regex",
     "choice" (spec: a JSON list of strings), "grammar" (GBNF-style EBNF with a `root` rule), or
-    "structural_tag" (xgrammar's structural tag as JSON text). See actors/grammar.py.
+    "structural_tag" (xgrammar's structural tag as JSON text). See actors/text/grammar.py.
     """
 
     kind: str
@@ -176,7 +176,7 @@ class EngineStats(msgspec.Struct, tag=True):
     kv_bytes_per_token: float = 0.0       # K and V of one token over all layers, with an int8/fp8 cache's scales
     kv_token_capacity: int = 0            # tokens the KV pool holds (blocks x block size)
     queue_time_buckets: list[int] = []    # arrival to first scheduled: counts per bucket of
-    queue_time_sum: float = 0.0           # actors.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
+    queue_time_sum: float = 0.0           # actors.stats.engine_metrics.QUEUE_TIME_BUCKETS, then +Inf
     weight_bytes: int = 0                 # model weights resident in memory (WorkerInfo's)
     # Disaggregation: prefill steps and tokens (a decode engine's stay 0 for handed-over requests),
     # KV handed over (sent on a prefill engine, received on a decode engine) and how long it took.
@@ -195,14 +195,14 @@ class EngineStats(msgspec.Struct, tag=True):
     ttft_queue_s: float = 0.0         # arrival to its first scheduled step
     ttft_prefill_s: float = 0.0       # first scheduled step to its first token
     spec_decode_accepted_per_pos: list[int] = []   # accepted drafted tokens by draft position (0 first)
-    # The last seconds' latencies measured here (actors/recent.py), for the live dashboard: arrival
+    # The last seconds' latencies measured here (actors/stats/recent.py), for the live dashboard: arrival
     # at the scheduler to first token, and between tokens (per token); None for an empty window.
     ttft_p50: float | None = None
     ttft_p90: float | None = None
     itl_p50: float | None = None
     itl_p90: float | None = None
     ttft_buckets: list[int] = []      # arrival here to first token, and between tokens (per token):
-    ttft_sum: float = 0.0             # counts per bucket of actors.engine_metrics.TTFT_BUCKETS and
+    ttft_sum: float = 0.0             # counts per bucket of actors.stats.engine_metrics.TTFT_BUCKETS and
     itl_buckets: list[int] = []       # ITL_BUCKETS, then +Inf
     itl_sum: float = 0.0
     prefix_cache_tier_hit_tokens: int = 0   # of prefix_cache_hit_tokens, those copied back from the KV tier

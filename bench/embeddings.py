@@ -62,7 +62,7 @@ def run_transformers(model: str, texts: list[str], batches: list[int], reps: int
 
 
 def main() -> None:
-    from actors.worker.model_source import default_model_path
+    from actors.model.source import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model_path(), help="a GGUF file (default: SmolLM2's)")

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     make, default_n = WORKLOADS[args.workload]
 
     from actors.config import default_model_path
-    from actors.tokenizer import load_tokenizer
+    from actors.text.tokenizer import load_tokenizer
 
     model = args.model or default_model_path()
     threads = args.threads or len(os.sched_getaffinity(0))

@@ -1,6 +1,6 @@
 """xgrammar against llguidance on the default model's tokenizer: `python -m bench.grammar_engines`.
 
-The measurement behind the structured-output engine's choice (actors/grammar.py). llguidance is
+The measurement behind the structured-output engine's choice (actors/text/grammar.py). llguidance is
 not a dependency: `pip install llguidance` first. For each engine: the tokenizer's setup, one JSON
 schema's compilation, and the time of each token mask along a document that satisfies the schema
 (`--repeats` walks, fresh matchers), each engine with its default JSON options. Prints one JSON
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from actors.tokenizer import load_tokenizer
+from actors.text.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},

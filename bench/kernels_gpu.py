@@ -225,7 +225,7 @@ class RandomWeights:
 
 def model_steps(ops, device, dtype, timer, ceiling, dry_run):
     from actors.worker.model import AttentionMetadata, DecoderModel
-    from actors.worker.model_config import ModelConfig
+    from actors.model.config import ModelConfig
 
     models = {"tiny": TINY_MODEL} if dry_run else MODELS
     batches = [1, 2] if dry_run else MODEL_BATCHES

@@ -73,7 +73,7 @@ def load_time(model: str, folder: str, reps: int = 5) -> float:
     """Seconds to read and check one adapter folder (what /v1/load_lora_adapter waits for), best of `reps`."""
     from actors.worker.lora_adapter import read_adapter
     from actors.worker.model_runner import open_model
-    from actors.worker.model_source import resolve_model_source
+    from actors.model.source import resolve_model_source
 
     cfg, weights = open_model(resolve_model_source(model))
     weights.close()
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from actors.worker.model_runner import open_model
-    from actors.worker.model_source import resolve_model_source
+    from actors.model.source import resolve_model_source
 
     cfg, weights = open_model(resolve_model_source(args.model))
     weights.close()

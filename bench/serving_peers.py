@@ -72,7 +72,7 @@ def servers(args: argparse.Namespace) -> list[peers.Server]:
     """Matinee's runs first, then the peer's: the order they run in, one at a time."""
     out = [peers.Server.matinee(d, args.log_dir, args.model, args.threads, args.quantization) for d in args.dtype]
     if args.peers == "llamacpp":
-        from actors.worker.model_source import default_model_path
+        from actors.model.source import default_model_path
 
         out.append(peers.Server.llamacpp(args.log_dir, args.llamacpp_model or default_model_path(),
                                          max(args.concurrency), args.llamacpp_threads, args.llamacpp_server))

@@ -10,9 +10,9 @@ import gguf
 
 from actors.worker.dequant import dequantize
 from actors.worker.forward_batch import ForwardBatch, SequenceInput, flatten
-from actors.worker.gguf_file import GGUFFile
+from actors.model.gguf_file import GGUFFile
 from actors.worker.model_runner import ModelRunner
-from actors.worker.model_source import default_model_path
+from actors.model.source import default_model_path
 
 
 def clock(f, n=1):

@@ -1,5 +1,5 @@
 """`matinee`, the console script: `matinee serve` runs the OpenAI-compatible server; `matinee plan`
-says how much GPU memory a model, context and concurrency take (actors/memory_plan.py).
+says how much GPU memory a model, context and concurrency take (actors/model/memory_plan.py).
 
 With no arguments it serves the default model (SmolLM2) at 127.0.0.1:8000 with every actor in
 one process (`--role all`). Its flags come from the config classes' fields (gateway/flags.py).
@@ -12,10 +12,10 @@ import sys
 from typing import Mapping
 
 from actors.config import GPU_STEP_TOKENS, EngineConfig
-from actors.memory_plan import AUTO, BACKENDS, GB, DTYPE_BYTES, WEIGHT_BYTES, MemoryPlan, parse_size
-from actors.model_shape import PRESETS, ModelShape
+from actors.model.memory_plan import AUTO, BACKENDS, GB, DTYPE_BYTES, WEIGHT_BYTES, MemoryPlan, parse_size
+from actors.model.shape import PRESETS, ModelShape
 from actors.draft.config import SpeculativeConfig
-from actors.engine_node import EngineNodeConfig
+from actors.nodes.engine_node import EngineNodeConfig
 from actors.kv.transfer import KVTransferConfig
 from gateway.cluster import GatewayNodeConfig
 from gateway.config import GatewayConfig, ProcessConfig
@@ -84,7 +84,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from actors.worker.model_source import default_model_path
+    from actors.model.source import default_model_path
 
     shape = ModelShape.load(args.model or default_model_path())
     gpu_memory = parse_size(args.gpu_memory)

@@ -65,8 +65,8 @@ class ClusterMetrics(GatewayMetrics):
 def cluster_launcher(node: GatewayNodeConfig, metrics: ClusterMetrics | None = None):
     async def launch(system: ActorSystem) -> EngineHandle:
         from actors.config import default_model_path
-        from actors.hub_model import TOKENIZER_FILES, local_model_path
-        from actors.tokenizer import load_tokenizer
+        from actors.model.hub import TOKENIZER_FILES, local_model_path
+        from actors.text.tokenizer import load_tokenizer
         from prefix_store import PrefixRouter, RedisPrefixStore, TenantSalts
         from runtime.redis_registry import RedisRegistry
 

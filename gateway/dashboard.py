@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from actors.engine_metrics import kv_usage
+from actors.stats.engine_metrics import kv_usage
 from actors.messages import EngineStats
 from gateway.app_keys import STATE
 from gateway.sse import SSE_HEADERS

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from actors.engine_node import REGISTRY_PREFIX
+from actors.nodes.engine_node import REGISTRY_PREFIX
 from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
                              KVHandoffFailed, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
                              SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas, UnloadLoRAAdapter)

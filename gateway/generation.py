@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from actors.detokenizer import SampleText
+from actors.text.detokenizer import SampleText
 from actors.messages import SamplingParams, TokenDelta, TokenLogprobs
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.engine_connection import EngineConnection

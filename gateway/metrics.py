@@ -1,6 +1,6 @@
 """The gateway's /metrics: its own request metrics, under Matinee's names and vLLM's (with
 `model_name`), in one prometheus_client registry per app; and, when the engine runs in this
-process, the engine's (actors/engine_metrics.py) copied from EngineStats on each scrape.
+process, the engine's (actors/stats/engine_metrics.py) copied from EngineStats on each scrape.
 
 In a cluster every engine serves its own /metrics, so a gateway renders only what it measured
 itself: summing engines here would count each once per gateway. No locks: the event loop owns it.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from actors.engine_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineCollector
-from actors.recent import RecentSamples
+from actors.stats.engine_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineCollector
+from actors.stats.recent import RecentSamples
 from gateway.engine_connection import EngineConnection
 
 disable_created_metrics()   # no `_created` series: Matinee's and vLLM's dashboards read none

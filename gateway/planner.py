@@ -1,5 +1,5 @@
 """The memory planner over HTTP, for /dashboard/plan: the presets, and the plan itself computed
-by actors/memory_plan.py, the arithmetic `matinee plan` prints and the engine sizes its pool with,
+by actors/model/memory_plan.py, the arithmetic `matinee plan` prints and the engine sizes its pool with,
 so the page can never disagree with either.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ import msgspec
 from aiohttp import web
 
 from actors.config import GPU_STEP_TOKENS
-from actors.memory_plan import DTYPE_BYTES, GGUF_WEIGHT_BYTES, MemoryPlan, parse_size
-from actors.model_shape import PRESETS, ModelShape
-from actors.worker.model_config import ModelConfig
+from actors.model.memory_plan import DTYPE_BYTES, GGUF_WEIGHT_BYTES, MemoryPlan, parse_size
+from actors.model.shape import PRESETS, ModelShape
+from actors.model.config import ModelConfig
 from gateway import handlers
 from gateway.errors import invalid
 

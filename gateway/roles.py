@@ -15,7 +15,7 @@ from typing import Callable
 
 from actors.config import EngineConfig
 from actors.draft.config import SpeculativeConfig
-from actors.engine_node import EngineNodeConfig
+from actors.nodes.engine_node import EngineNodeConfig
 from actors.kv.transfer import KVTransferConfig
 from gateway.cluster import GatewayNodeConfig
 from gateway.config import GatewayConfig
@@ -105,7 +105,7 @@ def _announce(config: GatewayConfig):
 
 def engine(args: argparse.Namespace) -> Serve:
     """An engine node: colocated (`engine`), or one half of a disaggregated pair (`prefill`, `decode`)."""
-    from actors.engine_node import run_engine_node
+    from actors.nodes.engine_node import run_engine_node
     from runtime import run
 
     config = EngineConfig(**engine_kwargs(args))
@@ -121,7 +121,7 @@ def engine(args: argparse.Namespace) -> Serve:
 
 def _ranks_only(config: EngineConfig) -> Serve:
     """A machine of --node-rank above 0: its tensor-parallel ranks alone; node 0 runs the engine."""
-    from actors.engine_ranks import serve_ranks
+    from actors.nodes.engine_ranks import serve_ranks
 
     return lambda: serve_ranks(config)
 
@@ -129,7 +129,7 @@ def _ranks_only(config: EngineConfig) -> Serve:
 def draft(args: argparse.Namespace) -> Serve:
     """A draft node: the draft worker of every engine started with --speculative-draft-node <its id>."""
     from actors.draft.draft_service import check_remote_method
-    from actors.draft_node import run_draft_node
+    from actors.nodes.draft_node import run_draft_node
     from runtime import run
 
     kwargs = speculative_kwargs(args)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from actors.engine_metrics import model_name_from_path
+from actors.stats.engine_metrics import model_name_from_path
 from actors.messages import ListLoRAAdapters
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
@@ -29,7 +29,7 @@ class EngineHandle:
     """A running engine as the gateway sees it: a scheduler ref and what requests need."""
 
     scheduler: ActorRef
-    tokenizer: Any                       # actors.tokenizer.Tokenizer, or anything with its calls
+    tokenizer: Any                       # actors.text.tokenizer.Tokenizer, or anything with its calls
     max_model_len: int
     model_path: str = ""
     close: Callable[[], Awaitable[None]] | None = None

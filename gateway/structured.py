@@ -18,7 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 
-from actors.grammar import check
+from actors.text.grammar import check
 from actors.messages import StructuredOutput
 from gateway.errors import invalid, unavailable
 from gateway.protocol import _Common

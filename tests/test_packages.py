@@ -168,3 +168,52 @@ def test_the_module_graph_sees_a_loop():
     graph["p.c"] = {"p.a": ["c.py:9"]}
     assert module_loops(graph) == [{"p.a", "p.b", "p.c"}]
     assert _loop_through(graph, "p.a") == ["p.a", "p.b", "p.c", "p.a"]
+
+
+def _subpackage(module: str, modules: dict[str, Path]) -> str:
+    """The deepest package that holds `module` (a package's own name for its __init__)."""
+    name = module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+    return name or module
+
+
+def subpackage_imports(graph, modules) -> dict[str, dict[str, list[str]]]:
+    """{subpackage: {sibling or cousin subpackage it imports: sites}}, from the module graph; a package
+    importing its own parent or child is its layering (actors.worker reads actors.config) and is left out."""
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, targets in graph.items():
+        a = _subpackage(module, modules)
+        out[a]
+        for target, sites in targets.items():
+            b = _subpackage(target, modules)
+            if a != b and not b.startswith(a + ".") and not a.startswith(b + "."):
+                out[a][b].extend(sites)
+                out[b]
+    return out
+
+
+def test_no_subpackage_imports_a_sibling_that_imports_it_back():
+    """actors/scheduler, actors/worker, actors/kv, actors/model, ...: each a layer of its own. The tests'
+    folders share their fixtures and are left out."""
+    modules = _modules()
+    graph = {m: t for m, t in module_imports().items() if m.partition(".")[0] != "tests"}
+    sub = subpackage_imports(graph, modules)
+    assert {"actors.scheduler", "actors.worker", "actors.model"} <= set(sub)
+    loops = module_loops(sub)
+    report = []
+    for loop in loops:
+        chain = _loop_through(sub, min(loop))
+        report.append(" -> ".join(chain) + "\n" + "\n".join(
+            f"  {a} -> {b}: {', '.join(sub[a][b])}" for a, b in zip(chain, chain[1:])))
+    assert not loops, "subpackage import loops:\n" + "\n".join(report)
+
+
+def test_the_subpackage_graph_sees_a_loop_between_siblings_and_not_with_a_parent():
+    modules = {name: Path(f"{name.replace('.', '/')}{'/__init__' if name.count('.') < 2 else ''}.py")
+               for name in ("p", "p.a", "p.a.x", "p.b", "p.b.y", "p.z")}
+    modules["p.z"] = Path("p/z.py")
+    graph = {"p.a.x": {"p.z": ["x.py:1"]}, "p.z": {"p.a.x": ["z.py:1"]}, "p.b.y": {"p.a.x": ["y.py:1"]},
+             "p": {}, "p.a": {}, "p.b": {}}
+    sub = subpackage_imports(graph, modules)
+    assert module_loops(sub) == []          # p.a <-> p (its parent): layering
+    graph["p.a.x"] = {**graph["p.a.x"], "p.b.y": ["x.py:2"]}
+    assert module_loops(subpackage_imports(graph, modules)) == [{"p.a", "p.b"}]

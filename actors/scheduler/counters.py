@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from actors.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
+from actors.stats.engine_metrics import ITL_BUCKETS, QUEUE_TIME_BUCKETS, TTFT_BUCKETS
 from prefix_store.metrics import Histogram
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from actors.recent import RecentSamples
+from actors.stats.recent import RecentSamples
 from actors.scheduler.counters import Counters
 from actors.scheduler.sequence import RequestState, Sequence
 

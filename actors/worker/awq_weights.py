@@ -18,7 +18,7 @@ import torch
 
 from actors.worker.gptq_weights import unpack_words
 from actors.worker.hf_weights import HFWeights
-from actors.worker.model_config import ModelLoadError, read_json
+from actors.model.config import ModelLoadError, read_json
 from kernels.quantize import Int4Weight, pack_nibbles
 
 PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # nibble j of a word holds output 8i + PACK_ORDER[j]

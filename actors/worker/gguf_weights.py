@@ -14,8 +14,8 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from actors.worker.dequant import dequantize
-from actors.worker.gguf_file import GGUFFile
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.model.gguf_file import GGUFFile
+from actors.model.config import ModelConfig, ModelLoadError
 from kernels.quant_linear import QuantTensor, supported
 
 _LAYER_NAMES = {

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.worker.hf_weights import HFWeights
-from actors.worker.model_config import ModelLoadError, read_json
+from actors.model.config import ModelLoadError, read_json
 from kernels.quantize import Int4Weight, pack_nibbles
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)   # nibble j of an int32 sits at bit 4j

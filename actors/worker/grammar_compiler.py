@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors.grammar import engine_message, grammar_of
+from actors.text.grammar import engine_message, grammar_of
 from actors.messages import StructuredOutput
 from actors.worker.grammar_state import GrammarState
 

@@ -11,7 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from actors.worker.model_config import ModelLoadError, read_json
+from actors.model.config import ModelLoadError, read_json
 
 
 class HFWeights:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.worker.model_config import ModelConfig
+from actors.model.config import ModelConfig
 
 # PEFT's module names for the projections the engine adapts, and where each lives in a layer.
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.worker.lora_adapter import LoRAAdapter, module_shapes
-from actors.worker.model_config import ModelConfig
+from actors.model.config import ModelConfig
 from kernels.lora import Segment, Segments
 from kernels.lora import add_lora as lora_reference
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from actors.worker.lora_slots import LoRABatch
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.model.config import ModelConfig, ModelLoadError
 from actors.worker.progress import load_progress
 from actors.worker.tensor_parallel import TensorParallel
 from kernels import Ops, build_cos_sin_cache

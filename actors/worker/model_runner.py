@@ -12,21 +12,21 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from actors.memory_plan import kv_bytes_per_block
+from actors.model.memory_plan import kv_bytes_per_block
 from actors.worker.allocator import keep_freed_memory
 from actors.worker.decode_graphs import DecodeGraphs
 from actors.worker.pinned_batch import PinnedBatch
 from actors.worker.lora_slots import LoRABatch, LoRASlots
 from actors.worker.pooling import read_pooling
-from actors.worker.model_config import ModelConfig
+from actors.model.config import ModelConfig
 from actors.worker.forward_batch import DecodeCursor, FlatBatch, ForwardBatch, flatten
 from actors.worker.gguf_weights import GGUFWeights
 from actors.worker.awq_weights import AWQConfig, AWQWeights
 from actors.worker.gptq_weights import GPTQConfig, GPTQWeights
 from actors.worker.hf_weights import HFWeights
-from actors.worker.model_config import read_hf_config
+from actors.model.config import read_hf_config
 from actors.worker.model import AttentionMetadata, DecoderModel, LayerKV, why_dequantized
-from actors.worker.model_source import ModelSource, resolve_model_source
+from actors.model.source import ModelSource, resolve_model_source
 from actors.worker.shard_plan import plan_shards
 from actors.worker.sharded_weights import ShardedWeights
 from actors.worker.tensor_parallel import RankSpec, TensorParallel
@@ -201,10 +201,10 @@ class ModelRunner:
 
     @property
     def tokenizer(self):
-        """The model's Tokenizer (actors.tokenizer): the engine hands over the one it loaded; loaded
+        """The model's Tokenizer (actors.text.tokenizer): the engine hands over the one it loaded; loaded
         here on first use only when nobody did (the forward never needs it)."""
         if self._tokenizer is None:
-            from actors.tokenizer import load_tokenizer
+            from actors.text.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.source)
         return self._tokenizer

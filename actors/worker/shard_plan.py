@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.model.config import ModelConfig, ModelLoadError
 
 # The quantized block widths, largest first: a split on one of them cuts no GGUF block (K-quants 256,
 # the others 32) of a row-parallel weight's input.

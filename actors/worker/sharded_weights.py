@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.model.config import ModelConfig, ModelLoadError
 from actors.worker.shard_plan import ShardPlan
 from kernels.quant_linear import QuantTensor
 from runtime import get_logger

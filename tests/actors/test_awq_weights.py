@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.worker.awq_weights import PACK_ORDER, AWQConfig, AWQWeights
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import ModelLoadError
 from kernels import quant_linear_cpu, quant_matmul
 from kernels.quantize import quantize_int4, unpack_nibbles
 from tests.actors.test_gptq_weights import _int32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine_http import create_engine_http, start_engine_http
+from actors.nodes.engine_http import create_engine_http, start_engine_http
 from actors.messages import EngineStats, GetStats
 from runtime import Actor, ActorSystem
 from tests.cluster.harness import free_port

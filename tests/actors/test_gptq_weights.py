@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.worker.gptq_weights import GPTQConfig, GPTQWeights
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import ModelLoadError
 from kernels import quant_linear_cpu, quant_matmul
 from kernels.quantize import quantize_int4, unpack_nibbles
 

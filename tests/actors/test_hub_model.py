@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actors.hub_model import is_hub_id, local_model_path
+from actors.model.hub import is_hub_id, local_model_path
 
 REPO = "tiny-org/tiny-llama"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -35,8 +35,8 @@ def hub_cache(tmp_path_factory, tiny_model_dir):
 
 def _resolve(model: str, cache: str, call: str = "local_model_path(sys.argv[1])", **env) -> subprocess.CompletedProcess:
     """In a fresh process: huggingface_hub reads its environment once, at import."""
-    code = ("import sys\nfrom actors.hub_model import local_model_path\n"
-            "from actors.worker.model_source import resolve_model_source\n"
+    code = ("import sys\nfrom actors.model.hub import local_model_path\n"
+            "from actors.model.source import resolve_model_source\n"
             f"try:\n    print({call})\n"
             "except ValueError as e:\n    print(e, file=sys.stderr); sys.exit(2)\n")
     return subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, cwd=ROOT,

@@ -8,7 +8,7 @@ import torch
 
 from actors import LLM
 from actors.config import EngineConfig
-from actors.model_bytes import kv_bytes_per_block
+from actors.model.value_bytes import kv_bytes_per_block
 from actors.worker.model_runner import ModelRunner
 from kernels import cpu_native
 from tests.actors.test_llm_parity import assert_pool_back, engine_greedy, prompts

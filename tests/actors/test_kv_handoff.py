@@ -14,7 +14,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.engine_node import attach_kv_transfer
+from actors.nodes.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
 from actors.messages import (GetKVStats, GetStats, HandOver, HandOverAhead, HandOverCancel, HandOverDone,
                              HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed, KVOffer,

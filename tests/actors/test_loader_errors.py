@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import ModelLoadError
 from actors.worker.model_runner import ModelRunner
 
 

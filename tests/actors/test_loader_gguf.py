@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.gguf_weights import GGUFWeights
-from actors.worker.model_config import read_hf_config
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import read_hf_config
+from actors.model.config import ModelLoadError
 from actors.worker.model_runner import ModelRunner
 
 _LAYER = {
@@ -172,7 +172,7 @@ def test_smollm2_gguf_config(smollm2_gguf):
 def test_lean_reader_agrees_with_gguf_reader(tiny_model_dir, tmp_path, smollm2_gguf):
     import gguf
 
-    from actors.worker.gguf_file import GGUFFile
+    from actors.model.gguf_file import GGUFFile
 
     path = hf_folder_to_gguf(tiny_model_dir("llama"), str(tmp_path / "llama.gguf"))
     lean, reader = GGUFFile(path), gguf.GGUFReader(path)
@@ -212,7 +212,7 @@ def test_fast_dequantize_on_the_real_file(smollm2_gguf):
     import gguf
 
     from actors.worker.dequant import dequantize
-    from actors.worker.gguf_file import GGUFFile
+    from actors.model.gguf_file import GGUFFile
 
     f = GGUFFile(smollm2_gguf)
     for name in ("token_embd.weight", "blk.3.attn_q.weight", "blk.29.ffn_down.weight", "blk.0.attn_norm.weight"):

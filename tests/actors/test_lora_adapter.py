@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.worker.lora_adapter import LoRAError, read_adapter
-from actors.worker.model_config import read_hf_config
+from actors.model.config import read_hf_config
 from tests.actors.lora_adapters import make_adapter
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.memory_plan import GB, GIB, MemoryPlan, parse_size
-from actors.model_bytes import GGUF_WEIGHT_BYTES
-from actors.model_shape import PRESETS, ModelShape
+from actors.model.memory_plan import GB, GIB, MemoryPlan, parse_size
+from actors.model.value_bytes import GGUF_WEIGHT_BYTES
+from actors.model.shape import PRESETS, ModelShape
 from actors.worker.model_runner import ModelRunner
 
 
@@ -129,7 +129,7 @@ def test_the_plans_gguf_types_are_every_type_the_kernels_keep_packed():
 
 def test_a_known_shape_is_its_tensors():
     """The layout the int8 / int4 plan walks adds up to the shape's parameter count."""
-    from actors.memory_plan import float_params, matmul_shapes
+    from actors.model.memory_plan import float_params, matmul_shapes
 
     for name, shape in PRESETS.items():
         if shape.has_layout:

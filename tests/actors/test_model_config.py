@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.worker.model_config import ModelConfig, ModelLoadError
+from actors.model.config import ModelConfig, ModelLoadError
 
 _BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=8)
@@ -59,7 +59,7 @@ def test_unsupported_configs_are_refused(change, message):
 def test_missing_key_is_named(tmp_path):
     import json
 
-    from actors.worker.model_config import read_hf_config
+    from actors.model.config import read_hf_config
 
     cfg = dict(_BASE)
     del cfg["intermediate_size"]

@@ -7,8 +7,8 @@ import os
 import pytest
 from safetensors import safe_open
 
-from actors.model_shape import PRESETS, ModelShape, params_of
-from actors.worker.model_config import ModelConfig
+from actors.model.shape import PRESETS, ModelShape, params_of
+from actors.model.config import ModelConfig
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied", "llama_bias", "qwen2", "qwen3"])

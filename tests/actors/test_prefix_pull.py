@@ -8,7 +8,7 @@ import pytest
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.engine_node import attach_kv_transfer
+from actors.nodes.engine_node import attach_kv_transfer
 from actors.messages import GetStats, SubmitRequest
 from runtime import ActorSystem
 from tests.actors.test_kv_handoff import GREEDY, Front

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from actors.config import EngineConfig
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.hf_weights import HFWeights
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import ModelLoadError
 from actors.worker.model_runner import ModelRunner
 from kernels import cpu_native, quant_matmul
 from kernels.ops import TORCH_OPS

@@ -86,7 +86,7 @@ def _k_mix(v_type: Q):
 @pytest.mark.parametrize("v_type", [Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("arch", ["llama_wide", "qwen2_wide"])
 def test_k_quants_greedy_parity_with_the_torch_reference(arch, v_type, tiny_model_dir, tmp_path):
-    from actors.worker.gguf_file import GGUFFile
+    from actors.model.gguf_file import GGUFFile
     from actors.worker.gguf_weights import GGUFWeights
 
     path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _k_mix(v_type))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from actors.recent import RecentSamples
+from actors.stats.recent import RecentSamples
 from tests.actors.test_scheduler import FakeClock
 
 

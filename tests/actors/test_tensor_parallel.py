@@ -20,11 +20,11 @@ import torch
 
 from actors import LLM, SamplingParams
 from actors.config import EngineConfig
-from actors.engine_ranks import free_port, serve_ranks
+from actors.nodes.engine_ranks import free_port, serve_ranks
 from actors.worker.dequant import dequantize
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.gguf_weights import GGUFWeights
-from actors.worker.model_config import ModelLoadError, read_hf_config
+from actors.model.config import ModelLoadError, read_hf_config
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rank_processes import RankProcesses
 from actors.worker.shard_plan import plan_shards

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.tokenizer import Tokenizer, load_tokenizer
-from actors.worker.model_config import ModelLoadError
+from actors.text.tokenizer import Tokenizer, load_tokenizer
+from actors.model.config import ModelLoadError
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
 

@@ -93,7 +93,7 @@ def engine_stats(redis_url: str, role: str):
 
 def ask_engine(redis_url: str, role: str, msg):
     """The one engine registered with this role's answer to `msg`."""
-    from actors.engine_node import registry_name
+    from actors.nodes.engine_node import registry_name
     from runtime import ActorSystem
     from runtime.redis_registry import RedisRegistry
 

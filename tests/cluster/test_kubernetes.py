@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from actors.engine_metrics import SERIES
+from actors.stats.engine_metrics import SERIES
 from gateway.cli import SECTIONS, build_parser
 from gateway.flags import ENV_PREFIX, dest, flag_fields
 from gateway.roles import RUNNERS, SECRET_ENV

@@ -168,7 +168,7 @@ def test_a_forged_registry_entry_is_never_dialed(cluster):
 
 
 def test_a_relay_on_the_path_learns_nothing_and_changes_nothing(cluster, model):
-    from actors.tokenizer import load_tokenizer
+    from actors.text.tokenizer import load_tokenizer
 
     migrations = h.metric(cluster.base, "matinee_request_migrations_total")
     answers = [chat(cluster) for _ in range(2)]   # round robin: one direct, one through the relay

@@ -13,7 +13,7 @@ def smollm2_dir() -> str:
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    from actors.tokenizer import load_tokenizer   # cached on disk after the first GGUF build
+    from actors.text.tokenizer import load_tokenizer   # cached on disk after the first GGUF build
     return load_tokenizer(os.path.join(smollm2_dir(), SMOLLM2_GGUF))
 
 

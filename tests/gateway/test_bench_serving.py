@@ -126,7 +126,7 @@ def test_serving_peers_runs_each_server_in_turn_with_its_flags(tmp_path):
 
 
 def test_serving_peers_runs_llamacpp_on_matinees_gguf_with_a_slot_per_stream(tmp_path):
-    from actors.worker.model_source import default_model_path
+    from actors.model.source import default_model_path
     from bench import peers, serving_peers
 
     args = serving_peers.build_parser().parse_args(

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop strings, on SmolLM2's byte-level tokenizer."""
 import random
 
-from actors.detokenizer import IncrementalDetokenizer, SampleText, StopMatcher
+from actors.text.detokenizer import IncrementalDetokenizer, SampleText, StopMatcher
 
 TEXT = "Hello 😀 世界! Ça va? 🇫🇷 naïve 東京タワー 👩‍👩‍👧 end"
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from actors.grammar import grammar_of
+from actors.text.grammar import grammar_of
 from gateway import protocol
 from gateway.config import GatewayConfig
 from gateway.tools import chat_tools

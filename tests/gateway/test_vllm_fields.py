@@ -232,7 +232,7 @@ async def test_add_special_tokens_adds_the_tokenizers_bos_to_a_chat_prompt(tmp_p
     tokenized with the tokenizer's special tokens. A tokenizer that adds BOS shows the difference."""
     from tokenizers.processors import TemplateProcessing
 
-    from actors.tokenizer import Tokenizer
+    from actors.text.tokenizer import Tokenizer
     from gateway import protocol
     from gateway.handlers import render_chat
     from tests.actors.conftest import build_tiny_tokenizer

@@ -1,7 +1,7 @@
 """Where a deployment's GPU memory goes: weights, KV cache, activation headroom; how many GPUs.
 
-Pure arithmetic on a model's shape (actors/model_shape.py), for `matinee plan` to answer "does it
-fit". The KV bytes a token and a block come from actors/model_bytes.py, which the engine sizes its KV
+Pure arithmetic on a model's shape (actors/model/shape.py), for `matinee plan` to answer "does it
+fit". The KV bytes a token and a block come from actors/model/value_bytes.py, which the engine sizes its KV
 pool with, so the two cannot disagree.
 
 Units: GB is 10^9 bytes, as in the serving chapter's figure (a 70B-class GQA model, 80 layers,
@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors.model_bytes import GGUF_WEIGHT_BYTES, kv_bytes_per_block
+from actors.model.value_bytes import GGUF_WEIGHT_BYTES, kv_bytes_per_block
 
 if TYPE_CHECKING:
-    from actors.model_shape import ModelShape
+    from actors.model.shape import ModelShape
 
 GB = 10 ** 9
 GIB = 1 << 30

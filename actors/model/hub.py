@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from actors.worker.model_config import ModelLoadError
+from actors.model.config import ModelLoadError
 
 # `org/name`: what the hub's ids look like, and what no relative path a user meant would look like
 # once it does not exist on disk.

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.model_bytes import kv_bytes_per_token
+from actors.model.value_bytes import kv_bytes_per_token
 
 
 class ModelLoadError(ValueError):

@@ -1,8 +1,8 @@
 """What a model's values take in memory: a weight value by GGUF type as the CPU kernels hold it, and
 K and V by the token and by the KV pool's block.
 
-The engine sizes its KV pool with these, a model's shape (actors/model_shape.py) sizes a GGUF file's
-packed weights with them, and the planner (actors/memory_plan.py) sizes a deployment with them, so
+The engine sizes its KV pool with these, a model's shape (actors/model/shape.py) sizes a GGUF file's
+packed weights with them, and the planner (actors/model/memory_plan.py) sizes a deployment with them, so
 none can disagree. Plain arithmetic that imports nothing else of ours: everything above may use it.
 """
 from __future__ import annotations

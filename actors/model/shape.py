@@ -10,8 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from actors.model_bytes import GGUF_WEIGHT_BYTES
-from actors.worker.model_config import ModelConfig, read_hf_config
+from actors.model.value_bytes import GGUF_WEIGHT_BYTES
+from actors.model.config import ModelConfig, read_hf_config
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ModelShape:
             return PRESETS[model.lower()]
         if not os.path.exists(os.path.expanduser(model)):
             raise ValueError(f"unknown model {model!r}: not a path, nor a preset ({', '.join(PRESETS)})")
-        from actors.worker.model_source import resolve_model_source
+        from actors.model.source import resolve_model_source
 
         source = resolve_model_source(model)
         if source.kind == "gguf":
@@ -75,7 +75,7 @@ class ModelShape:
     @classmethod
     def from_gguf(cls, path: str) -> "ModelShape":
         """Metadata and the tensor table only; the parameter count is the tensors' element count."""
-        from actors.worker.gguf_file import GGUFFile
+        from actors.model.gguf_file import GGUFFile
 
         file = GGUFFile(path)
         cfg = ModelConfig.from_gguf(file.metadata, set(file.tensors))

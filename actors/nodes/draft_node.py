@@ -15,7 +15,7 @@ import contextlib
 from actors.draft.config import SpeculativeConfig
 from actors.draft.draft_link import DRAFT_NODE_PREFIX
 from actors.draft.draft_service import DraftService
-from actors.engine_node import EngineNodeConfig, start_node_system
+from actors.nodes.engine_node import EngineNodeConfig, start_node_system
 from runtime import get_logger
 
 log = get_logger(component="draft-node")

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from actors.worker.model_config import ModelLoadError
-from actors.worker.model_source import ModelSource, resolve_model_source
+from actors.model.config import ModelLoadError
+from actors.model.source import ModelSource, resolve_model_source
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "matinee" / "tokenizers"
 
@@ -92,7 +92,7 @@ def load_tokenizer(model: str | os.PathLike | ModelSource | None = None,
     eos: list[int] = []
     try:
         if source.kind == "hf":
-            from actors.worker.model_config import read_hf_config
+            from actors.model.config import read_hf_config
 
             hf = AutoTokenizer.from_pretrained(source.path)
             try:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from actors.engine_metrics import EngineCollector
+from actors.stats.engine_metrics import EngineCollector
 from actors.messages import GetStats
 from runtime import ActorRef
 

