@@ -4,7 +4,7 @@ The engine (and torch) load only when LLM, start_engine or EngineConfig is first
 gateway can import the messages cheaply.
 """
 
-from actors.messages import SamplingParams
+from actors.messages.front_end import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "start_engine"]
 

@@ -25,7 +25,8 @@ from actors.kv.structs import KVCacheConfig
 from actors.kv.tier import KVTier
 from actors.kv.tier_codec import Int8BlockCodec
 from actors.kv.tier_disk import DiskTier
-from actors.messages import GetWorkerInfo, LoadLoRAAdapter, LoRAOutcome, WorkerInfo
+from actors.messages.front_end import LoadLoRAAdapter, LoRAOutcome
+from actors.messages.step import GetWorkerInfo, WorkerInfo
 from actors.scheduler.scheduler import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.text.tokenizer import Tokenizer, load_tokenizer

@@ -19,8 +19,10 @@ from tqdm import tqdm
 from actors.config import EngineConfig
 from actors.text.detokenizer import SampleText
 from actors.engine import Engine, start_engine
-from actors.messages import (AbortRequest, EngineStats, GetStats, LoadLoRAAdapter, LoRAOutcome, SamplingParams,
-                             SubmitRequest, TokenDeltas, UnloadLoRAAdapter)
+from actors.messages.front_end import (
+    AbortRequest, EngineStats, GetStats, LoadLoRAAdapter, LoRAOutcome, SamplingParams, SubmitRequest,
+    TokenDeltas, UnloadLoRAAdapter,
+)
 from runtime import Actor
 from runtime.loop import new_event_loop
 

@@ -18,7 +18,7 @@ import time
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
-from actors.messages import GetStats, SamplingParams, SubmitRequest
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest
 from bench.kv_tier import Timings, percentile
 from runtime import ActorSystem
 

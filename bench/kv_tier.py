@@ -18,7 +18,7 @@ import time
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages import GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest, TokenDeltas
 from runtime import Actor, ActorSystem
 
 

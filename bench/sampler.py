@@ -58,7 +58,7 @@ def transformers_draw(params: dict):
 
 
 def matinee_draw(params: dict, rows: int):
-    from actors.messages import SamplingParams
+    from actors.messages.front_end import SamplingParams
     from actors.worker.sampler import Sampler, SamplingState
 
     sampler = Sampler()

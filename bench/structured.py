@@ -17,7 +17,7 @@ import statistics
 import time
 
 from actors import LLM, SamplingParams
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 
 ITEM = {
     "type": "object",

@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from actors.stats.engine_metrics import kv_usage
-from actors.messages import EngineStats
+from actors.messages.front_end import EngineStats
 from gateway.app_keys import STATE
 from gateway.sse import SSE_HEADERS
 

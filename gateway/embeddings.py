@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from actors.messages import SamplingParams
+from actors.messages.front_end import SamplingParams
 from gateway import handlers, protocol
 from gateway.errors import internal, invalid
 from gateway.generation import Generation

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.messages import (AbortRequest, EngineStats, GetStats, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters,
-                             LoRAOutcome, SamplingParams, SubmitRequest, UnloadLoRAAdapter,
-                             TokenDeltas)
+from actors.messages.front_end import (
+    AbortRequest, EngineStats, GetStats, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
+    SamplingParams, SubmitRequest, UnloadLoRAAdapter, TokenDeltas,
+)
 from gateway.tenant import current_cache_salt
 from prefix_store import TenantSalts
 from runtime import Actor, ActorRef, ActorSystem, Terminated

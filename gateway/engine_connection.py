@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol, runtime_checkable
 
-from actors.messages import (EngineStats, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
-                             SamplingParams, UnloadLoRAAdapter)
+from actors.messages.front_end import (
+    EngineStats, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome, SamplingParams,
+    UnloadLoRAAdapter,
+)
 
 
 @runtime_checkable

@@ -25,9 +25,11 @@ from typing import Any
 import msgspec
 
 from actors.nodes.engine_node import REGISTRY_PREFIX
-from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver,
-                             KVHandoffFailed, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome,
-                             SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas, UnloadLoRAAdapter)
+from actors.messages.front_end import (
+    AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, ListLoRAAdapters, LoadLoRAAdapter,
+    LoRAAdapters, LoRAOutcome, SamplingParams, SubmitRefused, SubmitRequest, TokenDeltas, UnloadLoRAAdapter,
+)
+from actors.messages.handoff import HandoffDone, HandoffFailed
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.inflight import InflightRequest, Resubmission
 from gateway.pool_metrics import PoolMetrics
@@ -123,9 +125,9 @@ class PoolReceiver(Actor):
                 self.pool._on_deltas(deltas)
             case SubmitRefused(request_id=rid):
                 self.pool._on_refused(rid)
-            case KVHandedOver(request_id=rid):
+            case HandoffDone(request_id=rid):
                 self.pool._on_handed_over(rid)
-            case KVHandoffFailed(request_id=rid, reason=reason, refused=refused):
+            case HandoffFailed(request_id=rid, reason=reason, refused=refused):
                 self.pool._on_handoff_failed(rid, reason, refused)
             case Terminated(ref=ref):
                 self.pool._on_engine_dead(ref)

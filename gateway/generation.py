@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from actors.text.detokenizer import SampleText
-from actors.messages import SamplingParams, TokenDelta, TokenLogprobs
+from actors.messages.front_end import SamplingParams, TokenDelta, TokenLogprobs
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.engine_connection import EngineConnection
 from gateway.metrics import GatewayMetrics

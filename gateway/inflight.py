@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from actors.messages import SamplingParams, TokenDelta
+from actors.messages.front_end import SamplingParams, TokenDelta
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from actors.messages import LoadLoRAAdapter, UnloadLoRAAdapter
+from actors.messages.front_end import LoadLoRAAdapter, UnloadLoRAAdapter
 from gateway import handlers, protocol
 from gateway.app_keys import STATE
 from gateway.errors import APIError, invalid, not_found

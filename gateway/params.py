@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.messages import SamplingParams, StructuredOutput
+from actors.messages.front_end import SamplingParams, StructuredOutput
 from gateway.errors import invalid
 from gateway.protocol import MAX_SEQUENCES, _Common, stop_list, token_ids_checked
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 from gateway.errors import invalid
 
 START, END = "<think>", "</think>"

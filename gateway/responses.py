@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from actors.messages import TokenLogprobs
+from actors.messages.front_end import TokenLogprobs
 
 _MIN_LOGPROB = -9999.0   # JSON has no -inf; vLLM clamps the same way
 

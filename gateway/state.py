@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from actors.stats.engine_metrics import model_name_from_path
-from actors.messages import ListLoRAAdapters
+from actors.messages.front_end import ListLoRAAdapters
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.engine_connection import EngineConnection

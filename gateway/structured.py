@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from actors.text.grammar import check
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 from gateway.errors import invalid, unavailable
 from gateway.protocol import _Common
 

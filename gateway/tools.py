@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 from gateway.errors import invalid
 from gateway.protocol import ChatMessage, ChatRequest, NamedToolChoice, message_text
 from gateway.tool_parsers import PARSERS

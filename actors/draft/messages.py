@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.messages import NewSequence
+from actors.messages.step import NewSequence
 from runtime import ActorRef, register_messages
 
 

@@ -15,7 +15,7 @@ import torch
 
 from actors.draft.messages import DraftInput, Proposal, Propose
 from actors.draft.ngram import NgramConfig, propose_ngram
-from actors.messages import NewSequence
+from actors.messages.step import NewSequence
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import draw_rows

@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING, Any
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig, KVRequest
 from actors.kv.tier import KVTier
-from actors.messages import (DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents,
-                             KVEventsWaiting, KVFree, KVHeldRun, KVPull, KVPulled, KVReserve, KVReserved, KVSnapshot,
-                             KVStats, KVStep, KVStepResult, KVTierPut, SubscribeKVEvents)
+from actors.messages.handoff import KVPull, KVPulled
+from actors.messages.kv import (
+    DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents, KVEventsWaiting, KVFree,
+    KVHeldRun, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep, KVStepResult, KVTierPut,
+    SubscribeKVEvents,
+)
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
 from runtime import Actor, ActorRef

@@ -16,7 +16,9 @@ import time
 
 import msgspec
 
-from actors.messages import KVHeldRun, KVPull, KVPulled, KVTierPut, PrefixPullTimed, SubmitRequest
+from actors.messages.front_end import SubmitRequest
+from actors.messages.handoff import KVPull, KVPulled, PrefixPullTimed
+from actors.messages.kv import KVHeldRun, KVTierPut
 from prefix_store.hashing import adapter_salt, hash_full_blocks
 from runtime import ActorRef, get_logger
 

@@ -8,7 +8,7 @@ nothing piles up), then commits: the receiver's scheduler starts decoding. A pro
 prefill chunks is offered after its first: each chunk's full blocks go while the next is computed,
 and only the last chunk's are left to send once the first token is out (the commit carries it).
 Where the cache is in host memory, a prompt's blocks go layer by layer instead: the scheduler
-names the blocks each step fills (HandOverLayers) and the worker announces every layer it has
+names the blocks each step fills (HandoffSendLayers) and the worker announces every layer it has
 written (LayerWritten), so once the first token is out only what the last layers wrote is left.
 Cut before that, the blocks sent ahead are let go and the handoff goes whole as above. Whatever goes wrong
 before the commit, the sender tells the request's front end, which continues it elsewhere, and
@@ -23,9 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actors.messages import (AdoptCommit, AdoptDrop, AdoptReserve, HandOver, HandOverAhead, HandOverCancel,
-                             HandOverDone, HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandoffFailed, KVOffer,
-                             KVOfferReply, KVPull, KVPulled, KVReserved, LayerWritten, SubmitRequest)
+from actors.messages.front_end import SubmitRequest
+from actors.messages.handoff import (
+    HandoffStart, HandoffRelease, HandoffReserve, HandoffSend, HandoffSendAhead, HandoffWithdraw, HandoffSent,
+    HandoffSendLayers, HandoffCancel, HandoffChunk, HandoffCommit, HandoffFailed, HandoffOffer, HandoffOfferReply, KVPull, KVPulled,
+)
+from actors.messages.kv import KVReserved
+from actors.messages.step import LayerWritten
 from actors.kv.prefix_pull import PrefixPull
 from runtime import Actor, ActorRef, Terminated
 
@@ -68,16 +72,16 @@ class HandoffCut(Exception):
 @dataclass
 class _Outgoing:
     """A handoff this engine sends: offered when its first blocks were ready (or its whole prompt)."""
-    offer: KVOffer
+    offer: HandoffOffer
     to: ActorRef
     block_table: list[int] = field(default_factory=list)
     ready: int = 0                    # leading blocks that hold KV (while the prompt is computed)
     # step id -> [first block, end block, layers the worker wrote]: blocks a step fills, by layer
     filling: dict[int, list[int]] = field(default_factory=dict)
     sent_layers: dict[int, int] = field(default_factory=dict)   # block index -> its layers sent (from 0)
-    final: KVOffer | None = None      # from the HandOver: the prompt is done, its first token out
+    final: HandoffOffer | None = None      # from the HandoffSend: the prompt is done, its first token out
     final_at: float = 0.0             # when that came: the transfer time counts from there
-    failed: bool = False              # cut before its HandOver: that starts a whole one
+    failed: bool = False              # cut before its HandoffSend: that starts a whole one
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -123,23 +127,23 @@ class KVTransfer(Actor):
 
     async def receive(self, msg: Any) -> Any:
         match msg:
-            case HandOverAhead():
+            case HandoffSendAhead():
                 self._ahead(msg)
-            case HandOverLayers():
+            case HandoffSendLayers():
                 self._layers(msg)
             case LayerWritten(step_id=step_id, layer=layer):
                 self._layer_written(step_id, layer)
-            case HandOver():
+            case HandoffSend():
                 self._finish(msg)
-            case HandOverCancel(seq_id=seq_id):
+            case HandoffWithdraw(seq_id=seq_id):
                 self._cancel(seq_id)
-            case KVOffer():
+            case HandoffOffer():
                 return await self._on_offer(msg)
-            case KVChunk():
+            case HandoffChunk():
                 return self._on_chunk(msg)
-            case KVCommit():
+            case HandoffCommit():
                 return await self._on_commit(msg)
-            case KVCancel(transfer_id=tid):
+            case HandoffCancel(transfer_id=tid):
                 self._let_go(tid)
             case SubmitRequest() if self.pull is not None:   # from the scheduler: pull its prefix first
                 self._own(self.pull.pull_then_submit(msg))
@@ -156,7 +160,7 @@ class KVTransfer(Actor):
         return None
 
     # ---- sending -------------------------------------------------------------------------------
-    def _ahead(self, msg: HandOverAhead) -> None:
+    def _ahead(self, msg: HandoffSendAhead) -> None:
         """More of a prompt's blocks hold KV: the first time, the handoff is offered; then they go."""
         out = self._outgoing.get(msg.seq_id)
         if out is None:
@@ -165,7 +169,7 @@ class KVTransfer(Actor):
         out.block_table, out.ready = msg.block_table, max(out.ready, msg.num_blocks)
         out.changed.set()
 
-    def _layers(self, msg: HandOverLayers) -> None:
+    def _layers(self, msg: HandoffSendLayers) -> None:
         """The coming step fills these blocks: each layer of them goes once written (the first
         time, the handoff is offered)."""
         out = self._outgoing.get(msg.seq_id)
@@ -182,7 +186,7 @@ class KVTransfer(Actor):
                 span[2] = layer + 1
                 out.changed.set()
 
-    def _finish(self, h: HandOver) -> None:
+    def _finish(self, h: HandoffSend) -> None:
         """The prompt is computed and its first token out: the handoff sends the rest and commits.
         One sent ahead goes on from where it is; one that failed, or none, starts from the offer."""
         out = self._outgoing.get(h.seq_id)
@@ -206,21 +210,21 @@ class KVTransfer(Actor):
         return task
 
     def _cancel(self, seq_id: int) -> None:
-        """A handoff sent ahead ends before its HandOver: its decode engine lets the blocks go."""
+        """A handoff sent ahead ends before its HandoffSend: its decode engine lets the blocks go."""
         out = self._outgoing.pop(seq_id, None)
         if out is not None and out.task is not None:
             out.task.cancel()
 
     async def _send(self, seq_id: int, out: _Outgoing) -> None:
         """Offer, chunks as their blocks are ready, commit; the scheduler hears the outcome, the front
-        end a failure. Cut before its HandOver, a handoff sent ahead ends quietly: that HandOver
+        end a failure. Cut before its HandoffSend, a handoff sent ahead ends quietly: that HandoffSend
         starts another."""
         offer = out.offer
         tid = offer.transfer_id
         sent_bytes = bytes_ahead = blocks_ahead = 0
         ok, refused, accepted = False, False, False
         try:
-            reply: KVOfferReply = await out.to.ask(offer, timeout=self.config.timeout_s)
+            reply: HandoffOfferReply = await out.to.ask(offer, timeout=self.config.timeout_s)
             if not reply.accepted:
                 raise HandoffCut(f"the decode engine refused the handoff: {reply.reason}", refused=reply.no_room)
             accepted = True
@@ -238,29 +242,29 @@ class KVTransfer(Actor):
                 await out.changed.wait()
                 out.changed.clear()
             ahead = not offer.output_token_ids   # then the commit brings the first token
-            await out.to.ask(KVCommit(tid, final.output_token_ids if ahead else None), timeout=self.config.timeout_s)
+            await out.to.ask(HandoffCommit(tid, final.output_token_ids if ahead else None), timeout=self.config.timeout_s)
             ok = True
         except asyncio.CancelledError:   # the offer's answer may be on its way: the cancel follows it
-            out.to.tell(KVCancel(tid))
+            out.to.tell(HandoffCancel(tid))
             raise
         except Exception as exc:
             refused = isinstance(exc, HandoffCut) and exc.refused
             if accepted or isinstance(exc, TimeoutError):   # it may hold blocks for us: they go back
-                out.to.tell(KVCancel(tid))
-            if out.final is None:   # still prefilling: its HandOver starts again
+                out.to.tell(HandoffCancel(tid))
+            if out.final is None:   # still prefilling: its HandoffSend starts again
                 out.failed = True
                 self.context.log.info("KV handoff sent ahead failed; it goes whole once prefilled",
                                       request_id=offer.request_id, error=str(exc) or repr(exc))
                 return
             self.context.log.warning("KV handoff failed", request_id=offer.request_id, error=str(exc) or repr(exc))
-            offer.reply_to.tell(KVHandoffFailed(offer.request_id, str(exc) or repr(exc), refused))
+            offer.reply_to.tell(HandoffFailed(offer.request_id, str(exc) or repr(exc), refused))
         finally:
             if out.final is not None and self._outgoing.get(seq_id) is out:
                 del self._outgoing[seq_id]
-                self.scheduler.tell(HandOverDone(seq_id, ok, refused, len(out.sent_layers), sent_bytes,
+                self.scheduler.tell(HandoffSent(seq_id, ok, refused, len(out.sent_layers), sent_bytes,
                                                  time.perf_counter() - out.final_at, blocks_ahead, bytes_ahead))
 
-    def _num_blocks(self, offer: KVOffer) -> int:
+    def _num_blocks(self, offer: HandoffOffer) -> int:
         """Blocks that hold the request's KV: every position but the last sampled token's."""
         return -(-(len(offer.prompt_token_ids) + len(offer.output_token_ids) - 1) // self.block_size)
 
@@ -304,7 +308,7 @@ class KVTransfer(Actor):
                     for task in done:
                         del in_flight[task]
                         task.result()   # a chunk that failed cuts the handoff
-                chunk = KVChunk(tid, first_block + at, len(ids), self.blocks.read(ids, None if whole else layers),
+                chunk = HandoffChunk(tid, first_block + at, len(ids), self.blocks.read(ids, None if whole else layers),
                                 0 if whole else layers.start, 0 if whole else len(layers))
                 in_flight[asyncio.create_task(to.ask(chunk, timeout=self.config.timeout_s))] = size
                 self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, sum(in_flight.values()))
@@ -318,21 +322,21 @@ class KVTransfer(Actor):
         return sent
 
     # ---- receiving -----------------------------------------------------------------------------
-    async def _on_offer(self, offer: KVOffer) -> KVOfferReply:
+    async def _on_offer(self, offer: HandoffOffer) -> HandoffOfferReply:
         if offer.block_layout != self.blocks.layout:
-            return KVOfferReply(False, reason=f"KV layout {offer.block_layout} here is {self.blocks.layout}")
-        reserved: KVReserved = await self.scheduler.ask(AdoptReserve(offer))
+            return HandoffOfferReply(False, reason=f"KV layout {offer.block_layout} here is {self.blocks.layout}")
+        reserved: KVReserved = await self.scheduler.ask(HandoffReserve(offer))
         if reserved.block_table is None:
-            return KVOfferReply(False, reason="no room in the KV cache", no_room=True)
+            return HandoffOfferReply(False, reason="no room in the KV cache", no_room=True)
         self._incoming[offer.transfer_id] = _Incoming(reserved.seq_id, offer.sender, reserved.block_table,
                                                       reserved.num_hit_blocks, not offer.output_token_ids)
         self.context.schedule_once(self._idle_s, _CheckIdle(offer.transfer_id))
         if offer.sender not in self._watched:   # a sender that dies takes its handoffs with it
             self._watched.add(offer.sender)
             self.context.watch(offer.sender)
-        return KVOfferReply(True, skip_blocks=reserved.num_hit_blocks)
+        return HandoffOfferReply(True, skip_blocks=reserved.num_hit_blocks)
 
-    def _on_chunk(self, chunk: KVChunk) -> int:
+    def _on_chunk(self, chunk: HandoffChunk) -> int:
         inc = self._incoming.get(chunk.transfer_id)
         if inc is None:
             raise ValueError(f"no handoff {chunk.transfer_id} in progress")
@@ -353,7 +357,7 @@ class KVTransfer(Actor):
         """The handoff ends before its commit: its reserved blocks go back to the decode engine's pool."""
         inc = self._incoming.pop(transfer_id, None)
         if inc is not None:
-            self.scheduler.tell(AdoptDrop(inc.seq_id))
+            self.scheduler.tell(HandoffRelease(inc.seq_id))
 
     @property
     def _idle_s(self) -> float:
@@ -374,7 +378,7 @@ class KVTransfer(Actor):
         self.context.log.warning("KV handoff dropped: its sender went quiet", transfer_id=transfer_id,
                                  quiet_s=round(quiet, 3))
 
-    async def _on_commit(self, commit: KVCommit) -> bool:
+    async def _on_commit(self, commit: HandoffCommit) -> bool:
         transfer_id = commit.transfer_id
         inc = self._incoming.pop(transfer_id, None)
         if inc is None:
@@ -390,7 +394,7 @@ class KVTransfer(Actor):
         elif not inc.ahead and commit.output_token_ids is not None:
             problem = "with tokens its offer already had"
         if problem is not None:
-            self.scheduler.tell(AdoptDrop(inc.seq_id))
+            self.scheduler.tell(HandoffRelease(inc.seq_id))
             raise ValueError(f"handoff {transfer_id} committed {problem}")
-        await self.scheduler.ask(AdoptCommit(inc.seq_id, commit.output_token_ids))
+        await self.scheduler.ask(HandoffStart(inc.seq_id, commit.output_token_ids))
         return True

@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from actors.stats.engine_metrics import EngineCollector
-from actors.messages import GetStats
+from actors.messages.front_end import GetStats
 from runtime import ActorRef
 
 STATS_TIMEOUT_S = 2.0

@@ -23,8 +23,10 @@ import msgspec
 from actors.config import EngineConfig
 from actors.kv.transfer import KVTransfer, KVTransferConfig
 from actors.scheduler.pull_cost import PullCost
-from actors.messages import (AbortRequest, EngineInfo, GetEngineInfo, GetStats, KVEventsWaiting, SubmitRefused,
-                             SubmitRequest, SubscribeKVEvents)
+from actors.messages.front_end import (
+    AbortRequest, EngineInfo, GetEngineInfo, GetStats, SubmitRefused, SubmitRequest,
+)
+from actors.messages.kv import KVEventsWaiting, SubscribeKVEvents
 from runtime import Actor, ActorRef, ActorSystem, get_logger
 
 log = get_logger(component="engine-node")

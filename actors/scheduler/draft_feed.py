@@ -10,7 +10,7 @@ at once. A plain synchronous class: the scheduler owns one.
 from __future__ import annotations
 
 from actors.draft.messages import DraftInput, Propose
-from actors.messages import NewSequence
+from actors.messages.step import NewSequence
 
 MAX_QUEUED = 256   # items held back at most: past this they go without a draft (memory stays bounded)
 

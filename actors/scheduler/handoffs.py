@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.messages import KVReserve
+from actors.messages.kv import KVReserve
 from actors.scheduler.sequence import Sequence, SeqStatus
 
 

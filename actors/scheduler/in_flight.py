@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from actors.messages import KVUnwritten, SeqOutput
+from actors.messages.kv import KVUnwritten
+from actors.messages.step import SeqOutput
 
 
 @dataclass

@@ -9,7 +9,7 @@ dropped when it comes back.
 
 from __future__ import annotations
 
-from actors.messages import SubmitRequest
+from actors.messages.front_end import SubmitRequest
 from actors.scheduler.pull_cost import PullCost
 
 

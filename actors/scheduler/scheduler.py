@@ -25,9 +25,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from actors.draft.controller import SpecController
-from actors.messages import (KVAdmit, KVFork, KVFree, KVGrow, KVOffer, KVReserve, KVStep, KVStepResult, KVTrim,
-                             KVUnwritten, NewSequence, SamplingParams, ScheduledSeq, SeqOutput, StepPlan,
-                             StepResult, SubmitRequest, TokenDelta)
+from actors.messages.front_end import SamplingParams, SubmitRequest, TokenDelta
+from actors.messages.handoff import HandoffOffer
+from actors.messages.kv import (
+    KVAdmit, KVFork, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim, KVUnwritten,
+)
+from actors.messages.step import NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult
 from actors.scheduler.ballast import BallastObjective, BallastPolicy
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
@@ -171,7 +174,7 @@ class Scheduler:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
         self._frees.append(seq_id)
 
-    def reserve_adoption(self, offer: KVOffer) -> KVReserve | None:
+    def reserve_adoption(self, offer: HandoffOffer) -> KVReserve | None:
         """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
         transaction that reserves its blocks. None when the request is here already."""
         if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):

@@ -23,11 +23,16 @@ import msgspec
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import Propose, Proposals
-from actors.messages import (AbortRequest, AdoptCommit, AdoptDrop, AdoptReserve, EngineStats, GetKVStats, GetStats,
-                             HandOver, HandOverAhead, HandOverCancel, HandOverDone, HandOverLayers, KVConfirm,
-                             KVHandedOver, KVOffer, KVReserved, ListLoRAAdapters, LoadLoRAAdapter,
-                             UnloadLoRAAdapter, PrefixPullTimed, StepPlan, StepProgress, StepResult,
-                             SubmitRequest, TokenDeltas)
+from actors.messages.front_end import (
+    AbortRequest, EngineStats, GetStats, ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter, SubmitRequest,
+    TokenDeltas,
+)
+from actors.messages.handoff import (
+    HandoffStart, HandoffRelease, HandoffReserve, HandoffSend, HandoffSendAhead, HandoffWithdraw, HandoffSent,
+    HandoffSendLayers, HandoffDone, HandoffOffer, PrefixPullTimed,
+)
+from actors.messages.kv import GetKVStats, KVConfirm, KVReserved
+from actors.messages.step import StepPlan, StepProgress, StepResult
 from actors.scheduler.pull_cost import PullCost
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
@@ -116,16 +121,16 @@ class SchedulerActor(Actor):
                 if len(self.scheduler.running) != running:
                     self._pull_brake()
                 self._send_outputs()
-            case HandOverDone():
+            case HandoffSent():
                 self.handoffs.sent(msg)
                 self.scheduler.handoff_done(msg.seq_id)
                 self._send_outputs()
-            case AdoptReserve(offer=offer):
+            case HandoffReserve(offer=offer):
                 return await self._reserve(offer)
-            case AdoptCommit(seq_id=seq_id, output_token_ids=output_token_ids):
+            case HandoffStart(seq_id=seq_id, output_token_ids=output_token_ids):
                 self._pull_brake()
                 await self._adopt(seq_id, output_token_ids)
-            case AdoptDrop(seq_id=seq_id):
+            case HandoffRelease(seq_id=seq_id):
                 self.scheduler.drop_adoption(seq_id)
                 self._send_outputs()   # the reserved blocks go back before the next step asks for some
                 await self._unstall()
@@ -274,10 +279,10 @@ class SchedulerActor(Actor):
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
         for seq, num_blocks in ahead:
-            self.transfer.tell(HandOverAhead(seq.seq_id, tables[seq.seq_id], num_blocks, self._offer(seq),
+            self.transfer.tell(HandoffSendAhead(seq.seq_id, tables[seq.seq_id], num_blocks, self._offer(seq),
                                              seq.request.handoff_to))
         for seq in handoffs:
-            self.transfer.tell(HandOver(seq.seq_id, tables[seq.seq_id], self._offer(seq), seq.request.handoff_to))
+            self.transfer.tell(HandoffSend(seq.seq_id, tables[seq.seq_id], self._offer(seq), seq.request.handoff_to))
 
     def _stream_layers(self, plan: StepPlan) -> None:
         """Prompts the step computes for decode engines go layer by layer: the transfer actor hears
@@ -290,22 +295,22 @@ class SchedulerActor(Actor):
             return
         tables = {s.seq_id: s.block_table for s in plan.seqs}
         for seq, first, end in layered:
-            self.transfer.tell(HandOverLayers(seq.seq_id, plan.step_id, tables[seq.seq_id], first, end,
+            self.transfer.tell(HandoffSendLayers(seq.seq_id, plan.step_id, tables[seq.seq_id], first, end,
                                               self._offer(seq), seq.request.handoff_to))
         plan.layers_to = self.transfer
 
     def _cancel_ahead(self) -> None:
         """Sequences sent ahead and then preempted or ended: their decode engine lets the blocks go."""
         for seq_id in self.scheduler.handoffs.take_cancelled_ahead():
-            self.transfer.tell(HandOverCancel(seq_id))
+            self.transfer.tell(HandoffWithdraw(seq_id))
 
-    def _offer(self, seq) -> KVOffer:
+    def _offer(self, seq) -> HandoffOffer:
         req = seq.request
-        return KVOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
+        return HandoffOffer(uuid.uuid4().hex, self.transfer, req.request_id, req.prompt_token_ids,
                        seq.output_token_ids, req.params, req.reply_to, req.priority, req.cache_salt,
                        req.num_cached_tokens, self.block_layout, req.ballast)
 
-    async def _reserve(self, offer: KVOffer) -> KVReserved:
+    async def _reserve(self, offer: HandoffOffer) -> KVReserved:
         """Blocks for a request another engine prefilled; a table of None when there is no room."""
         reserve = self.scheduler.reserve_adoption(offer)
         if reserve is None:
@@ -321,7 +326,7 @@ class SchedulerActor(Actor):
         seq = self.scheduler.adopt(seq_id, output_token_ids)   # no step is planned before the confirmation is in
         await self.kv.ask(KVConfirm(seq_id, seq.num_computed))
         self.handoffs.received += 1
-        seq.request.reply_to.tell(KVHandedOver(seq.request.request_id))
+        seq.request.reply_to.tell(HandoffDone(seq.request.request_id))
         self._stalled = False
         await self._maybe_step()
 
@@ -393,7 +398,7 @@ class _HandoffCounters:
         self.bytes_ahead = 0
         self.seconds = 0.0
 
-    def sent(self, done: HandOverDone) -> None:
+    def sent(self, done: HandoffSent) -> None:
         if done.ok:
             self.ok += 1
             self.blocks += done.num_blocks

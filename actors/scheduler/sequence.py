@@ -10,7 +10,7 @@ import enum
 import time
 from typing import Any
 
-from actors.messages import SamplingParams
+from actors.messages.front_end import SamplingParams
 from prefix_store.hashing import adapter_salt
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from actors.draft.controller import SpecController
 from actors.draft.messages import DraftInput, Propose
-from actors.messages import KVTrim, NewSequence, ScheduledSeq
+from actors.messages.kv import KVTrim
+from actors.messages.step import NewSequence, ScheduledSeq
 from actors.scheduler.counters import Counters
 from actors.scheduler.draft_feed import DraftFeed
 from actors.scheduler.sequence import Sequence

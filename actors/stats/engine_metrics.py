@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from actors.messages import EngineStats
+from actors.messages.front_end import EngineStats
 
 # vLLM's request-latency buckets (queue, e2e): 0.3 s to a little over 2 hours.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,

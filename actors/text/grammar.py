@@ -17,7 +17,7 @@ import json
 import re
 from functools import lru_cache
 
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 _ENGINE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from actors.text.grammar import engine_message, grammar_of
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 from actors.worker.grammar_state import GrammarState
 
 CACHE_SIZE = 256   # compiled grammars kept (least recently used go first)

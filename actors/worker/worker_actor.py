@@ -20,9 +20,13 @@ from typing import Any
 
 import torch
 
-from actors.messages import (GetWorkerInfo, LayerWritten, ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters,
-                             LoRAOutcome, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress, StepResult,
-                             TokenLogprobs, UnloadLoRAAdapter, WorkerInfo)
+from actors.messages.front_end import (
+    ListLoRAAdapters, LoadLoRAAdapter, LoRAAdapters, LoRAOutcome, TokenLogprobs, UnloadLoRAAdapter,
+)
+from actors.messages.step import (
+    GetWorkerInfo, LayerWritten, NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepProgress, StepResult,
+    WorkerInfo,
+)
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.lora_adapter import LoRAAdapter, LoRAError, read_adapter

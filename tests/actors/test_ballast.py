@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from actors.messages import SamplingParams, SubmitRequest
+from actors.messages.front_end import SamplingParams, SubmitRequest
 from actors.scheduler.ballast import BallastObjective
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from tests.actors.test_scheduler import Harness, reference

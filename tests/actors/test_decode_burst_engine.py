@@ -11,7 +11,7 @@ import pytest
 from actors import LLM
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages import SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.front_end import SamplingParams, SubmitRequest, TokenDeltas
 from actors.worker.model_runner import ModelRunner
 from actors.worker.sampler import Sampler
 from actors.worker.worker_actor import WorkerActor

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from actors.kv.kv_actor import apply_kv_step
-from actors.messages import ScheduledSeq, SeqOutput, StepPlan
+from actors.messages.step import ScheduledSeq, SeqOutput, StepPlan
 from tests.actors.test_scheduler import Harness, prompts, reference
 
 

@@ -14,7 +14,7 @@ from actors.draft.draft_link import DRAFT_NODE_PREFIX
 from actors.draft.draft_service import DraftService
 from actors.draft.messages import AttachDraft, DraftAttached, GetDraftStats
 from actors.engine import start_engine
-from actors.messages import GetStats, SubmitRequest
+from actors.messages.front_end import GetStats, SubmitRequest
 from runtime import ActorSystem
 from runtime.registry import InMemoryRegistry
 from tests.actors.test_engine import Sink

@@ -13,7 +13,8 @@ from actors.draft.config import SpeculativeConfig
 from actors.draft.messages import DraftInput, Propose
 from actors.draft.ngram import NgramConfig
 from actors.draft.proposer import ModelProposer, NgramProposer, check_same_vocab
-from actors.messages import NewSequence, SamplingParams
+from actors.messages.front_end import SamplingParams
+from actors.messages.step import NewSequence
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 

@@ -14,8 +14,8 @@ import pytest
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.worker.model_runner import ModelRunner
-from actors.messages import (AbortRequest, DrainKVEvents, GetKVSnapshot, GetKVStats, GetStats, KVEventsWaiting,
-                             SamplingParams, SubmitRequest, SubscribeKVEvents, TokenDeltas)
+from actors.messages.front_end import AbortRequest, GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.kv import DrainKVEvents, GetKVSnapshot, GetKVStats, KVEventsWaiting, SubscribeKVEvents
 from prefix_store import BlockStored
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, hf_greedy, prompts

@@ -17,7 +17,8 @@ from actors import LLM
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.kv.kv_actor import apply_kv_step
-from actors.messages import GetStats, SamplingParams, SeqOutput, StepPlan, SubmitRequest
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest
+from actors.messages.step import SeqOutput, StepPlan
 from actors.scheduler.scheduler import EMPTY_PROMPT, SEQUENCE_FAILED
 from actors.worker.model_runner import ModelRunner
 from actors.worker.sampler import Sampler

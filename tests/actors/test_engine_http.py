@@ -7,7 +7,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.nodes.engine_http import create_engine_http, start_engine_http
-from actors.messages import EngineStats, GetStats
+from actors.messages.front_end import EngineStats, GetStats
 from runtime import Actor, ActorSystem
 from tests.cluster.harness import free_port
 

@@ -1,7 +1,7 @@
 """Disaggregation in the scheduler (its HandoffTracker).
 
 A prefill engine's scheduler sends a long prompt's KV ahead: after each chunk, the full blocks it
-has computed go to the decode engine while the next chunk runs; the HandOver after the first token
+has computed go to the decode engine while the next chunk runs; the HandoffSend after the first token
 sends the rest. A sequence sent ahead that is preempted, aborted or ends at its first token
 cancels what went ahead (the decode engine lets the blocks go). Where the blocks go layer by layer,
 each planned step names the blocks it fills, and a sequence so named cancels as one sent ahead does.
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.messages import KVOffer, SamplingParams, SubmitRequest
+from actors.messages.front_end import SamplingParams, SubmitRequest
+from actors.messages.handoff import HandoffOffer
 from tests.actors.test_scheduler import Harness, reference
 
 
@@ -160,7 +161,7 @@ def test_a_preempted_prompt_named_by_its_steps_is_cancelled_before_its_recompute
 
 def test_an_adopted_request_reserves_its_blocks_then_decodes_from_its_first_token():
     h = Harness(block_size=4)
-    offer = KVOffer("o", None, "r", [1, 2, 3, 4, 5], [], SamplingParams(max_tokens=4, ignore_eos=True), "client",
+    offer = HandoffOffer("o", None, "r", [1, 2, 3, 4, 5], [], SamplingParams(max_tokens=4, ignore_eos=True), "client",
                     0, None, 0, "")
     reserve = h.scheduler.reserve_adoption(offer)   # ahead of the first token: every prompt position has KV
     assert (reserve.token_ids, reserve.num_tokens) == ([1, 2, 3, 4, 5], 5)

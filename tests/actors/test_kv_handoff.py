@@ -16,9 +16,13 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
 from actors.kv.transfer import KVTransfer, KVTransferConfig
-from actors.messages import (GetKVStats, GetStats, HandOver, HandOverAhead, HandOverCancel, HandOverDone,
-                             HandOverLayers, KVCancel, KVChunk, KVCommit, KVHandedOver, KVHandoffFailed, KVOffer,
-                             KVOfferReply, LayerWritten, SamplingParams, SubmitRequest, TokenDeltas)
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.handoff import (
+    HandoffSend, HandoffSendAhead, HandoffWithdraw, HandoffSent, HandoffSendLayers, HandoffCancel, HandoffChunk, HandoffCommit,
+    HandoffDone, HandoffFailed, HandoffOffer, HandoffOfferReply,
+)
+from actors.messages.kv import GetKVStats
+from actors.messages.step import LayerWritten
 from actors.worker.kv_blocks import KVBlockIO
 from actors.worker.model import LayerKV
 from runtime import Actor, ActorSystem
@@ -34,7 +38,7 @@ class Front(Actor):
         self.tokens: dict[str, list[int]] = {}
         self.finished: set[str] = set()
         self.handed_over: list[str] = []
-        self.failed: list[KVHandoffFailed] = []
+        self.failed: list[HandoffFailed] = []
         self.changed = asyncio.Event()
 
     async def receive(self, msg):
@@ -44,9 +48,9 @@ class Front(Actor):
                     self.tokens.setdefault(d.request_id, []).extend(d.token_ids)
                     if d.finish_reason is not None:
                         self.finished.add(d.request_id)
-            case KVHandedOver(request_id=rid):
+            case HandoffDone(request_id=rid):
                 self.handed_over.append(rid)
-            case KVHandoffFailed():
+            case HandoffFailed():
                 self.failed.append(msg)
         self.changed.set()
 
@@ -160,10 +164,10 @@ async def test_a_prompt_of_several_chunks_goes_ahead_and_decodes_the_colocated_t
 class HalfSender(Actor):
     """Offers a handoff and sends its first chunk only: a prefill engine that dies mid-transfer."""
 
-    def __init__(self, to, chunk: KVChunk):
+    def __init__(self, to, chunk: HandoffChunk):
         self.to, self.chunk = to, chunk
 
-    async def receive(self, offer: KVOffer):
+    async def receive(self, offer: HandoffOffer):
         reply = await self.to.ask(msgspec.structs.replace(offer, sender=self.context.self_ref))
         assert reply.accepted
         return await self.to.ask(self.chunk)
@@ -173,9 +177,9 @@ async def test_a_handoff_cut_halfway_gives_the_decode_engine_its_blocks_back(pai
     system, prefill, decode, dec_tx, front, front_ref = pair
     io = decode.kv_blocks
     prompt = [random.Random(2).randrange(4, 300) for _ in range(50)]   # 4 blocks
-    ref = await system.spawn(HalfSender(dec_tx, KVChunk("cut", 0, 1, bytes(io.bytes_per_block))), name="half")
+    ref = await system.spawn(HalfSender(dec_tx, HandoffChunk("cut", 0, 1, bytes(io.bytes_per_block))), name="half")
     free = (await decode.kv.ask(GetKVStats())).num_free_blocks
-    assert await ref.ask(KVOffer("cut", ref, "half", prompt, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    assert await ref.ask(HandoffOffer("cut", ref, "half", prompt, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
     assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4   # reserved, one block written
     await system.stop(ref)   # the sender dies before it commits
     for _ in range(100):
@@ -195,8 +199,8 @@ async def test_a_request_that_fits_only_once_a_cut_handoff_lets_go_waits_for_it(
     held = [rng.randrange(4, 300) for _ in range(200)]   # 13 of the decode engine's 24 blocks
     prompt = [rng.randrange(4, 300) for _ in range(180)]   # 12 more, then one to grow into
     expected = await _run(prefill, front_ref, front, [prompt], "whole")
-    ref = await system.spawn(HalfSender(dec_tx, KVChunk("held", 0, 1, bytes(io.bytes_per_block))), name="holder")
-    assert await ref.ask(KVOffer("held", ref, "holder", held, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
+    ref = await system.spawn(HalfSender(dec_tx, HandoffChunk("held", 0, 1, bytes(io.bytes_per_block))), name="holder")
+    assert await ref.ask(HandoffOffer("held", ref, "holder", held, [7], GREEDY, front_ref, 0, None, 0, io.layout)) == 1
     decode.scheduler.tell(SubmitRequest("late", prompt, GREEDY, front_ref))
     await asyncio.sleep(0.3)   # it does not fit beside the reservation: it waits, and does not fail
     assert "late" not in front.finished and not front.tokens.get("late")
@@ -213,13 +217,13 @@ class SlowReceiver(Actor):
 
     async def receive(self, msg):
         match msg:
-            case KVOffer():
-                return KVOfferReply(True)
-            case KVChunk():
+            case HandoffOffer():
+                return HandoffOfferReply(True)
+            case HandoffChunk():
                 await asyncio.sleep(0.02)
                 self.blocks.append(msg.first_block)
                 return msg.num_blocks
-            case KVCommit():
+            case HandoffCommit():
                 return True
 
 
@@ -229,11 +233,11 @@ async def _sender(system: ActorSystem, receiver_actor: Actor, config=None):
     ref, the receiver's ref, the blocks, the scheduler's ref and the list of HandOverDones."""
     await system.start()
     blocks = KVBlockIO([(torch.randn(12, 4, 2, 8), torch.randn(12, 4, 2, 8)) for _ in range(2)])
-    dones: list[HandOverDone] = []
+    dones: list[HandoffSent] = []
 
     class Scheduler(Actor):
         async def receive(self, msg):
-            if isinstance(msg, HandOverDone):
+            if isinstance(msg, HandoffSent):
                 dones.append(msg)
 
     sched = await system.spawn(Scheduler(), name="sched")
@@ -243,20 +247,20 @@ async def _sender(system: ActorSystem, receiver_actor: Actor, config=None):
     return tx_actor, tx, receiver, blocks, sched, dones
 
 
-async def _first_done(dones: list[HandOverDone], timeout: float = 5.0) -> HandOverDone:
+async def _first_done(dones: list[HandoffSent], timeout: float = 5.0) -> HandoffSent:
     for _ in range(int(timeout / 0.02)):
         if dones:
             return dones[0]
         await asyncio.sleep(0.02)
-    raise TimeoutError("no HandOverDone")
+    raise TimeoutError("no HandoffSent")
 
 
 async def _hand_over_ten_blocks(system: ActorSystem, receiver_actor: Actor, config, transfer_id: str):
     """Blocks 0-9 of a 40-token request handed to `receiver_actor` whole; returns the transfer actor,
-    its blocks and the HandOverDone its scheduler got."""
+    its blocks and the HandoffSent its scheduler got."""
     tx_actor, tx, receiver, blocks, sched, dones = await _sender(system, receiver_actor, config)
-    offer = KVOffer(transfer_id, tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
-    tx.tell(HandOver(0, list(range(10)), offer, receiver))
+    offer = HandoffOffer(transfer_id, tx, "r", list(range(40)), [1], GREEDY, sched, 0, None, 0, blocks.layout)
+    tx.tell(HandoffSend(0, list(range(10)), offer, receiver))
     return tx_actor, blocks, await _first_done(dones)
 
 
@@ -284,19 +288,19 @@ class RecordingReceiver(Actor):
     async def receive(self, msg):
         self.changed.set()
         match msg:
-            case KVOffer():
+            case HandoffOffer():
                 self.heard.append(("offer", list(msg.output_token_ids)))
                 if self.refuse:
                     self.refuse -= 1
-                    return KVOfferReply(False, reason="full", no_room=True)
-                return KVOfferReply(True)
-            case KVChunk():
+                    return HandoffOfferReply(False, reason="full", no_room=True)
+                return HandoffOfferReply(True)
+            case HandoffChunk():
                 self.heard.append(("chunk", msg.first_block, msg.num_blocks, msg.first_layer, msg.num_layers))
                 return msg.num_blocks
-            case KVCommit():
+            case HandoffCommit():
                 self.heard.append(("commit", msg.output_token_ids))
                 return True
-            case KVCancel():
+            case HandoffCancel():
                 self.heard.append(("cancel",))
 
     def blocks(self) -> list[int]:
@@ -313,7 +317,7 @@ async def _ahead_pair(system: ActorSystem, receiver_actor: Actor):
     of its first token."""
     _, tx, receiver, blocks, sched, dones = await _sender(
         system, receiver_actor, lambda b: KVTransferConfig(chunk_bytes=2 * b.bytes_per_block))
-    offer = KVOffer("ahead", tx, "r", list(range(40)), [], GREEDY, sched, 0, None, 0, blocks.layout)
+    offer = HandoffOffer("ahead", tx, "r", list(range(40)), [], GREEDY, sched, 0, None, 0, blocks.layout)
     return tx, receiver, offer, dones
 
 
@@ -326,13 +330,13 @@ async def test_blocks_sent_ahead_go_as_they_are_ready_and_the_commit_brings_the_
     rec = RecordingReceiver()
     tx, receiver, offer, dones = await _ahead_pair(system, rec)
     table = list(range(2, 12))
-    tx.tell(HandOverAhead(7, table[:4], 4, offer, receiver))
+    tx.tell(HandoffSendAhead(7, table[:4], 4, offer, receiver))
     await _heard(rec, lambda: rec.blocks() == [0, 1, 2, 3])
-    tx.tell(HandOverAhead(7, table[:8], 7, offer, receiver))
+    tx.tell(HandoffSendAhead(7, table[:8], 7, offer, receiver))
     await _heard(rec, lambda: rec.blocks() == list(range(7)))
     assert [e[0] for e in rec.heard] == ["offer", "chunk", "chunk", "chunk", "chunk"] and not dones
     final = msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42])
-    tx.tell(HandOver(7, table, final, receiver))
+    tx.tell(HandoffSend(7, table, final, receiver))
     await _first_done(dones)
     assert rec.heard[0] == ("offer", []) and rec.heard[-1] == ("commit", [42])
     assert rec.blocks() == list(range(10)) and sum(e[0] == "offer" for e in rec.heard) == 1
@@ -347,18 +351,18 @@ async def test_a_prompts_blocks_go_layer_by_layer_as_the_worker_writes_them_and_
     rec = RecordingReceiver()
     tx, receiver, offer, dones = await _ahead_pair(system, rec)
     table = list(range(2, 12))
-    tx.tell(HandOverLayers(7, 1, table, 0, 4, offer, receiver))
+    tx.tell(HandoffSendLayers(7, 1, table, 0, 4, offer, receiver))
     tx.tell(LayerWritten(1, 0))
     await _heard(rec, lambda: rec.layers(2) == [(b, 0) for b in range(4)])
     tx.tell(LayerWritten(1, 1))
     await _heard(rec, lambda: len(rec.layers(2)) == 8)
-    tx.tell(HandOverAhead(7, table, 4, offer, receiver))    # step 1 is over: blocks 0-3 are whole, and went
-    tx.tell(HandOverLayers(7, 2, table, 4, 10, offer, receiver))
+    tx.tell(HandoffSendAhead(7, table, 4, offer, receiver))    # step 1 is over: blocks 0-3 are whole, and went
+    tx.tell(HandoffSendLayers(7, 2, table, 4, 10, offer, receiver))
     tx.tell(LayerWritten(9, 0))                              # another step's: nothing of this handoff
     tx.tell(LayerWritten(2, 0))
     await _heard(rec, lambda: len(rec.layers(2)) == 14)
     assert sorted(rec.layers(2)[8:]) == [(b, 0) for b in range(4, 10)] and not dones
-    tx.tell(HandOver(7, table, msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42]), receiver))
+    tx.tell(HandoffSend(7, table, msgspec.structs.replace(offer, transfer_id="whole", output_token_ids=[42]), receiver))
     done = await _first_done(dones)
     sent = rec.layers(2)
     assert sorted(sent) == [(b, layer) for b in range(10) for layer in range(2)]   # every one, once
@@ -374,12 +378,12 @@ async def test_a_cancelled_handoff_sent_ahead_lets_the_receiver_go_and_reports_n
     system = ActorSystem("ahead-cancel-test")
     rec = RecordingReceiver()
     tx, receiver, offer, dones = await _ahead_pair(system, rec)
-    tx.tell(HandOverAhead(3, [5, 6, 7], 3, offer, receiver))
+    tx.tell(HandoffSendAhead(3, [5, 6, 7], 3, offer, receiver))
     await _heard(rec, lambda: rec.blocks() == [0, 1, 2])
-    tx.tell(HandOverCancel(3))
+    tx.tell(HandoffWithdraw(3))
     await _heard(rec, lambda: rec.heard[-1] == ("cancel",))
     await asyncio.sleep(0.1)
-    assert not dones   # the scheduler freed the blocks itself: no HandOverDone for them
+    assert not dones   # the scheduler freed the blocks itself: no HandoffSent for them
     await system.shutdown()
 
 
@@ -388,13 +392,13 @@ async def test_a_refused_offer_ahead_is_made_again_whole_after_the_first_token()
     rec = RecordingReceiver(refuse=1)
     tx, receiver, offer, dones = await _ahead_pair(system, rec)
     table = list(range(10))
-    tx.tell(HandOverAhead(1, table[:4], 4, offer, receiver))
+    tx.tell(HandoffSendAhead(1, table[:4], 4, offer, receiver))
     await _heard(rec, lambda: rec.heard)
     await asyncio.sleep(0.05)
-    tx.tell(HandOverAhead(1, table[:8], 8, offer, receiver))   # nothing more goes on that handoff
+    tx.tell(HandoffSendAhead(1, table[:8], 8, offer, receiver))   # nothing more goes on that handoff
     await asyncio.sleep(0.05)
     assert rec.heard == [("offer", [])]
-    tx.tell(HandOver(1, table, msgspec.structs.replace(offer, transfer_id="again", output_token_ids=[9]), receiver))
+    tx.tell(HandoffSend(1, table, msgspec.structs.replace(offer, transfer_id="again", output_token_ids=[9]), receiver))
     await _first_done(dones)
     assert rec.heard[1] == ("offer", [9]) and rec.heard[-1] == ("commit", None)
     assert rec.blocks() == list(range(10))
@@ -410,12 +414,12 @@ class MuteReceiver(Actor):
 
     async def receive(self, msg):
         match msg:
-            case KVOffer():
-                return KVOfferReply(True)
-            case KVChunk():
+            case HandoffOffer():
+                return HandoffOfferReply(True)
+            case HandoffChunk():
                 await asyncio.sleep(0.5)
                 return msg.num_blocks
-            case KVCancel(transfer_id=tid):
+            case HandoffCancel(transfer_id=tid):
                 self.cancelled.append(tid)
 
 
@@ -437,10 +441,10 @@ async def test_a_cancelled_handoff_gives_the_decode_engine_its_blocks_back(pair)
     io = decode.kv_blocks
     prompt = [random.Random(3).randrange(4, 300) for _ in range(50)]   # 4 blocks
     free = (await decode.kv.ask(GetKVStats())).num_free_blocks
-    assert (await dec_tx.ask(KVOffer("gone", dec_tx, "gone", prompt, [7], GREEDY, front_ref, 0, None, 0,
+    assert (await dec_tx.ask(HandoffOffer("gone", dec_tx, "gone", prompt, [7], GREEDY, front_ref, 0, None, 0,
                                      io.layout))).accepted
     assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4
-    dec_tx.tell(KVCancel("gone"))
+    dec_tx.tell(HandoffCancel("gone"))
     for _ in range(100):
         if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
             break
@@ -462,12 +466,12 @@ async def test_a_commit_that_does_not_match_its_offers_tokens_or_blocks_is_refus
     io = decode.kv_blocks
     prompt = [random.Random(9).randrange(4, 300) for _ in range(32)]   # 2 full blocks
     free = (await decode.kv.ask(GetKVStats())).num_free_blocks
-    assert (await dec_tx.ask(KVOffer("odd", dec_tx, "odd", prompt, offered, GREEDY, front_ref, 0, None, 0,
+    assert (await dec_tx.ask(HandoffOffer("odd", dec_tx, "odd", prompt, offered, GREEDY, front_ref, 0, None, 0,
                                      io.layout))).accepted
     layers = range(io.num_layers + last_layer)
-    assert await dec_tx.ask(KVChunk("odd", 0, 2, bytes(io.nbytes(2, layers)), 0, len(layers))) == 2
+    assert await dec_tx.ask(HandoffChunk("odd", 0, 2, bytes(io.nbytes(2, layers)), 0, len(layers))) == 2
     with pytest.raises(Exception, match=problem):
-        await dec_tx.ask(KVCommit("odd", committed))
+        await dec_tx.ask(HandoffCommit("odd", committed))
     for _ in range(100):
         if (await decode.kv.ask(GetKVStats())).num_free_blocks == free:
             break
@@ -484,7 +488,7 @@ async def test_a_handoff_whose_sender_goes_quiet_gives_its_blocks_back(pair):
                                           KVTransferConfig(timeout_s=0.1)), name="dec-quick")
     prompt = [random.Random(5).randrange(4, 300) for _ in range(50)]   # 4 blocks
     free = (await decode.kv.ask(GetKVStats())).num_free_blocks
-    assert (await quick.ask(KVOffer("hung", quick, "hung", prompt, [7], GREEDY, front_ref, 0, None, 0,
+    assert (await quick.ask(HandoffOffer("hung", quick, "hung", prompt, [7], GREEDY, front_ref, 0, None, 0,
                                     io.layout))).accepted
     assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free - 4
     for _ in range(100):
@@ -493,7 +497,7 @@ async def test_a_handoff_whose_sender_goes_quiet_gives_its_blocks_back(pair):
         await asyncio.sleep(0.02)
     assert (await decode.kv.ask(GetKVStats())).num_free_blocks == free   # back after 2 x 0.1 s of quiet
     with pytest.raises(Exception, match="no handoff hung"):   # a late chunk fails its handoff
-        await quick.ask(KVChunk("hung", 0, 1, io.read([0])))
+        await quick.ask(HandoffChunk("hung", 0, 1, io.read([0])))
     await system.stop(quick)
 
 
@@ -546,7 +550,7 @@ def test_reserved_blocks_reuse_the_prefix_cache_and_are_hashed_only_once_confirm
     from actors.kv.kv_actor import apply_kv_reserve
     from actors.kv.manager import KVCacheManager
     from actors.kv.structs import KVCacheConfig, KVRequest
-    from actors.messages import KVReserve
+    from actors.messages.kv import KVReserve
 
     kv = KVCacheManager(KVCacheConfig(num_blocks=12, block_size=4))
     cached = list(range(10, 18))   # two full blocks, computed and cached by an earlier sequence

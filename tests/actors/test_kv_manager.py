@@ -386,7 +386,7 @@ def test_a_steps_fork_shares_whole_blocks_only_even_in_a_full_pool():
     """A sample forks at the prompt's last block boundary: no fresh block is taken (not even for
     a moment), so a pool with nothing free still forks, and a fork off a boundary is refused first."""
     from actors.kv.kv_actor import apply_kv_step
-    from actors.messages import KVFork, KVStep
+    from actors.messages.kv import KVFork, KVStep
 
     m = make(num_blocks=3)
     admit(m, "0", range(10))  # 3 blocks, none free

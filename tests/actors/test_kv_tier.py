@@ -11,7 +11,7 @@ from actors.kv import KVCacheConfig, KVCacheManager, KVRequest
 from actors.kv.kv_actor import apply_kv_step, kv_stats
 from actors.kv.tier import KVTier
 from actors.kv.tier_disk import DiskTier
-from actors.messages import KVAdmit, KVStep
+from actors.messages.kv import KVAdmit, KVStep
 from actors.worker.kv_blocks import KVBlockIO
 from prefix_store import BlockRemoved, BlockStored, hash_full_blocks
 

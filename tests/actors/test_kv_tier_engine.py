@@ -7,7 +7,7 @@ import pytest
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages import GetStats, SubmitRequest
+from actors.messages.front_end import GetStats, SubmitRequest
 from runtime import ActorSystem
 from tests.actors.test_engine import Sink
 from tests.actors.test_llm_parity import GREEDY, hf_greedy, prompts

@@ -15,7 +15,7 @@ from actors.engine import start_engine
 from actors.kv.tier import KVTier
 from actors.kv.tier_codec import Int8BlockCodec
 from actors.kv.tier_disk import DiskTier
-from actors.messages import GetStats, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest, TokenDeltas
 from actors.worker.kv_blocks import KVBlockIO
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import prompts

@@ -11,7 +11,8 @@ import threading
 from actors.kv import KVCacheConfig
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.tier_disk import DiskTier
-from actors.messages import GetKVStats, KVPull, KVPulled
+from actors.messages.handoff import KVPull, KVPulled
+from actors.messages.kv import GetKVStats
 from prefix_store import hash_full_blocks
 from runtime import ActorSystem
 from tests.actors.test_kv_tier import BS, IDENTITY, OTHER, PROMPT, Engine, kv_of

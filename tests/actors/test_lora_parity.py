@@ -133,7 +133,7 @@ def test_speculative_decoding_with_adapters_is_lossless(method, models):
 def test_structured_output_with_an_adapter(models):
     """The grammar's mask applies to the adapter's logits: the output matches the pattern."""
     base, folders, want, prompts = models["llama"]
-    from actors.messages import StructuredOutput
+    from actors.messages.front_end import StructuredOutput
 
     with LLM(base, dtype="float32", num_threads=1, num_blocks=64, lora_modules=modules(folders),
              max_loras=3, max_lora_rank=16) as llm:

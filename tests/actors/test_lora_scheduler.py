@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from actors.messages import SamplingParams, SubmitRequest
+from actors.messages.front_end import SamplingParams, SubmitRequest
 from tests.actors.test_scheduler import Harness, prompts, reference
 
 

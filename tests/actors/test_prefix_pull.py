@@ -9,7 +9,7 @@ import pytest
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
-from actors.messages import GetStats, SubmitRequest
+from actors.messages.front_end import GetStats, SubmitRequest
 from runtime import ActorSystem
 from tests.actors.test_kv_handoff import GREEDY, Front
 
@@ -93,7 +93,7 @@ async def test_a_peer_that_is_gone_costs_only_the_prefill(pair):
 
 
 async def test_a_request_aborted_while_its_prefix_is_pulled_never_runs(pair):
-    from actors.messages import AbortRequest
+    from actors.messages.front_end import AbortRequest
 
     system, holder, puller, holder_tx, _, front, ref = pair
     expected = await run(holder, front, ref, "h", PROMPT)

@@ -8,7 +8,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages import SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.front_end import SamplingParams, SubmitRequest, TokenDeltas
 from runtime import Actor, ActorSystem
 from tests.actors.test_llm_parity import prompts
 
@@ -116,7 +116,7 @@ def test_llm_returns_prompt_logprobs(tiny_model_dir):
 def test_a_rerun_chunk_computes_no_prompt_logprob_twice(tiny_model_dir):
     """The worker alone: a chunk run again from position 0 (a preempted sequence recomputes) adds
     nothing twice, and the logprobs go out once, with the first token."""
-    from actors.messages import NewSequence, ScheduledSeq, StepPlan
+    from actors.messages.step import NewSequence, ScheduledSeq, StepPlan
     from actors.worker.model_runner import ModelRunner
     from actors.worker.worker_actor import WorkerActor
 

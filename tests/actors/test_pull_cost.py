@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.messages import SamplingParams, SubmitRequest
+from actors.messages.front_end import SamplingParams, SubmitRequest
 from actors.scheduler.pull_cost import PullCost, RateMeter
 from actors.scheduler.pulls import PullGate
 from runtime import ActorSystem

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from actors.messages import SamplingParams as Params
+from actors.messages.front_end import SamplingParams as Params
 from actors.worker.sampler import Sampler, SamplingState, apply_penalties_
 
 _sampler = Sampler()
@@ -281,7 +281,7 @@ def test_shape_mismatch_is_a_clear_error():
 
 
 def test_works_with_the_engine_sampling_params():
-    messages = pytest.importorskip("actors.messages")
+    messages = pytest.importorskip("actors.messages.front_end")
     params = messages.SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=2)
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(8))
     first = sample(logits, [SamplingState(params, [1, 2])])
@@ -294,7 +294,7 @@ def test_works_with_the_engine_sampling_params():
 def test_logit_bias_and_min_tokens_shape_the_draw():
     """+100 makes a token the greedy choice, -100 removes the greedy one; min_tokens masks EOS and
     stop ids until the output is long enough, in sample and in processed_probs alike."""
-    from actors.messages import SamplingParams as SP
+    from actors.messages.front_end import SamplingParams as SP
     from actors.worker.sampler import Sampler as S, SamplingState as St
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
     s = S()

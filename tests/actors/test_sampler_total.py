@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from actors.messages import SamplingParams
+from actors.messages.front_end import SamplingParams
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState
 

@@ -13,7 +13,8 @@ import pytest
 from actors.kv.kv_actor import apply_kv_free, apply_kv_step
 from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
-from actors.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult, SubmitRequest
+from actors.messages.front_end import SamplingParams, SubmitRequest
+from actors.messages.step import ScheduledSeq, SeqOutput, StepPlan, StepResult
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 
 VOCAB = 1000

@@ -58,7 +58,7 @@ def test_serve_flags_build_the_engine_config():
 
 
 def test_gateway_exposes_the_spec_counters():
-    from actors.messages import EngineStats
+    from actors.messages.front_end import EngineStats
     from gateway.metrics import GatewayMetrics
 
     m = GatewayMetrics()

@@ -14,7 +14,7 @@ import pytest
 
 from actors import LLM, SamplingParams
 from actors.draft.messages import GetDraftStats
-from actors.messages import AbortRequest, GetStats, SubmitRequest
+from actors.messages.front_end import AbortRequest, GetStats, SubmitRequest
 from tests.actors.conftest import TINY_VOCAB, build_tiny_model
 from tests.actors.test_engine import Sink
 from tests.actors.test_llm_parity import GREEDY, NUM_NEW, assert_pool_back, hf_greedy, prompts
@@ -163,7 +163,7 @@ def test_logprobs_penalties_and_n_with_drafts(tiny_model_dir, close_draft_dir):
 
 def test_engine_learns_what_drafting_costs(tiny_model_dir):
     """The scheduler feeds each pure-decode step's wall time to the controller's cost model."""
-    from actors.messages import ScheduledSeq, StepPlan
+    from actors.messages.step import ScheduledSeq, StepPlan
     from actors.scheduler.scheduler_actor import _decode_shape
 
     decode = ScheduledSeq(1, [5], 40, [0, 1, 2], True, [6, 7])

@@ -15,7 +15,8 @@ import torch
 
 from actors.draft.messages import DraftInput, Propose
 from actors.draft.proposer import ModelProposer
-from actors.messages import NewSequence, SamplingParams
+from actors.messages.front_end import SamplingParams
+from actors.messages.step import NewSequence
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
 from actors.worker.model_runner import ModelRunner
 from actors.worker.rejection_sampler import SpecSeq, verify_logits

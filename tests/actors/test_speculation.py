@@ -16,7 +16,8 @@ from actors.draft.controller import SpecController
 from actors.draft.messages import Propose
 from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
-from actors.messages import KVTrim, SeqOutput, StepPlan, StepResult
+from actors.messages.kv import KVTrim
+from actors.messages.step import SeqOutput, StepPlan, StepResult
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
 from tests.actors.test_scheduler import EOS, FakeClock, Harness, PagedFake, next_token, prompts, reference
 
@@ -151,7 +152,8 @@ def test_a_sequence_that_ends_before_the_draft_heard_of_it_is_never_mentioned():
 
 def test_draft_feed_holds_back_in_order_and_bounds_its_queue():
     from actors.draft.messages import DraftInput
-    from actors.messages import NewSequence, SamplingParams
+    from actors.messages.front_end import SamplingParams
+    from actors.messages.step import NewSequence
     from actors.scheduler.draft_feed import DraftFeed
 
     feed = DraftFeed(max_queued=5)
@@ -230,7 +232,8 @@ def test_inter_token_latency_is_observed_once_per_token_of_a_speculative_step():
 
 
 def test_the_planner_caps_k_at_a_sequences_room_and_trims_what_was_rejected():
-    from actors.messages import NewSequence, SamplingParams, ScheduledSeq
+    from actors.messages.front_end import SamplingParams
+    from actors.messages.step import NewSequence, ScheduledSeq
     from actors.scheduler.counters import Counters
     from actors.scheduler.sequence import RequestState, Sequence
     from actors.scheduler.speculation import SpeculationPlanner

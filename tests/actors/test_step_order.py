@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.messages import AbortRequest, GetStats, SubmitRequest
+from actors.messages.front_end import AbortRequest, GetStats, SubmitRequest
 from tests.actors.test_engine_failures import engine, held_forward  # noqa: F401 (a fixture)
 from tests.actors.test_llm_parity import GREEDY, hf_greedy, prompts
 

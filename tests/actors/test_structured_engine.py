@@ -7,7 +7,7 @@ import re
 import pytest
 
 from actors import LLM, SamplingParams
-from actors.messages import StructuredOutput
+from actors.messages.front_end import StructuredOutput
 from tests.actors.test_llm_parity import prompts
 from tests.actors.test_spec_engine import repetitive, spec_config
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from actors.messages import SamplingParams, StructuredOutput
+from actors.messages.front_end import SamplingParams, StructuredOutput
 from actors.worker.grammar_compiler import GrammarCompiler
 from actors.worker.rejection_sampler import SpecSeq, verify_logits
 from actors.worker.sampler import Sampler, SamplingState

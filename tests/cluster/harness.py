@@ -166,7 +166,7 @@ def stream_text(url: str, body: dict, on_event=None, timeout: float = 120) -> tu
 
 def engine_loads(redis_url: str) -> dict[str, int]:
     """{engine address: requests running or waiting}, asked of every registered engine."""
-    from actors.messages import GetStats
+    from actors.messages.front_end import GetStats
     from runtime import ActorSystem
     from runtime.redis_registry import RedisRegistry
 

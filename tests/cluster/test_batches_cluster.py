@@ -52,7 +52,7 @@ class Cluster:
 
     def batch_lines_finished(self) -> dict[str, int]:
         """{engine address: batch lines it has finished}, asked of each engine."""
-        from actors.messages import GetStats
+        from actors.messages.front_end import GetStats
         from runtime import ActorSystem
         from runtime.redis_registry import RedisRegistry
 

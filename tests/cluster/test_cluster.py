@@ -116,8 +116,8 @@ def test_tenants_never_share_cached_prefixes(cluster):
 
 
 def test_a_node_with_the_wrong_secret_cannot_join(cluster):
-    from actors.messages import EngineInfo
-    from actors.messages import GetStats
+    from actors.messages.front_end import EngineInfo
+    from actors.messages.front_end import GetStats
     from runtime import Actor, ActorDead, ActorSystem
     from runtime.redis_registry import RedisRegistry
 

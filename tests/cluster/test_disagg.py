@@ -87,7 +87,7 @@ class DisaggCluster:
 
 def engine_stats(redis_url: str, role: str):
     """The EngineStats of the one engine registered with this role."""
-    from actors.messages import GetStats
+    from actors.messages.front_end import GetStats
     return ask_engine(redis_url, role, GetStats())
 
 
@@ -179,7 +179,7 @@ def test_greedy_text_through_a_prefill_and_a_decode_engine_equals_the_colocated_
 
 
 def test_each_engine_tells_the_gateway_its_kv_layout(cluster):
-    from actors.messages import GetEngineInfo
+    from actors.messages.front_end import GetEngineInfo
     layouts = {role: ask_engine(cluster.redis.url, role, GetEngineInfo()).kv_layout for role in ("prefill", "decode")}
     assert layouts["prefill"] == layouts["decode"] and "float32[16x" in layouts["decode"]   # --dtype float32
 

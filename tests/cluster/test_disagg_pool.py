@@ -11,8 +11,10 @@ import asyncio
 import msgspec
 import pytest
 
-from actors.messages import (EngineInfo, EngineStats, GetEngineInfo, GetStats, KVHandedOver, KVHandoffFailed,
-                             KVOffer, KVOfferReply, SamplingParams, SubmitRequest, TokenDelta, TokenDeltas)
+from actors.messages.front_end import (
+    EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams, SubmitRequest, TokenDelta, TokenDeltas,
+)
+from actors.messages.handoff import HandoffDone, HandoffFailed, HandoffOffer, HandoffOfferReply
 from gateway.engine_pool import EnginePool, PoolConfig
 from prefix_store import PrefixRouter
 from runtime import Actor, ActorSystem, InMemoryRegistry
@@ -46,19 +48,19 @@ class ScriptedDecode(Actor):
                                   kv_receiver=self.context.self_ref, kv_layout=self.kv_layout)
             case GetStats():
                 return self.stats
-            case KVOffer():
+            case HandoffOffer():
                 self.offers.append(msg.request_id)
                 if not self.room:   # as its next stats will say
                     self.stats = msgspec.structs.replace(self.stats, kv_blocks_free=0)
-                    return KVOfferReply(False, reason="full", no_room=True)
-                msg.reply_to.tell(KVHandedOver(msg.request_id))
+                    return HandoffOfferReply(False, reason="full", no_room=True)
+                msg.reply_to.tell(HandoffDone(msg.request_id))
                 tokens = msg.prompt_token_ids + msg.output_token_ids
                 for left in range(msg.params.max_tokens - len(msg.output_token_ids), 0, -1):
                     tokens.append(next_token(tokens))
                     msg.reply_to.tell(TokenDeltas([TokenDelta(msg.request_id, 0, [tokens[-1]], None,
                                                               "length" if left == 1 else None,
                                                               len(msg.prompt_token_ids), 0)]))
-                return KVOfferReply(True)
+                return HandoffOfferReply(True)
             case _:
                 return None
 
@@ -84,11 +86,11 @@ class ScriptedPrefill(Actor):
                                                           len(msg.prompt_token_ids), 0)]))
                 if whole:
                     return
-                offer = KVOffer("t", self.context.self_ref, msg.request_id, msg.prompt_token_ids, [first],
+                offer = HandoffOffer("t", self.context.self_ref, msg.request_id, msg.prompt_token_ids, [first],
                                 msg.params, msg.reply_to, 0, None, 0, "layout")
                 reply = await msg.handoff_to.ask(offer)
                 if not reply.accepted:
-                    msg.reply_to.tell(KVHandoffFailed(msg.request_id, reply.reason, reply.no_room))
+                    msg.reply_to.tell(HandoffFailed(msg.request_id, reply.reason, reply.no_room))
             case _:
                 return None
 

@@ -8,8 +8,10 @@ import asyncio
 import msgspec
 import pytest
 
-from actors.messages import (AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams,
-                             SubmitRequest, TokenDelta, TokenDeltas)
+from actors.messages.front_end import (
+    AbortRequest, EngineInfo, EngineStats, GetEngineInfo, GetStats, SamplingParams, SubmitRequest,
+    TokenDelta, TokenDeltas,
+)
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.engine_pool import EnginePool, PoolConfig
 from prefix_store import PrefixRouter

@@ -1,5 +1,5 @@
 """The bookkeeping of a request in flight: deltas as the client sees them, and continuations."""
-from actors.messages import SamplingParams, TokenDelta
+from actors.messages.front_end import SamplingParams, TokenDelta
 from gateway.inflight import InflightRequest
 
 

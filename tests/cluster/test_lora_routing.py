@@ -3,7 +3,7 @@ adapter's requests while nothing waits there, else to one with an adapter slot f
 router then weighs prefix and load). Plain functions over the engines' latest stats."""
 from __future__ import annotations
 
-from actors.messages import EngineInfo, EngineStats
+from actors.messages.front_end import EngineInfo, EngineStats
 from gateway.engine_pool import _Engine, _with_adapter
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from actors.messages import GetEngineInfo, GetStats, SubmitRequest
+from actors.messages.front_end import GetEngineInfo, GetStats, SubmitRequest
 from prefix_store import hash_full_blocks
 from runtime import ActorSystem
 from runtime.redis_registry import RedisRegistry

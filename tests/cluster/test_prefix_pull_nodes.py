@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from actors.messages import GetEngineInfo, SamplingParams, SubmitRequest, TokenDeltas
+from actors.messages.front_end import GetEngineInfo, SamplingParams, SubmitRequest, TokenDeltas
 from runtime import Actor, ActorSystem
 from runtime.redis_registry import RedisRegistry
 from tests.cluster import harness as h

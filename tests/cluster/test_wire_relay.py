@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import redis
 
-from actors.messages import AbortRequest, SubmitRequest   # registered: the frames below decode
+from actors.messages.front_end import AbortRequest, SubmitRequest  # registered: the frames below decode
 from runtime.codec import Codec, current_frames
 from runtime.ref import DeadRef
 from tests.cluster import harness as h

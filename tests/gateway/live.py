@@ -12,7 +12,7 @@ import threading
 from aiohttp import web
 
 from actors.config import EngineConfig
-from actors.messages import GetStats, ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter
+from actors.messages.front_end import GetStats, ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter
 from gateway.app import create_app, server_options
 from gateway.app_keys import STATE
 from gateway.config import GatewayConfig

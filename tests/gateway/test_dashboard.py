@@ -234,7 +234,8 @@ def test_the_plan_page_in_chromium_matches_the_chapter_and_follows_a_slider(tiny
 
 
 def test_an_engine_with_a_kv_tier_shows_its_hits_bytes_and_blocks():
-    from actors.messages import EngineStats, KVStats
+    from actors.messages.front_end import EngineStats
+    from actors.messages.kv import KVStats
     from gateway.dashboard import engine_snapshot
 
     plain = EngineStats(0, 0, 10, 10, 100, 40, 100, 0, 0)

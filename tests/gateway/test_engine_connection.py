@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from actors.messages import EngineStats, GetStats
+from actors.messages.front_end import EngineStats, GetStats
 from gateway.engine_client import EngineClient
 from gateway.engine_connection import EngineConnection
 from gateway.engine_pool import EnginePool

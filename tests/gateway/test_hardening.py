@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import msgspec
 import pytest
 
-from actors.messages import AbortRequest, SubmitRequest, TokenDeltas
+from actors.messages.front_end import AbortRequest, SubmitRequest, TokenDeltas
 from gateway.config import GatewayConfig
 from runtime import Actor
 from tests.gateway import http_util as http

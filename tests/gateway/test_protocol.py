@@ -209,7 +209,7 @@ def test_completion_prompt_forms():
 def test_metrics_render_prometheus_text():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from actors.messages import EngineStats
+    from actors.messages.front_end import EngineStats
 
     m = GatewayMetrics()
     m.set_model("tiny")

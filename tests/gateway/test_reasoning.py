@@ -77,7 +77,7 @@ def test_tool_calls_are_parsed_in_the_answer_only():
 
 
 def test_a_legacy_structural_tag_cannot_follow_the_thinking():
-    from actors.messages import StructuredOutput
+    from actors.messages.front_end import StructuredOutput
     from gateway.errors import APIError
     legacy = StructuredOutput("structural_tag", json.dumps({"structures": [], "triggers": []}))
     with pytest.raises(APIError) as e:
