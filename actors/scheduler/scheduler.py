@@ -242,9 +242,9 @@ class Scheduler:
             step.tables[seq.seq_id] = table
             step.scheduled.append((seq, n))
         step.num_table_blocks = res.num_table_blocks
-        self.counters.prefix_queried_tokens += res.queried_tokens
-        self.counters.prefix_hit_tokens += res.hit_tokens
-        self.counters.prefix_tier_hit_tokens += res.tier_hit_tokens
+        self.counters.prefix_cache_queried_tokens += res.queried_tokens
+        self.counters.prefix_cache_hit_tokens += res.hit_tokens
+        self.counters.prefix_cache_tier_hit_tokens += res.tier_hit_tokens
         if res.grow_failed:
             left = step.grows[len(res.grown):]
             if step.burst or any(s.spec_k for s, _ in left):

@@ -33,6 +33,7 @@ from actors.messages.handoff import (
 )
 from actors.messages.kv import GetKVStats, KVConfirm, KVReserved
 from actors.messages.step import StepPlan, StepProgress, StepResult
+from actors.scheduler.counters import HandoffCounters, stats_fields
 from actors.scheduler.pull_cost import PullCost
 from actors.scheduler.pulls import PullGate
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
@@ -66,7 +67,7 @@ class SchedulerActor(Actor):
         self.transfer: ActorRef | None = None
         self.block_layout = ""
         self.layer_stream = False   # prompts' blocks go layer by layer (the transfer reads the cache mid-forward)
-        self.handoffs = _HandoffCounters()
+        self.handoffs = HandoffCounters()
         self.pulls = PullGate()   # requests whose prefix the transfer actor pulls from a peer first
         # Nothing fit, but blocks reserved for handoffs in progress come back or start decoding
         # soon: no step until one of them ends.
@@ -318,14 +319,14 @@ class SchedulerActor(Actor):
         reserved: KVReserved = await self.kv.ask(reserve)
         if reserved.block_table is None:
             self.scheduler.drop_adoption(reserve.seq_id, reserved=False)
-            self.handoffs.refused += 1
+            self.handoffs.kv_handoffs_refused += 1
         return msgspec.structs.replace(reserved, seq_id=reserve.seq_id)
 
     async def _adopt(self, seq_id: int, output_token_ids: list[int] | None) -> None:
         """The handed-over KV is written: the sequence decodes from its first token on."""
         seq = self.scheduler.adopt(seq_id, output_token_ids)   # no step is planned before the confirmation is in
         await self.kv.ask(KVConfirm(seq_id, seq.num_computed))
-        self.handoffs.received += 1
+        self.handoffs.kv_handoffs_received += 1
         seq.request.reply_to.tell(HandoffDone(seq.request.request_id))
         self._stalled = False
         await self._maybe_step()
@@ -352,32 +353,17 @@ class SchedulerActor(Actor):
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
-            prefix_cache_queried_tokens=c.prefix_queried_tokens, prefix_cache_hit_tokens=c.prefix_hit_tokens,
-            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, preemptions=c.preemptions,
-            steps=c.steps, forward_s=self.forward_s, step_s=self.step_s,
-            kv_slots_allocated=c.kv_slots_allocated, kv_slots_used=c.kv_slots_used,
-            spec_decode_draft_tokens=c.spec_draft_tokens, spec_decode_accepted_tokens=c.spec_accepted_tokens,
-            spec_decode_num_drafts=c.spec_num_drafts,
-            spec_decode_mean_accepted_length=(c.spec_accepted_tokens + c.spec_num_drafts) / max(c.spec_num_drafts, 1),
+            forward_s=self.forward_s, step_s=self.step_s,
+            spec_decode_mean_accepted_length=(c.spec_decode_accepted_tokens + c.spec_decode_num_drafts)
+            / max(c.spec_decode_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,
-            prefill_steps=c.prefill_steps, prefill_tokens=c.prefill_tokens,
-            kv_handoffs_sent=self.handoffs.ok, kv_handoffs_received=self.handoffs.received,
-            kv_handoffs_failed=self.handoffs.failed, kv_handoffs_refused=self.handoffs.refused,
-            kv_transfer_blocks=self.handoffs.blocks, kv_transfer_blocks_ahead=self.handoffs.blocks_ahead,
-            kv_transfer_bytes=self.handoffs.bytes, kv_transfer_bytes_ahead=self.handoffs.bytes_ahead,
-            kv_transfer_s=self.handoffs.seconds, ttft_count=c.ttft_count, ttft_queue_s=c.ttft_queue_s,
-            ttft_prefill_s=c.ttft_prefill_s,
-            queue_time_buckets=list(c.queue_time.counts), queue_time_sum=c.queue_time.sum,
             weight_bytes=self.weight_bytes, kv_bytes_per_token=self.kv_bytes_per_token,
             kv_token_capacity=kv.num_blocks * self.scheduler.cfg.block_size,
-            spec_decode_accepted_per_pos=list(c.spec_accepted_per_pos),
             ttft_p50=ttft[0], ttft_p90=ttft[1], itl_p50=itl[0], itl_p90=itl[1],
-            ttft_buckets=list(c.ttft.counts), ttft_sum=c.ttft.sum, itl_buckets=list(c.itl.counts), itl_sum=c.itl.sum,
-            prefix_cache_tier_hit_tokens=c.prefix_tier_hit_tokens, kv_tier=kv if kv.tier else None,
-            ballast_rows=c.ballast_rows, ballast_finished=c.ballast_finished,
+            kv_tier=kv if kv.tier else None,
             max_loras=p.cfg.max_loras, lora_running=_per_adapter(p.running), lora_waiting=_per_adapter(p.waiting),
-            lora_requests=dict(c.lora_requests), lora_keys=dict(self.scheduler.lora_keys),
-            **_pull_rates(self.pulls.cost))
+            lora_keys=dict(self.scheduler.lora_keys),
+            **stats_fields(c), **stats_fields(self.handoffs), **_pull_rates(self.pulls.cost))
 
     async def _manage_lora(self, msg: LoadLoRAAdapter | UnloadLoRAAdapter | ListLoRAAdapters):
         """The worker holds the adapters; the scheduler keeps each one's identity (name@contents), which salts
@@ -388,26 +374,6 @@ class SchedulerActor(Actor):
         elif isinstance(msg, UnloadLoRAAdapter) and not outcome.error:
             self.scheduler.lora_keys.pop(msg.lora_name, None)
         return outcome
-
-
-class _HandoffCounters:
-    """Handoffs this engine sent (with what they moved) and took over."""
-
-    def __init__(self) -> None:
-        self.ok = self.failed = self.received = self.refused = self.blocks = self.blocks_ahead = self.bytes = 0
-        self.bytes_ahead = 0
-        self.seconds = 0.0
-
-    def sent(self, done: HandoffSent) -> None:
-        if done.ok:
-            self.ok += 1
-            self.blocks += done.num_blocks
-            self.blocks_ahead += done.num_blocks_ahead
-            self.bytes += done.num_bytes
-            self.bytes_ahead += done.num_bytes_ahead
-            self.seconds += done.seconds
-        else:
-            self.failed += 1
 
 
 def _per_adapter(seqs) -> dict[str, int]:

@@ -22,7 +22,7 @@ class SpeculationPlanner:
         self.controller = controller
         self.counters = counters
         self.max_model_len = max_model_len
-        counters.spec_accepted_per_pos = [0] * controller.max_k
+        counters.spec_decode_accepted_per_pos = [0] * controller.max_k
         self.feed = DraftFeed()                # holds the draft worker's share back while no sequence drafts
         self._drafts: list[DraftInput] = []    # the planned step's share, sequence by sequence
         self._propose: Propose | None = None   # the draft worker's message for the planned step
@@ -65,10 +65,10 @@ class SpeculationPlanner:
         """After a step that reserved drafted slots: count, learn, and give the rejected slots back
         (the trim for the KV manager, none once the sequence stopped)."""
         c = self.counters
-        c.spec_draft_tokens += drafted
-        c.spec_accepted_tokens += accepted
-        c.spec_num_drafts += drafted > 0
-        per_pos = c.spec_accepted_per_pos
+        c.spec_decode_draft_tokens += drafted
+        c.spec_decode_accepted_tokens += accepted
+        c.spec_decode_num_drafts += drafted > 0
+        per_pos = c.spec_decode_accepted_per_pos
         if accepted > len(per_pos):   # never past the controller's max_k; kept whole if it were
             per_pos.extend([0] * (accepted - len(per_pos)))
         for pos in range(accepted):

@@ -309,10 +309,10 @@ def test_a_sequence_failing_in_decode_keeps_the_blocks_earlier_steps_wrote():
     assert h.finish[("a", 0)] == "error"
     h.assert_all_free()
     resumed = PROMPT + reference(PROMPT, 3) + [5]
-    hits = h.scheduler.counters.prefix_hit_tokens
+    hits = h.scheduler.counters.prefix_cache_hit_tokens
     h.submit("again", resumed, max_tokens=4)
     h.run()
-    assert h.scheduler.counters.prefix_hit_tokens - hits == 20  # blocks 0-4, not the failed step's block 5
+    assert h.scheduler.counters.prefix_cache_hit_tokens - hits == 20  # blocks 0-4, not the failed step's block 5
     assert h.outputs[("again", 0)] == reference(resumed, 4)
 
 

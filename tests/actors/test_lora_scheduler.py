@@ -46,10 +46,10 @@ def test_the_prefix_cache_is_keyed_by_adapter():
     prompt = prompts(2, lo=40, hi=40)[0]   # ten full blocks of 4
     hits = []
     for rid, lora in (("first", "a"), ("same", "a"), ("other", "b"), ("base", None), ("base-again", None)):
-        before = h.scheduler.counters.prefix_hit_tokens
+        before = h.scheduler.counters.prefix_cache_hit_tokens
         submit(h, rid, prompt, lora)
         h.run()
-        hits.append(h.scheduler.counters.prefix_hit_tokens - before)
+        hits.append(h.scheduler.counters.prefix_cache_hit_tokens - before)
     assert hits == [0, 36, 0, 0, 36]   # a hit is capped to leave the last block's tokens to compute
     h.assert_all_free()
 

@@ -239,7 +239,7 @@ def test_prefix_cache_hits_skip_prefill():
     h.submit("second", system + [5, 6, 7], max_tokens=4)
     h.run()
     computed_second = sum(len(s.token_ids) for p in h.plans for s in p.seqs) - computed_before
-    assert h.scheduler.counters.prefix_hit_tokens == 64
+    assert h.scheduler.counters.prefix_cache_hit_tokens == 64
     assert computed_second == 3 + 3  # the 3 new prompt tokens, then 3 decodes
     assert h.outputs[("second", 0)] == reference(system + [5, 6, 7], 4)
     h.assert_all_free()
@@ -268,10 +268,10 @@ def test_a_forked_samples_blocks_are_cached_under_its_own_tokens():
     h.submit("multi", prompt, n=2, seed=11, max_tokens=12)
     h.run()
     text = prompt + h.outputs[("multi", 1)]   # 35 tokens, the last one never computed
-    hits_before = h.scheduler.counters.prefix_hit_tokens
+    hits_before = h.scheduler.counters.prefix_cache_hit_tokens
     h.submit("continue", text, max_tokens=3)
     h.run()
-    assert h.scheduler.counters.prefix_hit_tokens - hits_before == 32
+    assert h.scheduler.counters.prefix_cache_hit_tokens - hits_before == 32
     assert h.outputs[("continue", 0)] == reference(text, 3)
     h.assert_all_free()
 

@@ -120,8 +120,8 @@ def test_speculative_outputs_equal_plain_decoding_and_blocks_come_back():
     for i, p in enumerate(batch):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 25)
     c = h.scheduler.counters
-    assert h.drafted == c.spec_draft_tokens > 0
-    assert 0 < c.spec_accepted_tokens < c.spec_draft_tokens
+    assert h.drafted == c.spec_decode_draft_tokens > 0
+    assert 0 < c.spec_decode_accepted_tokens < c.spec_decode_draft_tokens
     h.assert_all_free()
 
 
@@ -135,7 +135,7 @@ def test_steps_without_drafts_send_the_draft_worker_nothing_and_lose_no_history(
     h.run()
     for i, p in enumerate(batch):
         assert h.outputs[(f"r{i}", 0)] == reference(p, 40)
-    assert h.held_back > 20 and h.scheduler.counters.spec_num_drafts > 0
+    assert h.held_back > 20 and h.scheduler.counters.spec_decode_num_drafts > 0
     h.assert_all_free()
 
 
@@ -146,7 +146,7 @@ def test_a_sequence_that_ends_before_the_draft_heard_of_it_is_never_mentioned():
     h.submit("short", p, max_tokens=3, ignore_eos=True)
     h.run()
     assert h.outputs[("short", 0)] == reference(p, 3)
-    assert h.scheduler.counters.spec_num_drafts == 0
+    assert h.scheduler.counters.spec_decode_num_drafts == 0
     h.assert_all_free()
 
 
@@ -207,12 +207,12 @@ def test_accepted_tokens_are_counted_per_draft_position():
         h.submit(f"r{i}", p, max_tokens=30, ignore_eos=True)
     h.run()
     c = h.scheduler.counters
-    assert len(c.spec_accepted_per_pos) == 4                    # one per position the controller drafts
-    assert sum(c.spec_accepted_per_pos) == c.spec_accepted_tokens > 0
+    assert len(c.spec_decode_accepted_per_pos) == 4                    # one per position the controller drafts
+    assert sum(c.spec_decode_accepted_per_pos) == c.spec_decode_accepted_tokens > 0
     # A draft whose first a tokens were kept counts once at each of positions 0..a-1.
-    assert c.spec_accepted_per_pos == [sum(a > pos for a in h.model.accepted) for pos in range(4)]
-    assert c.spec_num_drafts == len(h.model.accepted) >= c.spec_accepted_per_pos[0]
-    assert c.spec_accepted_per_pos[0] > c.spec_accepted_per_pos[3] > 0   # later positions are kept less often
+    assert c.spec_decode_accepted_per_pos == [sum(a > pos for a in h.model.accepted) for pos in range(4)]
+    assert c.spec_decode_num_drafts == len(h.model.accepted) >= c.spec_decode_accepted_per_pos[0]
+    assert c.spec_decode_accepted_per_pos[0] > c.spec_decode_accepted_per_pos[3] > 0   # later positions are kept less often
     h.assert_all_free()
 
 
@@ -250,7 +250,7 @@ def test_the_planner_caps_k_at_a_sequences_room_and_trims_what_was_rejected():
     planner.planned(1, [NewSequence(0, [1, 2, 3], SamplingParams(), None)])
     assert [d.num_spec for d in planner.take_propose().seqs] == [1] and planner.take_propose() is None
     assert planner.verified(seq, 1, 0, running=True) == [KVTrim(0, 3)] and seq.spec_k == 0
-    assert (counters.spec_draft_tokens, counters.spec_accepted_tokens, counters.spec_num_drafts) == (1, 0, 1)
-    assert planner.verified(seq, 1, 1, running=False) == [] and counters.spec_accepted_per_pos == [1, 0, 0, 0]
+    assert (counters.spec_decode_draft_tokens, counters.spec_decode_accepted_tokens, counters.spec_decode_num_drafts) == (1, 0, 1)
+    assert planner.verified(seq, 1, 1, running=False) == [] and counters.spec_decode_accepted_per_pos == [1, 0, 0, 0]
     planner.forget(seq)
     assert planner.take_released() == [0]   # the draft worker heard of it: it drops its state
