@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from actors.config import EngineConfig
-from actors.text.detokenizer import SampleText
+from actors.text.sample_output import SampleOutput
 from actors.engine import Engine, start_engine
 from actors.messages.front_end import (
     AbortRequest, EngineStats, GetStats, LoadLoRAAdapter, LoRAOutcome, SamplingParams, SubmitRequest,
@@ -61,12 +61,8 @@ class _Pending:
     prompt_token_ids: list[int]
     params: SamplingParams
     done: asyncio.Future
-    texts: list[SampleText | None]
-    tokens: list[list[int]] = field(default_factory=list)
+    samples: list[SampleOutput]
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
-    finish: list[str | None] = field(default_factory=list)
-    stop_reason: list[str | int | None] = field(default_factory=list)
-    errors: list[str | None] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     embedding: list[float] | None = None
@@ -83,9 +79,8 @@ class _Collector(Actor):
         """The engine's system stopped (a tensor-parallel rank lost stops it): what is still running ends
         with "error" rather than waiting forever."""
         for p in self.pending.values():
-            for i, finish in enumerate(p.finish):
-                if finish is None:
-                    p.finish[i], p.errors[i] = "error", "the engine stopped while generating this sequence"
+            for sample in p.samples:
+                sample.end("error", "the engine stopped while generating this sequence")
             if not p.done.done():
                 p.done.set_result(p)
         self.pending.clear()
@@ -95,27 +90,20 @@ class _Collector(Actor):
             return await super().receive(msg)
         for d in msg.deltas:
             p = self.pending.get(d.request_id)
-            if p is None or p.finish[d.index] is not None:
+            if p is None or p.samples[d.index].finished:
                 continue  # a sample already ended by its stop string
             p.num_cached_tokens = d.num_cached_tokens
             if d.embedding is not None:
                 p.embedding = d.embedding
             if d.prompt_logprobs is not None:
                 p.prompt_logprobs = [None] + [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.prompt_logprobs]
-            p.tokens[d.index].extend(d.token_ids)
             if d.logprobs is not None:
                 p.logprobs[d.index].extend({lp.token_id: lp.logprob, **dict(lp.top)} for lp in d.logprobs)
-            text = p.texts[d.index]
-            if text is not None and d.token_ids:
-                text.push(d.token_ids)
-                if text.stopped:  # vLLM keeps the tokens up to the one that completed the stop string
-                    p.finish[d.index], p.stop_reason[d.index] = "stop", text.stop.matched
-                    self.engine.scheduler.tell(AbortRequest(d.request_id, d.index))
-            if p.finish[d.index] is None and d.finish_reason is not None:
-                p.finish[d.index], p.errors[d.index] = d.finish_reason, d.error
-                if d.finish_reason == "stop" and d.token_ids and d.token_ids[-1] in p.params.stop_token_ids:
-                    p.stop_reason[d.index] = d.token_ids[-1]
-            if all(f is not None for f in p.finish):
+            sample = p.samples[d.index]
+            sample.push(d)
+            if sample.stopped_here:
+                self.engine.scheduler.tell(AbortRequest(d.request_id, d.index))
+            if all(s.finished for s in p.samples):
                 del self.pending[d.request_id]
                 p.done.set_result(p)
         return None
@@ -209,11 +197,11 @@ class LLM:
         for (text, token_ids), sp, lora in zip(items, params, loras):
             rid = f"llm-{next(self._ids)}"
             n = sp.n
-            texts = [SampleText(self.tokenizer, token_ids, sp.stop, include_stop=sp.include_stop_str_in_output)
-                     if sp.stop else None for _ in range(n)]
-            pending = _Pending(text, token_ids, sp, loop.create_future(), texts, [[] for _ in range(n)],
-                               [[] if sp.logprobs is not None else None for _ in range(n)],
-                               [None] * n, [None] * n, [None] * n)
+            samples = [SampleOutput(self.tokenizer, token_ids, sp.stop, sp.skip_special_tokens,
+                                    sp.include_stop_str_in_output, sp.stop_token_ids, streamed=False)
+                       for _ in range(n)]
+            pending = _Pending(text, token_ids, sp, loop.create_future(), samples,
+                               [[] if sp.logprobs is not None else None for _ in range(n)])
             self._collector.pending[rid] = pending
             ids.append(rid)
             futures.append(pending.done)
@@ -224,19 +212,13 @@ class LLM:
 
     def _output(self, rid: str, p: _Pending) -> RequestOutput:
         outputs = []
-        for i in range(len(p.finish)):
-            sample_text = p.texts[i]
-            if sample_text is None:
-                text = self.tokenizer.decode(p.tokens[i])
-            else:
-                sample_text.finish()
-                text = sample_text.text
+        for i, sample in enumerate(p.samples):
             lps = p.logprobs[i]
             cumulative = None
             if lps is not None:
-                cumulative = sum(step[tok] for step, tok in zip(lps, p.tokens[i]))
-            outputs.append(CompletionOutput(i, text, p.tokens[i], p.finish[i], p.stop_reason[i], lps, cumulative,
-                                            p.errors[i]))
+                cumulative = sum(step[tok] for step, tok in zip(lps, sample.token_ids))
+            outputs.append(CompletionOutput(i, sample.text, sample.token_ids, sample.finish_reason,
+                                            sample.stop_reason, lps, cumulative, sample.error))
         return RequestOutput(rid, p.prompt, p.prompt_token_ids, outputs, p.num_cached_tokens,
                              prompt_logprobs=p.prompt_logprobs, embedding=p.embedding)
 

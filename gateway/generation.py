@@ -10,8 +10,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from actors.text.detokenizer import SampleText
 from actors.messages.front_end import SamplingParams, TokenDelta, TokenLogprobs
+from actors.text.sample_output import SampleOutput
 from gateway.engine_client import EngineLost, RequestFailed
 from gateway.engine_connection import EngineConnection
 from gateway.metrics import GatewayMetrics
@@ -32,14 +32,10 @@ class ChoiceDelta:
 
 
 class _Choice:
-    __slots__ = ("sample", "finish_reason", "engine_done", "num_tokens", "last_t", "started",
-                 "abort_pending", "prompt_sent")
+    __slots__ = ("out", "last_t", "started", "abort_pending", "prompt_sent")
 
-    def __init__(self, sample: SampleText) -> None:
-        self.sample = sample
-        self.finish_reason: str | None = None
-        self.engine_done = False
-        self.num_tokens = 0
+    def __init__(self, out: SampleOutput) -> None:
+        self.out = out
         self.last_t = 0.0
         self.started = False        # the engine has sent this sample something
         self.abort_pending = False  # stopped by a stop string; abort once every sample started
@@ -81,8 +77,8 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._subs: dict[str, _Sub] = {}
         for p, ids in enumerate(prompts):
-            choices = [_Choice(SampleText(tokenizer, ids, stop, params.skip_special_tokens,
-                                          params.include_stop_str_in_output)) for _ in range(params.n)]
+            choices = [_Choice(SampleOutput(tokenizer, ids, stop, params.skip_special_tokens,
+                                            params.include_stop_str_in_output)) for _ in range(params.n)]
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             self._subs[rid] = _Sub(rid, p * params.n, choices, len(ids))
         self._prompts = prompts
@@ -133,15 +129,15 @@ class Generation:
         if not ch.started:
             ch.started = True
             self.num_waiting -= 1
-        if ch.finish_reason is None and d.finish_reason in ("error", "abort"):
+        if not ch.out.finished and d.finish_reason in ("error", "abort"):
             # Failed by the engine, or aborted without this request asking (its own aborts come
             # after the sample finished here): either way the client hears of an error.
-            ch.finish_reason, ch.engine_done = "error", True
+            ch.out.end("error", d.error, engine_done=True)
             self._open -= 1
             self._metrics.finished("error")
             raise RequestFailed(d.error or "The engine ended this request before it finished.")
-        if ch.finish_reason is not None:
-            ch.engine_done = ch.engine_done or d.finish_reason is not None
+        if ch.out.finished:
+            ch.out.push(d)   # notes whether the engine is done with it
             self._send_pending_aborts(sub)
             return None
         m = self._metrics
@@ -154,28 +150,19 @@ class Generation:
             ch.last_t = now
         sub.num_prompt_tokens = d.num_prompt_tokens or sub.num_prompt_tokens
         sub.num_cached_tokens = max(sub.num_cached_tokens, d.num_cached_tokens)
-        ch.num_tokens += len(d.token_ids)
         if d.prompt_logprobs is not None:
             sub.prompt_logprobs = d.prompt_logprobs
         prompt_lps = None
         if sub.prompt_logprobs is not None and not ch.prompt_sent:
             ch.prompt_sent, prompt_lps = True, sub.prompt_logprobs
-        text = ch.sample.push(d.token_ids)
-        if ch.sample.stopped:
-            ch.finish_reason = "stop"
-            ch.engine_done = d.finish_reason is not None
-        elif d.finish_reason is not None:
-            text += ch.sample.finish()
-            ch.finish_reason = d.finish_reason
-            ch.engine_done = True
-        if ch.finish_reason is not None:
+        text = ch.out.push(d)
+        if ch.out.finished:
             self._open -= 1
-            m.finished(ch.finish_reason)
-            if not ch.engine_done:   # a stop string matched: this sample need not go on
-                ch.abort_pending = True
+            m.finished(ch.out.finish_reason)
+            ch.abort_pending = ch.out.stopped_here   # a stop string matched: this sample need not go on
         self._send_pending_aborts(sub)
-        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.finish_reason, prompt_lps,
-                           d.embedding, ch.sample.stop.matched)
+        return ChoiceDelta(sub.first + d.index, text, d.token_ids, d.logprobs, ch.out.finish_reason, prompt_lps,
+                           d.embedding, ch.out.stop_string)
 
     def _send_pending_aborts(self, sub: _Sub) -> None:
         # The engine forks samples 1..n-1 from sample 0 after the prompt; aborting sample 0
@@ -190,16 +177,16 @@ class Generation:
         for i, c in enumerate(sub.choices):
             if c.abort_pending:
                 c.abort_pending = False
-                if not c.engine_done:
+                if not c.out.engine_done:
                     self._client.abort(sub.request_id, i)
 
     def close(self) -> None:
         """Always called: aborts what the engine still runs (client gone, error) and unroutes."""
         for sub in self._subs.values():
-            if not all(c.engine_done for c in sub.choices):
+            if not all(c.out.engine_done for c in sub.choices):
                 self._client.abort(sub.request_id)
                 for c in sub.choices:
-                    if c.finish_reason is None:
+                    if not c.out.finished:
                         self._metrics.finished("abort")
             self._client.release(sub.request_id)
         self.num_waiting = 0
@@ -213,10 +200,10 @@ class Generation:
         if index is not None:
             sub = next(s for s in subs if s.first <= index < s.first + len(s.choices))
             prompt, cached = sub.num_prompt_tokens, sub.num_cached_tokens
-            completion = sub.choices[index - sub.first].num_tokens
+            completion = len(sub.choices[index - sub.first].out.token_ids)
         else:
             prompt = sum(s.num_prompt_tokens for s in subs)
-            completion = sum(c.num_tokens for s in subs for c in s.choices)
+            completion = sum(len(c.out.token_ids) for s in subs for c in s.choices)
             cached = sum(s.num_cached_tokens for s in subs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
