@@ -82,7 +82,7 @@ class _Engine:
     ref: ActorRef
     info: EngineInfo
     stats: EngineStats | None = None
-    sent: int = 0             # requests sent since the last stats
+    sent: int = 0             # requests sent since the ask of the last stats
     missing: int = 0          # discovery rounds in a row that did not list it
     draining: bool = False    # it refused a request: it will never admit again
     reserved: int = 0         # KV blocks of handoffs sent its way since the last stats (decode engines)
@@ -546,12 +546,16 @@ class EnginePool:
     async def _poll_stats(self) -> None:
         while True:
             engines = list(self.engines.values())
+            # A reply counts what was sent before its ask (one connection keeps their order), not what
+            # was sent while it was on its way: those stay counted until the next one.
+            asked = [(e.sent, e.reserved) for e in engines]
             results = await asyncio.gather(
                 *(e.ref.ask(GetStats(), timeout=self.config.stats_interval_s * 4) for e in engines),
                 return_exceptions=True)
-            for e, r in zip(engines, results):
+            for e, (sent, reserved), r in zip(engines, asked, results):
                 if isinstance(r, EngineStats):
-                    e.stats, e.sent, e.reserved, e.full = r, 0, 0, False
+                    e.stats, e.full = r, False
+                    e.sent, e.reserved = max(e.sent - sent, 0), max(e.reserved - reserved, 0)
             self._changed.set()   # requests waiting for a decode engine with room look again
             await asyncio.sleep(self.config.stats_interval_s)
 

@@ -10,6 +10,7 @@ import functools
 import io
 import json
 import random
+import time
 
 import openai
 import pytest
@@ -50,24 +51,35 @@ class Cluster:
     def nodes(self):
         return [*self.engines, *self.gateways]
 
-    def batch_lines_finished(self) -> dict[str, int]:
-        """{engine address: batch lines it has finished}, asked of each engine."""
+    def engine_stats(self) -> dict:
+        """{engine address: its EngineStats}, asked of each engine."""
         from actors.messages.front_end import GetStats
         from runtime import ActorSystem
         from runtime.redis_registry import RedisRegistry
 
-        async def probe() -> dict[str, int]:
+        async def probe() -> dict:
             registry = RedisRegistry(self.redis.url, secret=h.SECRET)
             system = ActorSystem("probe", secret=h.SECRET)
             await system.start()
             try:
-                return {node: (await system.ref_for(node, path).ask(GetStats(), timeout=5)).ballast_finished
+                return {node: await system.ref_for(node, path).ask(GetStats(), timeout=5)
                         for node, path in (await registry.entries("engines/")).values()}
             finally:
                 await system.shutdown()
                 await registry.close()
 
         return asyncio.run(probe())
+
+    def batch_lines_finished(self) -> dict[str, int]:
+        """{engine address: batch lines it has finished}."""
+        return {node: s.ballast_finished for node, s in self.engine_stats().items()}
+
+    def wait_idle(self) -> None:
+        """Until no engine runs or queues a request (an earlier test's lines may still be ending), and the
+        gateways have polled that (every 0.25 s): a load left over would rightly steer routing."""
+        h.wait_until(lambda: all(s.requests_running == s.requests_waiting == 0
+                                 for s in self.engine_stats().values()), 60, "idle engines", self.nodes())
+        time.sleep(1.0)
 
     def holder(self, batch_id: str) -> int:
         """Which gateway holds the batch's lease (its token names the process)."""
@@ -157,6 +169,7 @@ def test_lines_spread_over_the_engines_and_those_sharing_a_prefix_go_together(cl
     lines = [{"custom_id": f"g{g}-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "tiny", "prompt": prefixes[g] + [rng.randrange(4, 360) for _ in range(3)],
                        "max_tokens": 48, "temperature": 0, "ignore_eos": True}} for i, g in enumerate(groups)]
+    cluster.wait_idle()
     before = cluster.batch_lines_finished()
     client = cluster.clients[0]
     f = client.files.create(file=("in.jsonl", io.BytesIO(b"".join(json.dumps(x).encode() + b"\n" for x in lines))),

@@ -253,3 +253,58 @@ async def test_a_busy_engine_holding_the_prefix_is_named_for_the_chosen_one_to_p
     finally:
         await pool.close()
         await system.shutdown()
+
+
+class HeldStatsEngine(ScriptedEngine):
+    """Answers each GetStats only once the test lets it: a stats reply on its way while requests are sent."""
+
+    def __init__(self, engine_id: str):
+        super().__init__(engine_id)
+        self.asked = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def receive(self, msg):
+        if isinstance(msg, GetStats):
+            self.asked.set()
+            await self.answer.wait()
+            self.answer, self.asked = asyncio.Event(), asyncio.Event()   # the next one waits again
+        return await super().receive(msg)
+
+
+async def test_a_request_sent_while_the_stats_were_asked_still_counts_once_they_come():
+    """The stats' reply does not count a request sent after its ask: the pool keeps counting that request as
+    waiting, or a burst of routes would see an idle engine it has just sent work to."""
+    registry = InMemoryRegistry()
+    system = ActorSystem("pool-test", registry=registry)
+    await system.start()
+    held, busy = HeldStatsEngine("held"), ScriptedEngine("busy")
+    busy.stats = msgspec.structs.replace(busy.stats, requests_waiting=10)   # least-loaded routing avoids it
+    for name, actor in (("held", held), ("busy", busy)):
+        await system.publish(f"engines/{name}", await system.spawn(actor, name=f"front-{name}"))
+    pool = EnginePool(system, registry, PrefixRouter(None),
+                      PoolConfig(routing="least_loaded", discovery_interval_s=0.05, stats_interval_s=0.05))
+    await pool.start()
+    try:
+        async with asyncio.timeout(5):
+            while len(pool.engines) < 2:
+                await asyncio.sleep(0.01)
+            await held.asked.wait()
+            engine = next(e for e in pool.engines.values() if e.info.engine_id == "held")
+            asked_stats = engine.stats
+            queue: asyncio.Queue = asyncio.Queue()
+            pool.submit("r", [1, 2], SamplingParams(max_tokens=50), queue)
+            while engine.sent == 0:
+                await asyncio.sleep(0.001)
+            held.answer.set()                           # the reply from before the request
+            while engine.stats is asked_stats:
+                await asyncio.sleep(0.001)
+            assert engine.stats.requests_running == 0   # it had not reached the engine
+            assert engine.load().requests_waiting == 1  # and is counted all the same
+            held.answer.set()                           # the next reply has it running
+            while engine.stats.requests_running == 0:
+                await asyncio.sleep(0.001)
+            assert engine.load().requests_waiting == 0
+        pool.abort("r")
+    finally:
+        await pool.close()
+        await system.shutdown()
