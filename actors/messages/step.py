@@ -64,6 +64,8 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
     forward_s: float = 0.0            # the model forward alone
     compute_s: float = 0.0            # everything the worker thread did: inputs, forward, sampling
     num_steps: int = 1                # forwards run: 1 + the burst steps done (outputs: the last one's)
+    all_reduce_s: float = 0.0         # tensor parallelism: rank 0's time inside the all-reduces, all forwards
+    collective_s: float = 0.0         # and inside every collective (the all-reduces, gathers, plan broadcasts)
 
 
 class StepProgress(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -62,6 +62,7 @@ class SchedulerActor(Actor):
         self._started = 0.0
         self._interrupted = False   # a restart cancelled the step in flight: it never reports
         self.forward_s = self.compute_s = self.step_s = self.draft_s = 0.0
+        self.all_reduce_s = self.collective_s = 0.0   # tensor parallelism: rank 0's, from the StepResults
         # The KV transfer actor (a cluster node's, see actors/kv/transfer.py): without one, a request
         # that names a decode engine is served whole here.
         self.transfer: ActorRef | None = None
@@ -261,6 +262,8 @@ class SchedulerActor(Actor):
         self._hand_over(plan)
         self.forward_s += result.forward_s
         self.compute_s += result.compute_s
+        self.all_reduce_s += result.all_reduce_s
+        self.collective_s += result.collective_s
         wall = time.perf_counter() - self._started
         self.step_s += wall
         if self.spec is not None and shape is not None:
@@ -353,7 +356,8 @@ class SchedulerActor(Actor):
         return EngineStats(
             requests_running=len(running), requests_waiting=len(p.requests) - len(running),
             kv_blocks_total=kv.num_blocks, kv_blocks_free=kv.num_free_blocks,
-            forward_s=self.forward_s, step_s=self.step_s,
+            forward_s=self.forward_s, step_s=self.step_s, all_reduce_s=self.all_reduce_s,
+            collective_s=self.collective_s,
             spec_decode_mean_accepted_length=(c.spec_decode_accepted_tokens + c.spec_decode_num_drafts)
             / max(c.spec_decode_num_drafts, 1),
             spec_decode_token_cost=self.spec.token_cost(1) if self.spec is not None else 0.0,

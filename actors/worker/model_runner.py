@@ -302,6 +302,11 @@ class ModelRunner:
             pool = flat.pool_indices if flat.pool_indices.shape[0] else None
             self._forward(flat, self.kv_caches, pool, None)
 
+    def collective_seconds(self) -> tuple[float, float]:
+        """This rank's cumulative seconds inside the all-reduces, and inside every collective (TensorParallel's
+        timers); zeros without tensor parallelism."""
+        return (0.0, 0.0) if self.tp is None else (self.tp.all_reduce_s, self.tp.collective_s)
+
     def close(self) -> None:
         """Under tensor parallelism, rank 0 stops the other ranks and every rank leaves the group."""
         if self.tp is None:

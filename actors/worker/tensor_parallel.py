@@ -3,12 +3,15 @@ sharded forward needs (gloo on the CPU, NCCL on GPUs).
 
 Rank 0 is the engine's model worker; it broadcasts each step's flattened batch (the plan) once, every rank
 runs the forward on its shard, o_proj and down_proj outputs are summed by one all-reduce each, and the
-LM head's vocabulary slices are gathered into whole logits. A collective that fails (a rank died, or the
+LM head's vocabulary slices are gathered into whole logits. Each rank keeps the seconds it spent inside
+the collectives (`all_reduce_s`, `collective_s`; rank 0's go into the engine's stats, for the share of a
+step the split costs). A collective that fails (a rank died, or the
 group's timeout passed) leaves the ranks out of step for good: every later call raises RanksLost at once,
 and the engine stops (WorkerActor) instead of hanging.
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import msgspec
@@ -43,6 +46,11 @@ class TensorParallel:
         self.plan = plans[spec.rank]
         self._vocab_sizes = [len(p.vocab) for p in plans]
         self.broken: str | None = None
+        # Seconds inside the collectives, cumulative: the host clock around each call, so on the CPU (gloo
+        # returns when the sum is done) the whole collective, waiting for the slowest rank included; on CUDA
+        # NCCL's launch alone. On ranks past 0 the plan's broadcast also waits for rank 0's next step.
+        self.all_reduce_s = 0.0   # the o/down projections' and the embedding's all-reduces
+        self.collective_s = 0.0   # every collective: those, the LM head's gather and the plan's broadcasts
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)   # NCCL binds each rank's communicator to the current device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
@@ -113,8 +121,13 @@ class TensorParallel:
     def _guarded(self, collective, *args) -> None:
         if self.broken is not None:
             raise RanksLost(self.broken)
+        t0 = time.perf_counter()
         try:
             collective(*args)
         except (RuntimeError, dist.DistBackendError) as e:
             self.broken = f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({e})"
             raise RanksLost(self.broken) from e
+        spent = time.perf_counter() - t0
+        self.collective_s += spent
+        if collective is dist.all_reduce:
+            self.all_reduce_s += spent

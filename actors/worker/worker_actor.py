@@ -141,6 +141,7 @@ class WorkerActor(Actor):
         alone (their SeqOutput carries the error) and the rest run again without them; only a step
         where every one of several sequences fails raises."""
         t0 = time.perf_counter()
+        collectives_before = self.runner.collective_seconds()
         for sid in plan.finished_seq_ids:
             self.states.pop(sid, None)
             self._adapter_of.pop(sid, None)
@@ -178,7 +179,11 @@ class WorkerActor(Actor):
         failed.update(refused)
         result = StepResult(plan.step_id, self._outputs(plan.seqs, tokens, failed), self.runner.last_forward_s,
                             time.perf_counter() - t0)
-        return self._burst(plan, result, t0) if plan.burst else result
+        result = self._burst(plan, result, t0) if plan.burst else result
+        if self.runner.tp is not None:
+            (all_reduce, collective), (ar0, coll0) = self.runner.collective_seconds(), collectives_before
+            result.all_reduce_s, result.collective_s = all_reduce - ar0, collective - coll0
+        return result
 
     def _layer_written(self, to: ActorRef, step_id: int, layer: int) -> None:
         """On the compute thread, mid-forward: the event loop tells `to`."""
