@@ -146,17 +146,22 @@ def module_loops(graph) -> list[set[str]]:
     return loops
 
 
+def _report(graph, loops) -> str:
+    """Each loop as its shortest chain of imports, with the sites of each import."""
+    report = []
+    for loop in loops:
+        chain = _loop_through(graph, min(loop))
+        report.append(" -> ".join(chain) + "\n" + "\n".join(
+            f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in zip(chain, chain[1:])))
+    return "\n".join(report)
+
+
 def test_no_module_imports_another_of_its_package_that_imports_it_back():
     graph = module_imports()
     loops = module_loops(graph)
     known = [modules for modules, _ in KNOWN_LOOPS.values()]
     unexpected = [loop for loop in loops if not any(loop <= k for k in known)]
-    report = []
-    for loop in unexpected:
-        chain = _loop_through(graph, min(loop))
-        report.append(" -> ".join(chain) + "\n" + "\n".join(
-            f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in zip(chain, chain[1:])))
-    assert not unexpected, "module import loops:\n" + "\n".join(report)
+    assert not unexpected, "module import loops:\n" + _report(graph, unexpected)
     gone = [package for package, (modules, _) in KNOWN_LOOPS.items() if not any(loop <= modules for loop in loops)]
     assert not gone, f"no loop left in {gone}: remove it from KNOWN_LOOPS"
 
@@ -199,12 +204,7 @@ def test_no_subpackage_imports_a_sibling_that_imports_it_back():
     sub = subpackage_imports(graph, modules)
     assert {"actors.scheduler", "actors.worker", "actors.model"} <= set(sub)
     loops = module_loops(sub)
-    report = []
-    for loop in loops:
-        chain = _loop_through(sub, min(loop))
-        report.append(" -> ".join(chain) + "\n" + "\n".join(
-            f"  {a} -> {b}: {', '.join(sub[a][b])}" for a, b in zip(chain, chain[1:])))
-    assert not loops, "subpackage import loops:\n" + "\n".join(report)
+    assert not loops, "subpackage import loops:\n" + _report(sub, loops)
 
 
 def test_the_subpackage_graph_sees_a_loop_between_siblings_and_not_with_a_parent():
