@@ -18,7 +18,7 @@ import time
 
 import aiohttp
 
-from bench.serving import _resolve_model, run_load
+from bench.serving import _resolve_model, run_load, save_json
 from bench.serving_data import make_requests
 
 
@@ -101,10 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = asyncio.run(amain(args))
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    save_json(result, args.json)
     print(f"TTFT p90 with/alone {result['ttft_p90_ratio']:.2f}, ITL p90 {result['itl_p90_ratio']:.2f}; "
           f"batch {result['batch']['output_tok_s']:.1f} tok/s of {result['spare_tok_s']:.1f} spare "
           f"({result['spare_used'] or 0:.2f})", file=sys.stderr)

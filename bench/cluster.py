@@ -46,6 +46,13 @@ class Processes:
                                            env={**os.environ, **(env or {})}))
         log.close()
 
+    def start_redis(self) -> str:
+        """A redis-server of this run's own on a free port, keeping nothing on disk; its URL."""
+        port = _free_port()
+        self.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"])
+        return f"redis://127.0.0.1:{port}/0"
+
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -156,14 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logdir = tempfile.mkdtemp(prefix="bench-cluster-")
     procs = Processes(logdir)
-    redis_port = _free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
     env = {"MATINEE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     serve = [sys.executable, "-m", "gateway.cli", "serve"]   # `matinee serve`
     model = ["--model", args.model] if args.model else []
     try:
-        procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no"])
+        redis_url = procs.start_redis()
         for i in range(2):
             port = _free_port()
             procs.start(f"engine-{i}", [*serve, "--role", "engine", *model, "--dtype", args.dtype,

@@ -138,15 +138,12 @@ async def _run(args, base: str, engines: list[str]) -> dict:
 def _cluster(args, roles: list[str], label: str) -> dict:
     logdir = tempfile.mkdtemp(prefix=f"bench-disagg-{label}-")
     procs = Processes(logdir)
-    redis_port = _free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
     env = {"MATINEE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     serve = [sys.executable, "-m", "gateway.cli", "serve"]   # `matinee serve`
     model = ["--model", args.model] if args.model else []
     metrics_ports = [_free_port() for _ in roles]
     try:
-        procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no"])
+        redis_url = procs.start_redis()
         for i, role in enumerate(roles):
             procs.start(f"{role}-{i}", [*serve, "--role", role, *model, "--dtype", args.dtype,
                                         "--kv-cache-dtype", args.kv_cache_dtype,

@@ -224,6 +224,14 @@ async def amain(args: argparse.Namespace) -> dict:
             "runs": runs}
 
 
+def save_json(result: dict, path: str | None) -> bool:
+    """Writes the result to `path` as indented JSON; False where no path was given."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(result, indent=2))
+    return bool(path)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
@@ -231,12 +239,8 @@ def _ms(x: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = asyncio.run(amain(args))
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    else:
-        print(text)
+    if not save_json(result, args.json):
+        print(json.dumps(result, indent=2))
     if args.plot:
         by_label = {result["label"]: result["runs"]}
         for path in args.compare:
