@@ -108,6 +108,10 @@ class EngineConfig:
     batch_itl_objective_s: float | None = field(default=None, metadata={
         "help": "batch lines stop taking rows while interactive p90 inter-token latency is above this many "
                 "seconds (unset: no objective)", "flag": "batch-itl-objective"})
+    batch_step_slack: float = field(default=0.1, metadata={
+        "help": "batch lines ride in a step with interactive requests only as far as they make it take at most "
+                "this fraction longer than it would without them, by the measured cost of a row (0: never beside "
+                "interactive work; a large value: every row and token the interactive requests leave)"})
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters of the model (implied by --lora-modules)"})
     lora_modules: list[str] | None = field(default=None, metadata={
@@ -141,7 +145,7 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def ballast_objective(self) -> BallastObjective:
-        return BallastObjective(self.batch_ttft_objective_s, self.batch_itl_objective_s)
+        return BallastObjective(self.batch_ttft_objective_s, self.batch_itl_objective_s, self.batch_step_slack)
 
     def __post_init__(self) -> None:
         self.ballast_objective()   # validates the objectives

@@ -1,12 +1,14 @@
 """Batch lines as ballast: they ride only in the room interactive requests leave in a step.
 
 A ballast request sorts after every interactive one (so it is admitted last and preempted first,
-see Sequence.sort_key). Beyond that ordering, this policy decides three things each step: which
+see Sequence.sort_key). Beyond that ordering, this policy decides four things each step: which
 running ballast sequences give their rows (or LoRA adapter slots) back to interactive requests
-waiting for one, in which
-order the step's token budget is handed out (interactive decodes and prefill chunks before any
-ballast), and whether ballast runs at all while interactive latency misses its objective. It only
-chooses; the scheduler does the preempting. It never delays an interactive request.
+waiting for one, in which order the step's token budget is handed out (interactive decodes and
+prefill chunks before any ballast), how many tokens ballast may add to a step that interactive
+requests are in (as many as keep the step within its slack of what it would take without them,
+by the measured cost of a row: step_cost.py), and whether ballast runs at all while interactive
+latency misses its objective. It only chooses; the scheduler does the preempting. It never delays
+an interactive request by more than the slack.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from actors.scheduler.latency import LatencyMeter
 from actors.scheduler.sequence import Sequence
+from actors.scheduler.step_cost import StepCost
 
 # The interactive latency quantile held against the objective, over the last seconds.
 OBJECTIVE_QUANTILE = 0.9
@@ -23,22 +26,50 @@ OBJECTIVE_QUANTILE = 0.9
 @dataclass(frozen=True)
 class BallastObjective:
     """Interactive p90 first-token and inter-token latency, in seconds, past which ballast waits
-    (None: no objective, ballast always takes what is left)."""
+    (None: no objective); `step_slack`: how much longer, as a fraction, a step with interactive
+    requests in it may take for the ballast it carries (None: ballast takes whatever is left)."""
 
     ttft_s: float | None = None
     itl_s: float | None = None
+    step_slack: float | None = 0.1
 
     def __post_init__(self) -> None:
         for name in ("ttft_s", "itl_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"the ballast {name} objective must be positive, got {value}")
+        if self.step_slack is not None and self.step_slack < 0:
+            raise ValueError(f"the ballast step slack must be 0 or more, got {self.step_slack}")
 
 
 class BallastPolicy:
     def __init__(self, objective: BallastObjective, latency: LatencyMeter):
         self.objective = objective
         self.latency = latency
+        self.cost = StepCost()   # what a row adds to a decode step here, from the steps run
+
+    def room(self, interactive_tokens: int) -> float:
+        """Tokens ballast may add to a step that gives interactive requests `interactive_tokens`:
+        all there are (inf) in a step without them, with no slack set, or while a row's cost is not
+        known yet; else those that keep the step within its slack."""
+        slack = self.objective.step_slack
+        if not interactive_tokens or slack is None:
+            return float("inf")
+        rows = self.cost.rows_within(interactive_tokens, slack)
+        return float("inf") if rows is None else rows
+
+    def admissions(self, admits: list[Sequence], budget: int, room: float) -> tuple[list[Sequence], int]:
+        """The step's admissions and their token budget: beside interactive ones (in this step or
+        admitted in it), ballast prompts only within `room`, and none beside an interactive prompt
+        starting (its first token must not wait for a batch line's prefill)."""
+        if self.objective.step_slack is None:
+            return admits, budget
+        interactive = [s for s in admits if not s.request.ballast]
+        if interactive:
+            return interactive, budget
+        if room < 1:
+            return [], budget
+        return admits, int(min(budget, room))
 
     def missing_objective(self) -> bool:
         """Interactive latency of the last seconds is past the objective."""

@@ -21,6 +21,7 @@ class InFlightStep:
     readers: dict[int, list[int]] = field(default_factory=dict)
     step_id: int = 0
     burst: bool = False    # a decode burst: its steps' tokens arrive while it is in flight
+    decode_rows: int | None = None   # its rows where every one decodes (no prompt tokens): what a row costs
 
     def failed(self, outputs: list[SeqOutput]) -> dict[int, str]:
         """Sequences the worker failed, and those whose prefix hit read KV one of them never wrote

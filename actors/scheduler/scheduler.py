@@ -211,16 +211,25 @@ class Scheduler:
         # one) must not take the budget from a stream that already emits tokens. Batch lines
         # (ballast) get what the interactive requests leave.
         decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        interactive_tokens, ballast_room = 0, None   # ballast's room is set where its first turn comes
         for seq in self.ballast.budget_order(self.running, self.waiting):
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.request.ballast:
+                if ballast_room is None:
+                    ballast_room = self.ballast.room(interactive_tokens)
+                n = int(min(n, ballast_room))
+                ballast_room -= max(n, 0)
             seq.spec_k = min(spec_k.get(seq.seq_id, 0), budget - n) if n > 0 else 0
             if n > 0:
                 step.grows.append((seq, n))
                 budget -= n + seq.spec_k
+                interactive_tokens += 0 if seq.request.ballast else n + seq.spec_k
         step.burst = self._burst_len(decodes)
         room = self.cfg.max_num_seqs - len(self.running)
-        step.admits = self._admissible(room) if budget > 0 and room > 0 else []
-        step.admit_budget = budget
+        admits = self._admissible(room) if budget > 0 and room > 0 else []
+        if ballast_room is None:
+            ballast_room = self.ballast.room(interactive_tokens)
+        step.admits, step.admit_budget = self.ballast.admissions(admits, budget, ballast_room)
         forks = [f for f, _ in self._forks]
         step.fork_children = [c for _, c in self._forks]
         self._forks = []
@@ -302,7 +311,8 @@ class Scheduler:
         if not seqs:  # nothing runs: keep the releases for the next real step
             return StepPlan(self._step_id, [], [], [])
         self._step_id += 1
-        self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0)
+        self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0,
+                                       None if prefill_tokens else len(seqs))
         self.counters.steps += 1
         self.counters.ballast_rows += self._ballast_rows(starts)
         self.counters.prefill_steps += prefill_tokens > 0
@@ -318,6 +328,8 @@ class Scheduler:
         """Takes a step's tokens; returns the sequences the worker failed (each ended alone, with
         finish_reason "error"), and those that read their unwritten KV, for the caller to log."""
         step = self._take_in_flight()
+        if step.decode_rows is not None:
+            self.ballast.cost.observe(step.decode_rows, result.forward_s / max(result.num_steps, 1))
         self.counters.ballast_rows += (result.num_steps - 1) * self._ballast_rows(step.starts)
         failures = self._take_outputs(step, result.outputs)
         if step.burst:

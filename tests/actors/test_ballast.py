@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
+
 from actors.messages.front_end import SamplingParams, SubmitRequest
 from actors.scheduler.ballast import BallastObjective
 from actors.scheduler.scheduler import SchedulerConfig, Scheduler
@@ -158,4 +160,62 @@ def test_an_interactive_request_takes_the_adapter_slot_ballast_holds_at_once():
     h.run()
     for rid, tok, n in (("b0", 1, 30), ("b1", 2, 30), ("b2", 3, 30), ("base", 9, 30), ("chat", 7, 5)):
         assert h.outputs[(rid, 0)] == reference([tok] * 6, n)
+    h.assert_all_free()
+
+
+class CostedHarness(Harness):
+    """Each step's forward takes FIXED + PER_ROW x rows, as a CPU's decode does: the scheduler reads
+    the cost of a row from what its steps report."""
+    FIXED, PER_ROW = 0.05, 0.01
+
+    def __init__(self, slack: float, **kw):
+        super().__init__(**kw)
+        cfg = dataclasses.replace(self.scheduler.cfg, ballast=BallastObjective(step_slack=slack))
+        self.scheduler = Scheduler(cfg)
+        run = self.model.run
+        self.model.run = lambda plan: msgspec.structs.replace(run(plan), forward_s=self.seconds(plan))
+
+    def seconds(self, plan) -> float:
+        return self.FIXED + self.PER_ROW * sum(len(s.token_ids) for s in plan.seqs)
+
+
+def test_ballast_beside_interactive_decodes_keeps_their_step_within_its_slack():
+    h = CostedHarness(slack=0.3, max_seqs=16, budget=64)
+    for i in range(8):
+        submit(h, f"b{i}", [10 + i] * 4, ballast=True, max_tokens=60)
+    for _ in range(3):
+        h.step()   # 8 ballast rows alone, at full speed
+    ballast_ids = {s.seq_id for s in h.scheduler.running}
+    assert len(h.plans[-1].seqs) == 8
+    submit(h, "chat0", [1] * 4, max_tokens=30)
+    submit(h, "chat1", [2] * 4, max_tokens=30)
+    capped = 0
+    while not {("chat0", 0), ("chat1", 0)} <= h.finish.keys():
+        known = h.scheduler.ballast.cost.line() is not None   # the cost of a row, when the step was planned
+        plan = h.step()
+        batch = sum(len(s.token_ids) for s in plan.seqs if s.seq_id in ballast_ids)
+        chat = sum(len(s.token_ids) for s in plan.seqs) - batch
+        if chat and known:
+            capped += 1
+            alone = h.FIXED + h.PER_ROW * chat
+            assert h.seconds(plan) <= 1.3 * alone + 1e-9, (chat, batch)
+            assert batch >= 1   # the slack holds a row or more: ballast still moves
+    assert capped >= 20
+    h.run()   # alone again: every line finishes, as it would have
+    for i in range(8):
+        assert h.outputs[(f"b{i}", 0)] == reference([10 + i] * 4, 60)
+    for i in range(2):
+        assert h.outputs[(f"chat{i}", 0)] == reference([1 + i] * 4, 30)
+    h.assert_all_free()
+
+
+def test_no_slack_keeps_ballast_out_of_interactive_steps_and_none_starts_beside_an_interactive_prompt():
+    h = CostedHarness(slack=0.0, max_seqs=16, budget=64)
+    submit(h, "batch", [3] * 6, ballast=True, max_tokens=20)
+    submit(h, "chat", [4] * 6, max_tokens=20)
+    plan = h.step()
+    assert [h.scheduler.seqs[s.seq_id].request.request_id for s in plan.seqs] == ["chat"]
+    h.run()
+    assert h.outputs[("batch", 0)] == reference([3] * 6, 20)
+    assert h.outputs[("chat", 0)] == reference([4] * 6, 20)
     h.assert_all_free()

@@ -145,7 +145,8 @@ FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]
 FLAGS += ["--response-store-entries", "--response-store-memory", "--response-store-ttl"]
 FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk", "--kv-offload-dtype"]
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
-          "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
+          "--batch-ttft-objective", "--batch-itl-objective", "--batch-step-slack", "--batch-lease",
+          "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
 FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
 FLAGS += ["--batch-invariant"]
