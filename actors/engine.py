@@ -27,7 +27,7 @@ from actors.kv.tier_codec import Int8BlockCodec
 from actors.kv.tier_disk import DiskTier
 from actors.messages.front_end import LoadLoRAAdapter, LoRAOutcome
 from actors.messages.step import GetWorkerInfo, WorkerInfo
-from actors.scheduler.scheduler import SchedulerConfig
+from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.scheduler_actor import SchedulerActor
 from actors.text.tokenizer import Tokenizer, load_tokenizer
 from actors.model.config import ModelConfig

@@ -31,13 +31,16 @@ from actors.messages.kv import (
     KVAdmit, KVFork, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim, KVUnwritten,
 )
 from actors.messages.step import NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult
-from actors.scheduler.ballast import BallastObjective, BallastPolicy
+from actors.scheduler.ballast import BallastPolicy
+from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.latency import LatencyMeter
 from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
 from actors.scheduler.speculation import SpeculationPlanner
+
+__all__ = ["EMPTY_PROMPT", "SEQUENCE_FAILED", "SchedulerConfig", "Scheduler", "SeqFailure"]
 
 
 # What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
@@ -51,19 +54,6 @@ class SeqFailure(NamedTuple):
     request_id: str
     index: int
     detail: str
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: frozenset[int] = frozenset()
-    priority_scheduling: bool = False   # off: every request is first come, first served
-    max_burst: int = 1                  # decode steps one plan may run (actors/worker/decode_burst.py)
-    ballast: BallastObjective = BallastObjective()   # when batch lines wait for interactive latency
-    max_loras: int = 0                  # distinct LoRA adapters the running sequences may read at once
 
 
 @dataclass

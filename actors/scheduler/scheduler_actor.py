@@ -33,10 +33,11 @@ from actors.messages.handoff import (
 )
 from actors.messages.kv import GetKVStats, KVConfirm, KVReserved
 from actors.messages.step import StepPlan, StepProgress, StepResult
+from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.counters import HandoffCounters, stats_fields
 from actors.scheduler.pull_cost import PullCost
 from actors.scheduler.pulls import PullGate
-from actors.scheduler.scheduler import SchedulerConfig, Scheduler, SeqFailure
+from actors.scheduler.scheduler import Scheduler, SeqFailure
 from actors.worker.decode_burst import BurstBrake
 from actors.worker.tensor_parallel import RanksLost
 from runtime import Actor, ActorDead, ActorRef, Turns
