@@ -8,16 +8,17 @@ newest sequence and returns a retry; `plan()` turns the step into the worker's S
 block tables the KV manager returned (the scheduler keeps none); `update()` takes the sampled
 tokens, stops sequences and queues the TokenDeltas for their front ends. It never awaits.
 
-Admission, the budget and preemption are here; the rest is delegated: speculative decoding to a
-SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker (handoffs.py), and which
-rows, tokens and blocks batch lines (ballast) may take to a BallastPolicy (ballast.py).
+Admission, the budget and preemption are here, over the two queues (waiting, running); the rest is
+delegated: the requests' bookkeeping and what their ends send out to a RequestTable (requests.py),
+speculative decoding to a SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker
+(handoffs.py), and which rows, tokens and blocks batch lines (ballast) may take to a BallastPolicy
+(ballast.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,11 +26,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from actors.draft.controller import SpecController
-from actors.messages.front_end import SamplingParams, SubmitRequest, TokenDelta
+from actors.messages.front_end import SubmitRequest, TokenDelta
 from actors.messages.handoff import HandoffOffer
-from actors.messages.kv import (
-    KVAdmit, KVFork, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim, KVUnwritten,
-)
+from actors.messages.kv import KVAdmit, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim
 from actors.messages.step import NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult
 from actors.scheduler.ballast import BallastPolicy
 from actors.scheduler.config import SchedulerConfig
@@ -37,15 +36,12 @@ from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
 from actors.scheduler.in_flight import InFlightStep
 from actors.scheduler.latency import LatencyMeter
-from actors.scheduler.sequence import RequestState, Sequence, SeqStatus
+from actors.scheduler.requests import RequestTable
+from actors.scheduler.sequence import Sequence, SeqStatus
 from actors.scheduler.speculation import SpeculationPlanner
-
-__all__ = ["EMPTY_PROMPT", "SEQUENCE_FAILED", "SchedulerConfig", "Scheduler", "SeqFailure"]
-
 
 # What a client is told (TokenDelta.error): nothing of the cause, which goes to the engine's log.
 SEQUENCE_FAILED = "internal error: the engine failed while generating this sequence"
-EMPTY_PROMPT = "the prompt is empty"
 
 
 class SeqFailure(NamedTuple):
@@ -76,59 +72,35 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.clock = clock
-        self.requests: dict[str, RequestState] = {}
-        self.seqs: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []      # sorted by sort_key
         self.running: list[Sequence] = []      # sorted by sort_key: the last one is preempted first
         self.counters = Counters()
         self.lora_keys: dict[str, str] = {}    # adapter name -> name@contents, as the worker loaded it
+        # Every request here and its sequences; what their ends send out.
+        self.requests = RequestTable(cfg, self.counters, clock, self.lora_keys)
         # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
         self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
         self.handoffs = HandoffTracker(cfg.block_size)
         self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
         self.ballast = BallastPolicy(cfg.ballast, self.latency)   # batch lines in the room left over
-        self._next_seq_id = 0
-        self._arrivals = 0
         self._step_id = 0
-        self._forks: list[tuple[KVFork, Sequence]] = []   # for the next transaction
-        self._deferred_frees: list[int] = []   # a fork parent's free must follow its forks
-        self._frees: list[int] = []            # sequences whose blocks return to the pool now
-        self._released: list[int] = []         # sequences whose sampler state the worker drops
-        self._outbox: dict[Any, list[TokenDelta]] = defaultdict(list)
         self._step = _Step()
         self._in_flight = InFlightStep()
-        self._unwritten: list[KVUnwritten] = []   # failed sequences' KV to forget before their free
-        self._trims: list[KVTrim] = []         # drafted slots to roll back in the next transaction
+        self._trims: list[KVTrim] = []         # drafted or burst slots to roll back in the next transaction
+
+    @property
+    def seqs(self) -> dict[int, Sequence]:
+        """The live sequences by id (the request table's)."""
+        return self.requests.seqs
 
     # --- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: SubmitRequest) -> None:
-        if msg.request_id in self.requests:
-            raise ValueError(f"request id {msg.request_id!r} is already in the engine")
-        params = msg.params
-        if params.min_tokens and not params.ignore_eos:  # the sampler masks what would stop it early
-            params = msgspec.structs.replace(params, eos_token_ids=sorted(self.cfg.eos_token_ids))
-        req = self._new_request(msg.request_id, msg.prompt_token_ids, params, msg.reply_to, msg.priority,
-                                msg.cache_salt, msg.ballast, msg.lora_name)
-        req.arrived_s = self.clock()
-        if msg.lora_name is not None:
-            self.counters.lora_requests[msg.lora_name] += 1
-        # n > 1 samples fork from one prompt here, and prompt logprobs come with the prompt's own
-        # forward: such a request stays whole (and so does one with an adapter: a handoff carries none).
-        if params.n == 1 and params.prompt_logprobs is None and not params.embed and msg.lora_name is None:
-            req.handoff_to = msg.handoff_to
-        if not msg.prompt_token_ids:  # bad input the front end should have refused
-            self._end_unstarted(req, "error", EMPTY_PROMPT)
-            return
-        if req.max_output < 1:  # no room left in the context: nothing can be generated
-            self._end_unstarted(req, "length")
-            return
-        leader = self._new_seq(req, 0)
-        self.requests[req.request_id] = req
-        self.seqs[leader.seq_id] = leader
-        self.counters.prompt_tokens += len(req.prompt_token_ids)
-        bisect.insort(self.waiting, leader, key=_key)
+        """A new request waits to be admitted; one that cannot run ends at once (see RequestTable.add)."""
+        leader = self.requests.add(msg)
+        if leader is not None:
+            bisect.insort(self.waiting, leader, key=_key)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """End a request (or one of its samples) now, as its client asked; its blocks go back at once."""
@@ -139,7 +111,7 @@ class Scheduler:
         finish_reason "error" and `error` as its message, and frees its blocks, forgetting the KV
         the step was to write."""
         step = self._take_in_flight()
-        self._unwritten += step.unwritten(step.starts)
+        self.requests.forget_unwritten(step.unwritten(step.starts))
         for request_id in list(self.requests):
             self._end(request_id, None, "error", error)
 
@@ -147,46 +119,35 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def take_deltas(self) -> dict[Any, list[TokenDelta]]:
-        out, self._outbox = self._outbox, defaultdict(list)
-        return out
+        return self.requests.take_deltas()
 
     def take_frees(self) -> KVFree | None:
-        """Blocks of ended sequences to give back, failed ones with the KV their step never wrote."""
-        if not (self._frees or self._unwritten):
-            return None
-        msg = KVFree(self._frees, self._unwritten)
-        self._frees, self._unwritten = [], []
-        return msg
+        return self.requests.take_frees()
 
     # --- disaggregation: handing a prefilled request over, and taking one over ------------------
 
     def handoff_done(self, seq_id: int) -> None:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
-        self._frees.append(seq_id)
+        self.requests.free(seq_id)
 
     def reserve_adoption(self, offer: HandoffOffer) -> KVReserve | None:
         """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
         transaction that reserves its blocks. None when the request is here already."""
         if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
             return None
-        req = self._new_request(offer.request_id, offer.prompt_token_ids, offer.params, offer.reply_to,
-                                offer.priority, offer.cache_salt, offer.ballast)
-        req.num_cached_tokens = offer.num_cached_tokens
-        return self.handoffs.reserve(self._new_seq(req, 0), offer.output_token_ids)
+        return self.handoffs.reserve(self.requests.offered(offer), offer.output_token_ids)
 
     def adopt(self, seq_id: int, output_token_ids: list[int] | None = None) -> Sequence:
         """The reserved sequence's KV is in the cache (all but its last token's): it runs, decoding."""
         seq = self.handoffs.adopt(seq_id, output_token_ids)
-        self.requests[seq.request.request_id] = seq.request
-        self.seqs[seq_id] = seq
-        self.counters.prompt_tokens += seq.num_prompt_tokens
+        self.requests.enter(seq)
         bisect.insort(self.running, seq, key=_key)
         return seq
 
     def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
         """The handoff was cut (or found no room): its reserved blocks go back."""
         if self.handoffs.drop(seq_id) and reserved:
-            self._frees.append(seq_id)
+            self.requests.free(seq_id)
 
     # --- one step: KV transaction (the batch), plan, (forward), update ---------------------------
 
@@ -220,10 +181,8 @@ class Scheduler:
         if ballast_room is None:
             ballast_room = self.ballast.room(interactive_tokens)
         step.admits, step.admit_budget = self.ballast.admissions(admits, budget, ballast_room)
-        forks = [f for f, _ in self._forks]
-        step.fork_children = [c for _, c in self._forks]
-        self._forks = []
-        frees, self._deferred_frees = self._deferred_frees + displaced, []
+        forks, step.fork_children = self.requests.take_forks()
+        frees = self.requests.take_deferred_frees() + displaced
         trims, self._trims = self._trims, []
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
@@ -309,7 +268,7 @@ class Scheduler:
         self.counters.prefill_tokens += prefill_tokens
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
         self.counters.kv_slots_used += sum(s.num_computed for s in self.running)
-        released, self._released = self._released, []
+        released = self.requests.take_released()
         if self.speculation is not None:
             self.speculation.planned(self._step_id, new)
         return StepPlan(self._step_id, seqs, new, released, built.burst)
@@ -340,7 +299,7 @@ class Scheduler:
 
     def _take_outputs(self, step: InFlightStep, outputs: list[SeqOutput]) -> list[SeqFailure]:
         failed = step.failed(outputs)
-        self._unwritten += step.unwritten(failed)
+        self.requests.forget_unwritten(step.unwritten(failed))
         failures = [f for seq_id, detail in failed.items() if (f := self._fail(seq_id, detail)) is not None]
         eos, now = self.cfg.eos_token_ids, self.clock()
         for out in outputs:
@@ -357,13 +316,13 @@ class Scheduler:
             self.latency.tokens(seq, kept, now)
             if seq.spec_k:
                 self._trims += self.speculation.verified(seq, out.num_drafted, len(out.token_ids) - 1, reason is None)
-            if seq.index == 0 and len(seq.request.seqs) < seq.request.params.n:
-                self._spawn_samples(seq)
+            for child in self.requests.spawn_samples(seq):
+                bisect.insort(self.running if child.status is SeqStatus.RUNNING else self.waiting, child, key=_key)
             if seq.index == 0 and seq.num_output_tokens == kept and kept:
                 self.latency.first_token(seq.request, now)
             logprobs = out.logprobs[:kept] if out.logprobs is not None else None
-            self._queue_delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs,
-                              embedding=out.embedding)
+            self.requests.delta(seq, out.token_ids[:kept], logprobs, reason, prompt_logprobs=out.prompt_logprobs,
+                                embedding=out.embedding)
             if reason is not None:
                 self._retire(seq)
             elif seq.request.handoff_to is not None:
@@ -395,7 +354,8 @@ class Scheduler:
         decodes and nothing else waits to join (a request, a fork, drafts), and never past a
         sequence's output or context room. A handoff's blocks may still be arriving: its commit
         pulls the brake."""
-        if (self.cfg.max_burst < 2 or self.speculation is not None or self.waiting or self._forks or not decodes
+        if (self.cfg.max_burst < 2 or self.speculation is not None or self.waiting or self.requests.forking()
+                or not decodes
                 or len(decodes) != len(self.running) or any(s.request.handoff_to is not None for s in decodes)):
             return 0
         room = min(s.room(self.cfg.max_model_len) for s in decodes)
@@ -420,20 +380,6 @@ class Scheduler:
             return None  # aborted while the step ran
         self._end(seq.request.request_id, seq.index, "error", SEQUENCE_FAILED)
         return SeqFailure(seq.request.request_id, seq.index, detail)
-
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reply_to: Any,
-                     priority: int, cache_salt: str | None, ballast: bool = False,
-                     lora_name: str | None = None) -> RequestState:
-        self._arrivals += 1
-        priority = priority if self.cfg.priority_scheduling else 0
-        return RequestState(request_id, list(prompt_token_ids), params, reply_to, priority, self._arrivals,
-                            cache_salt, self.cfg.max_model_len, ballast, lora_name, self.lora_keys.get(lora_name))
-
-    def _new_seq(self, req: RequestState, index: int) -> Sequence:
-        seq = Sequence(self._next_seq_id, req, index)
-        self._next_seq_id += 1
-        req.seqs.append(seq)
-        return seq
 
     def _grow_msg(self, seq: Sequence, n: int) -> KVGrow:
         return KVGrow(seq.seq_id, seq.token_ids, n, seq.spec_k + self._step.burst)
@@ -462,7 +408,7 @@ class Scheduler:
         """Running ballast that gives its row, or its LoRA adapter's slot, to a waiting interactive
         request: requeued, its blocks freed in this step's transaction (a fork parent keeps its blocks
         until it forked)."""
-        parents = {f.parent_seq_id for f, _ in self._forks}
+        parents = self.requests.fork_parents()
         rows = self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
         slots = self.ballast.slots_to_free(self.running, self.waiting, self.cfg.max_loras)
         victims = [s for s in dict.fromkeys(rows + slots) if s.seq_id not in parents]
@@ -496,92 +442,31 @@ class Scheduler:
         step.admits = []  # nothing new joins a step that had to preempt
         return KVStep([victim.seq_id], [], [self._grow_msg(s, n) for s, n in step.grows], [], 0)
 
-    def _spawn_samples(self, leader: Sequence) -> None:
-        """n > 1: the other samples start once the prompt is computed, sharing its full blocks
-        (fork); each recomputes only the prompt's partial last block to draw its own first token."""
-        req, bs = leader.request, self.cfg.block_size
-        shared = (leader.num_prompt_tokens - 1) // bs * bs
-        for index in range(1, req.params.n):
-            child = self._new_seq(req, index)
-            self.seqs[child.seq_id] = child
-            if not shared:
-                # A prompt within one block has no full block to share: the sample is admitted
-                # like a new request (its KV sequence is created there, from the prefix cache if any).
-                bisect.insort(self.waiting, child, key=_key)
-                continue
-            child.status = SeqStatus.RUNNING
-            child.num_computed = shared
-            self._forks.append((KVFork(leader.seq_id, child.seq_id, shared), child))
-            bisect.insort(self.running, child, key=_key)
-
     def _retire(self, seq: Sequence, hand_over: bool = False) -> None:
-        """Take a finished or aborted sequence out of the queues; its blocks go back to the pool,
-        or, when it is handed over, once its KV has left (`handoff_done`)."""
+        """Take a finished or aborted sequence out of the queues and the parts; its blocks go back to
+        the pool, or, when it is handed over, once its KV has left (`handoff_done`)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self.seqs.pop(seq.seq_id, None)
         if seq.seq_id in self._in_flight.starts:
             # Aborted while the worker computes its step, which may yet fail: its blocks go back now,
             # without the hashes of those the step writes.
-            self._unwritten += self._in_flight.unwritten([seq.seq_id])
+            self.requests.forget_unwritten(self._in_flight.unwritten([seq.seq_id]))
         if self.speculation is not None:
             self.speculation.forget(seq)
         if hand_over:
             self.handoffs.hand_over(seq)
         else:
             self.handoffs.drop_ahead(seq)
-            if any(f.parent_seq_id == seq.seq_id for f, _ in self._forks):
-                self._deferred_frees.append(seq.seq_id)
-            else:
-                self._frees.append(seq.seq_id)
-        if seq.known_to_worker:
-            self._released.append(seq.seq_id)
-        req = seq.request
-        if len(req.seqs) == req.params.n and all(s.status is SeqStatus.FINISHED for s in req.seqs):
-            self.requests.pop(req.request_id, None)
-            self.counters.ballast_finished += req.ballast
+        self.requests.retire(seq, free=not hand_over)
 
     def _end(self, request_id: str, index: int | None, reason: str, error: str | None = None) -> bool:
-        """End a request, or one of its samples, with `reason`. Sample 0 before the others started
-        ends them all: they would have forked from it."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        if index is not None and index > 0 and len(req.seqs) < req.params.n:
-            return False  # that sample has not started yet (it forks from sample 0 after the prompt)
-        if index is None or (index == 0 and len(req.seqs) < req.params.n):
-            self.requests.pop(request_id)  # whole request: no sample will be spawned any more
-            targets = req.seqs
-        else:
-            targets = [s for s in req.seqs if s.index == index]
-        ids = {s.seq_id for s in targets}
-        # A pending fork of an ended child is dropped; one from an ended parent still happens
-        # (the parent's free waits for it), so its live children keep their shared blocks.
-        self._forks = [(f, c) for f, c in self._forks if f.child_seq_id not in ids]
-        for seq in targets:
-            if seq.status is not SeqStatus.FINISHED:
-                self._retire(seq)
-                self._queue_delta(seq, [], None, reason, error)
-        if targets is req.seqs:
-            self._end_unstarted(req, reason, error)
-        return True
-
-    def _end_unstarted(self, req: RequestState, reason: str, error: str | None = None) -> None:
-        """Samples that never started still get their (only) delta."""
-        for index in range(len(req.seqs), req.params.n):
-            self._outbox[req.reply_to].append(TokenDelta(req.request_id, index, [], None, reason,
-                                                         len(req.prompt_token_ids), req.num_cached_tokens, error))
-
-    def _queue_delta(self, seq: Sequence, token_ids: list[int], logprobs: list | None, reason: str | None,
-                     error: str | None = None, prompt_logprobs: list | None = None,
-                     embedding: list[float] | None = None) -> None:
-        req = seq.request
-        self._outbox[req.reply_to].append(TokenDelta(req.request_id, seq.index, list(token_ids), logprobs,
-                                                     reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                                     error, prompt_logprobs, embedding))
+        """End a request, or one of its samples, with `reason` (see RequestTable.end)."""
+        ended = self.requests.end(request_id, index, reason, error)
+        for seq in ended or []:
+            self._retire(seq)
+        return ended is not None
 
 
 def _key(seq: Sequence) -> tuple[int, int, int]:
@@ -595,4 +480,3 @@ def _worker_params(seq: Sequence):
     if seq.index > 0 and params.prompt_logprobs is not None:
         return msgspec.structs.replace(params, prompt_logprobs=None)
     return params
-

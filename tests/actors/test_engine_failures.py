@@ -19,7 +19,8 @@ from actors.engine import start_engine
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest
 from actors.messages.step import SeqOutput, StepPlan
-from actors.scheduler.scheduler import EMPTY_PROMPT, SEQUENCE_FAILED
+from actors.scheduler.requests import EMPTY_PROMPT
+from actors.scheduler.scheduler import SEQUENCE_FAILED
 from actors.worker.model_runner import ModelRunner
 from actors.worker.sampler import Sampler
 from runtime import ActorSystem

@@ -15,7 +15,8 @@ from actors.kv.manager import KVCacheManager
 from actors.kv.structs import KVCacheConfig
 from actors.messages.front_end import SamplingParams, SubmitRequest
 from actors.messages.step import ScheduledSeq, SeqOutput, StepPlan, StepResult
-from actors.scheduler.scheduler import SchedulerConfig, Scheduler
+from actors.scheduler.config import SchedulerConfig
+from actors.scheduler.scheduler import Scheduler
 
 VOCAB = 1000
 EOS = 999

@@ -18,7 +18,8 @@ from actors.draft.proposer import _Table
 from actors.kv.kv_actor import apply_kv_step
 from actors.messages.kv import KVTrim
 from actors.messages.step import SeqOutput, StepPlan, StepResult
-from actors.scheduler.scheduler import SchedulerConfig, Scheduler
+from actors.scheduler.config import SchedulerConfig
+from actors.scheduler.scheduler import Scheduler
 from tests.actors.test_scheduler import EOS, FakeClock, Harness, PagedFake, next_token, prompts, reference
 
 
