@@ -4,23 +4,27 @@ when their blocks may leave, and which requests another engine prefilled are arr
 On a prefill engine a prompt for a decode engine is sent in pieces: after each chunk its full blocks
 go ahead (or, layer by layer, the blocks each planned step fills), and the handover after its first
 token sends the rest. A sequence sent ahead that is preempted or ends first cancels what went. On a
-decode engine a handed-over request's blocks are reserved before its KV arrives (adoption).
+decode engine a handed-over request's blocks are reserved before its KV arrives, and once it has, the
+request joins the request table, decoding (adoption).
 
 A plain synchronous class the scheduler owns. It keeps no queue of its own: it only notes sequences
-and hands out what the scheduler actor sends; the scheduler frees blocks and moves sequences.
+and hands out what the scheduler actor sends; the scheduler moves sequences between its queues.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from actors.messages.handoff import HandoffOffer
 from actors.messages.kv import KVReserve
+from actors.scheduler.requests import RequestTable
 from actors.scheduler.sequence import Sequence, SeqStatus
 
 
 class HandoffTracker:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, requests: RequestTable):
         self.block_size = block_size
+        self.requests = requests               # where adopted requests go
         self._handoffs: list[Sequence] = []    # prefilled, their KV to send to a decode engine
         self._ahead: dict[int, int] = {}       # still prefilling, their full blocks sent ahead: how many
         self._ready_ahead: list[Sequence] = [] # those with more blocks to send since the last step
@@ -98,29 +102,36 @@ class HandoffTracker:
         decode, once each handoff ends)."""
         return bool(self._adopting)
 
-    def is_adopting(self, request_id: str) -> bool:
-        return any(s.request.request_id == request_id for s in self._adopting.values())
-
-    def reserve(self, seq: Sequence, output_token_ids: list[int]) -> KVReserve:
-        """A new sequence for an offered request, with the tokens sampled so far; the KV manager
-        transaction that reserves its blocks."""
-        seq.token_ids += output_token_ids
+    def reserve_adoption(self, offer: HandoffOffer) -> KVReserve | None:
+        """A new sequence for a request another engine prefilled, with the tokens sampled so far, not
+        yet in the request table; the KV manager transaction that reserves its blocks. None when the
+        request is here already."""
+        if offer.request_id in self.requests or self._is_adopting(offer.request_id):
+            return None
+        seq = self.requests.offered(offer)
+        seq.token_ids += offer.output_token_ids
         self._adopting[seq.seq_id] = seq
         # Every prompt position has KV; so does every sampled token but the last (none is, when
         # the offer comes ahead of the first token).
-        num_kv = seq.num_tokens - 1 if output_token_ids else seq.num_tokens
+        num_kv = seq.num_tokens - 1 if offer.output_token_ids else seq.num_tokens
         return KVReserve(seq.seq_id, seq.token_ids, num_kv, seq.request.cache_salt)
 
     def adopt(self, seq_id: int, output_token_ids: list[int] | None) -> Sequence:
-        """The reserved sequence's KV is in the cache (all but its last token's): it decodes, from
-        `output_token_ids` when its offer came ahead of them."""
+        """The reserved sequence's KV is in the cache (all but its last token's): it joins the request
+        table, running (for the scheduler to queue), and decodes, from `output_token_ids` when its offer
+        came ahead of them."""
         seq = self._adopting.pop(seq_id)
         if output_token_ids:
             seq.token_ids += output_token_ids
         seq.num_computed = seq.num_tokens - 1
         seq.status = SeqStatus.RUNNING
+        self.requests.enter(seq)
         return seq
 
-    def drop(self, seq_id: int) -> bool:
-        """The handoff was cut (or found no room): True when blocks were reserved for it."""
-        return self._adopting.pop(seq_id, None) is not None
+    def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
+        """The handoff was cut (or found no room): the blocks the KV manager `reserved` for it go back."""
+        if self._adopting.pop(seq_id, None) is not None and reserved:
+            self.requests.free(seq_id)
+
+    def _is_adopting(self, request_id: str) -> bool:
+        return any(s.request.request_id == request_id for s in self._adopting.values())

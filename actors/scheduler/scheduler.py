@@ -81,7 +81,7 @@ class Scheduler:
         # Speculative decoding (with a draft worker): k per decoding sequence, what the draft hears.
         self.speculation = SpeculationPlanner(spec, self.counters, cfg.max_model_len) if spec is not None else None
         # Disaggregation: prompts handed over to decode engines, and requests adopted from prefill ones.
-        self.handoffs = HandoffTracker(cfg.block_size)
+        self.handoffs = HandoffTracker(cfg.block_size, self.requests)
         self.latency = LatencyMeter(self.counters, clock)   # first-token and inter-token latency
         self.ballast = BallastPolicy(cfg.ballast, self.latency)   # batch lines in the room left over
         self._step_id = 0
@@ -124,30 +124,23 @@ class Scheduler:
     def take_frees(self) -> KVFree | None:
         return self.requests.take_frees()
 
-    # --- disaggregation: handing a prefilled request over, and taking one over ------------------
+    # --- disaggregation (the HandoffTracker): handing a prefilled request over, and taking one over
 
     def handoff_done(self, seq_id: int) -> None:
         """The handoff ended (sent, or cut: the front end continues the request elsewhere)."""
         self.requests.free(seq_id)
 
     def reserve_adoption(self, offer: HandoffOffer) -> KVReserve | None:
-        """A sequence for a request another engine prefilled, not yet scheduled; the KV manager
-        transaction that reserves its blocks. None when the request is here already."""
-        if offer.request_id in self.requests or self.handoffs.is_adopting(offer.request_id):
-            return None
-        return self.handoffs.reserve(self.requests.offered(offer), offer.output_token_ids)
+        return self.handoffs.reserve_adoption(offer)
 
     def adopt(self, seq_id: int, output_token_ids: list[int] | None = None) -> Sequence:
         """The reserved sequence's KV is in the cache (all but its last token's): it runs, decoding."""
         seq = self.handoffs.adopt(seq_id, output_token_ids)
-        self.requests.enter(seq)
         bisect.insort(self.running, seq, key=_key)
         return seq
 
     def drop_adoption(self, seq_id: int, reserved: bool = True) -> None:
-        """The handoff was cut (or found no room): its reserved blocks go back."""
-        if self.handoffs.drop(seq_id) and reserved:
-            self.requests.free(seq_id)
+        self.handoffs.drop_adoption(seq_id, reserved)
 
     # --- one step: KV transaction (the batch), plan, (forward), update ---------------------------
 
