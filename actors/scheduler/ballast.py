@@ -2,17 +2,18 @@
 
 A ballast request sorts after every interactive one (so it is admitted last and preempted first,
 see Sequence.sort_key). Beyond that ordering, this policy decides four things each step: which
-running ballast sequences give their rows (or LoRA adapter slots) back to interactive requests
-waiting for one, in which order the step's token budget is handed out (interactive decodes and
-prefill chunks before any ballast), how many tokens ballast may add to a step that interactive
-requests are in (as many as keep the step within its slack of what it would take without them,
-by the measured cost of a row: step_cost.py), and whether ballast runs at all while interactive
-latency misses its objective. It only chooses; the scheduler does the preempting. It never delays
-an interactive request by more than the slack.
+running ballast sequences it displaces, giving their rows, LoRA adapter slots or blocks back to
+interactive requests waiting for them, in which order the step's token budget is handed out
+(interactive decodes and prefill chunks before any ballast), how many tokens ballast may add to a
+step that interactive requests are in (as many as keep the step within its slack of what it would
+take without them, by the measured cost of a row: step_cost.py), and whether ballast runs at all
+while interactive latency misses its objective. It only chooses; the scheduler does the preempting.
+It never delays an interactive request by more than the slack.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from actors.scheduler.latency import LatencyMeter
@@ -79,6 +80,15 @@ class BallastPolicy:
                 return True
         return False
 
+    def displaced(self, running: list[Sequence], waiting: list[Sequence], max_num_seqs: int, max_loras: int,
+                  keep: set[int]) -> list[Sequence]:
+        """Running ballast to preempt at the start of a step, each once: the rows every waiting
+        interactive request needs, then the LoRA adapter slots; none whose seq id is in `keep` (a
+        fork parent keeps its blocks until it forked)."""
+        rows = self.rows_to_free(running, waiting, max_num_seqs)
+        slots = self.slots_to_free(running, waiting, max_loras)
+        return [s for s in dict.fromkeys(rows + slots) if s.seq_id not in keep]
+
     def rows_to_free(self, running: list[Sequence], waiting: list[Sequence], max_num_seqs: int) -> list[Sequence]:
         """Running ballast (newest first) to preempt so that every waiting interactive request has
         a row this step."""
@@ -118,6 +128,11 @@ class BallastPolicy:
         order = _decodes_first(interactive)
         waits = any(not s.request.ballast for s in waiting)
         return order + [s for s in _decodes_first(ballast) if not (waits and _prefilling(s))]
+
+
+def count_rows(seqs: Iterable[Sequence | None]) -> int:
+    """The ballast among a step's sequences (None: one gone meanwhile, not counted), for the counters."""
+    return sum(1 for s in seqs if s is not None and s.request.ballast)
 
 
 def _prefilling(seq: Sequence) -> bool:

@@ -30,7 +30,7 @@ from actors.messages.front_end import SubmitRequest, TokenDelta
 from actors.messages.handoff import HandoffOffer
 from actors.messages.kv import KVAdmit, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim
 from actors.messages.step import NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult
-from actors.scheduler.ballast import BallastPolicy
+from actors.scheduler.ballast import BallastPolicy, count_rows
 from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
@@ -148,7 +148,11 @@ class Scheduler:
         """Pick the next step's batch; the KV transaction that gives it blocks."""
         step = self._step = _Step()
         budget = self.cfg.max_num_batched_tokens
-        displaced = self._displace_ballast()
+        # Running ballast gives its row, or its LoRA adapter's slot, to a waiting interactive request.
+        displaced = self.ballast.displaced(self.running, self.waiting, self.cfg.max_num_seqs, self.cfg.max_loras,
+                                           self.requests.fork_parents())
+        for victim in displaced:
+            self._preempt(victim)
         spec_k = self.speculation.choose(self.running) if self.speculation is not None else {}
         # Decodes first, then the chunks of prompts (or recomputes) already started, in priority and
         # arrival order: a prefill that sorts first (a more important request, a preempted older
@@ -175,7 +179,7 @@ class Scheduler:
             ballast_room = self.ballast.room(interactive_tokens)
         step.admits, step.admit_budget = self.ballast.admissions(admits, budget, ballast_room)
         forks, step.fork_children = self.requests.take_forks()
-        frees = self.requests.take_deferred_frees() + displaced
+        frees = self.requests.take_deferred_frees() + [v.seq_id for v in displaced]
         trims, self._trims = self._trims, []
         return KVStep(frees, forks, [self._grow_msg(s, n) for s, n in step.grows],
                       [self._admit_msg(s) for s in step.admits], budget, trims)
@@ -256,7 +260,7 @@ class Scheduler:
         self._in_flight = InFlightStep(starts, built.readers, self._step_id, built.burst > 0,
                                        None if prefill_tokens else len(seqs))
         self.counters.steps += 1
-        self.counters.ballast_rows += self._ballast_rows(starts)
+        self.counters.ballast_rows += count_rows(map(self.seqs.get, starts))
         self.counters.prefill_steps += prefill_tokens > 0
         self.counters.prefill_tokens += prefill_tokens
         self.counters.kv_slots_allocated += built.num_table_blocks * self.cfg.block_size
@@ -272,7 +276,7 @@ class Scheduler:
         step = self._take_in_flight()
         if step.decode_rows is not None:
             self.ballast.cost.observe(step.decode_rows, result.forward_s / max(result.num_steps, 1))
-        self.counters.ballast_rows += (result.num_steps - 1) * self._ballast_rows(step.starts)
+        self.counters.ballast_rows += (result.num_steps - 1) * count_rows(map(self.seqs.get, step.starts))
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
             self._end_burst(step, result.num_steps)
@@ -394,22 +398,6 @@ class Scheduler:
         self.handoffs.drop_ahead(seq)
         bisect.insort(self.waiting, seq, key=_key)
 
-    def _ballast_rows(self, seq_ids) -> int:
-        return sum(1 for i in seq_ids if (s := self.seqs.get(i)) is not None and s.request.ballast)
-
-    def _displace_ballast(self) -> list[int]:
-        """Running ballast that gives its row, or its LoRA adapter's slot, to a waiting interactive
-        request: requeued, its blocks freed in this step's transaction (a fork parent keeps its blocks
-        until it forked)."""
-        parents = self.requests.fork_parents()
-        rows = self.ballast.rows_to_free(self.running, self.waiting, self.cfg.max_num_seqs)
-        slots = self.ballast.slots_to_free(self.running, self.waiting, self.cfg.max_loras)
-        victims = [s for s in dict.fromkeys(rows + slots) if s.seq_id not in parents]
-        for victim in victims:
-            self._requeue(victim)
-            self.counters.preemptions += 1
-        return [v.seq_id for v in victims]
-
     def _displace_ballast_for(self, refused: list[Sequence]) -> KVStep | None:
         """An interactive request the pool had no blocks for (budget was left): the newest running
         ballast gives its blocks back and the admission is retried; None when none does."""
@@ -417,9 +405,7 @@ class Scheduler:
         victim = self.ballast.block_victim(refused, self.running, step.admit_budget)
         if victim is None:
             return None
-        self._requeue(victim)
-        self.counters.preemptions += 1
-        step.scheduled = [(s, n) for s, n in step.scheduled if s is not victim]
+        self._preempt(victim)
         step.grows, step.fork_children, step.admits = [], [], [s for s in refused if not s.request.ballast]
         return KVStep([victim.seq_id], [], [], [self._admit_msg(s) for s in step.admits], step.admit_budget)
 
@@ -427,13 +413,17 @@ class Scheduler:
         """The pool is out of blocks for left[0]: the least important, newest running sequence gives
         its blocks back and waits to be recomputed; then the grows that did not happen are retried."""
         victim = self.running[-1]
-        self._requeue(victim)
-        self.counters.preemptions += 1
+        self._preempt(victim)
         step = self._step
-        step.scheduled = [(s, n) for s, n in step.scheduled if s is not victim]
         step.grows = [(s, n) for s, n in left if s.status is SeqStatus.RUNNING]
         step.admits = []  # nothing new joins a step that had to preempt
         return KVStep([victim.seq_id], [], [self._grow_msg(s, n) for s, n in step.grows], [], 0)
+
+    def _preempt(self, victim: Sequence) -> None:
+        """The sequence gives its blocks back, leaves the step being built and waits to be recomputed."""
+        self._requeue(victim)
+        self.counters.preemptions += 1
+        self._step.scheduled = [(s, n) for s, n in self._step.scheduled if s is not victim]
 
     def _retire(self, seq: Sequence, hand_over: bool = False) -> None:
         """Take a finished or aborted sequence out of the queues and the parts; its blocks go back to

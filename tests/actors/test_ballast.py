@@ -11,8 +11,12 @@ import random
 import msgspec
 
 from actors.messages.front_end import SamplingParams, SubmitRequest
-from actors.scheduler.ballast import BallastObjective
-from actors.scheduler.scheduler import SchedulerConfig, Scheduler
+from actors.scheduler.ballast import BallastObjective, BallastPolicy, count_rows
+from actors.scheduler.config import SchedulerConfig
+from actors.scheduler.counters import Counters
+from actors.scheduler.latency import LatencyMeter
+from actors.scheduler.scheduler import Scheduler
+from actors.scheduler.sequence import RequestState, Sequence
 from tests.actors.test_scheduler import Harness, reference
 
 
@@ -219,3 +223,33 @@ def test_no_slack_keeps_ballast_out_of_interactive_steps_and_none_starts_beside_
     assert h.outputs[("batch", 0)] == reference([3] * 6, 20)
     assert h.outputs[("chat", 0)] == reference([4] * 6, 20)
     h.assert_all_free()
+
+
+def _seqs(specs: list[tuple[bool, str | None]]):
+    """Sequences in sort order, one per (ballast, LoRA adapter), each of its own request."""
+    out = []
+    for i, (ballast, lora) in enumerate(specs):
+        req = RequestState(f"r{i}", [1, 2], SamplingParams(), "client", 0, i, None, 64, ballast, lora)
+        out.append(Sequence(i, req, 0))
+    return sorted(out, key=lambda s: s.sort_key)
+
+
+def _policy() -> BallastPolicy:
+    return BallastPolicy(BallastObjective(), LatencyMeter(Counters(), Clock()))
+
+
+def test_displaced_ballast_gives_rows_then_adapter_slots_the_newest_first_each_once():
+    running = _seqs([(False, None), (True, "a"), (True, None), (True, "a")])   # r1, r3 under "a"; r2 base
+    waiting = _seqs([(False, "b"), (False, None)])
+    rows_only = _policy().displaced(running, waiting, max_num_seqs=5, max_loras=0, keep=set())
+    assert [s.request.request_id for s in rows_only] == ["r3"]   # one row short: the newest ballast
+    both = _policy().displaced(running, waiting, max_num_seqs=5, max_loras=1, keep=set())
+    assert [s.request.request_id for s in both] == ["r3", "r1"]   # and adapter "a"'s slot, r3 counted once
+    kept = _policy().displaced(running, waiting, max_num_seqs=5, max_loras=1, keep={3})
+    assert [s.request.request_id for s in kept] == ["r1"]   # a fork parent keeps its blocks
+    assert _policy().displaced(running, [], max_num_seqs=4, max_loras=1, keep=set()) == []
+
+
+def test_count_rows_counts_the_ballast_among_a_steps_sequences():
+    seqs = _seqs([(True, None), (False, None), (True, None)])
+    assert count_rows(seqs + [None]) == 2 and count_rows([]) == 0
