@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import msgspec
-
 from actors.draft.controller import SpecController
 from actors.messages.front_end import SubmitRequest, TokenDelta
 from actors.messages.handoff import HandoffOffer
@@ -244,7 +242,7 @@ class Scheduler:
                 seq.request.first_step_s = now
             if not seq.known_to_worker:
                 seq.known_to_worker = True
-                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, _worker_params(seq), seq.seed,
+                new.append(NewSequence(seq.seq_id, seq.request.prompt_token_ids, seq.worker_params(), seq.seed,
                                        seq.output_token_ids, seq.request.lora_name))
             scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[start:end], start, tables[seq.seq_id],
                                      end == seq.num_tokens)
@@ -303,12 +301,7 @@ class Scheduler:
             seq = self.seqs.get(out.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # failed, or aborted or preempted while the step ran
-            reason, kept = None, 0
-            for token_id in out.token_ids:
-                kept += 1
-                reason = seq.append(token_id, eos)
-                if reason is not None:
-                    break
+            kept, reason = seq.extend(out.token_ids, eos)
             self.counters.generation_tokens += kept
             self.latency.tokens(seq, kept, now)
             if seq.spec_k:
@@ -455,11 +448,3 @@ class Scheduler:
 def _key(seq: Sequence) -> tuple[int, int, int]:
     return seq.sort_key
 
-
-def _worker_params(seq: Sequence):
-    """The sampler's params for this sequence: the prompt's logprobs are sample 0's alone (the
-    others fork after the prompt and compute only its last block)."""
-    params = seq.request.params
-    if seq.index > 0 and params.prompt_logprobs is not None:
-        return msgspec.structs.replace(params, prompt_logprobs=None)
-    return params

@@ -10,6 +10,8 @@ import enum
 import time
 from typing import Any
 
+import msgspec
+
 from actors.messages.front_end import SamplingParams
 from prefix_store.hashing import adapter_salt
 
@@ -104,6 +106,25 @@ class Sequence:
         if self.num_output_tokens >= self.request.max_output:
             return "length"
         return None
+
+    def extend(self, token_ids: list[int], eos_token_ids: frozenset[int]) -> tuple[int, str | None]:
+        """Add a step's tokens up to the first that ends the sequence: how many it kept, and the
+        finish reason (None: it goes on)."""
+        kept, reason = 0, None
+        for token_id in token_ids:
+            kept += 1
+            reason = self.append(token_id, eos_token_ids)
+            if reason is not None:
+                break
+        return kept, reason
+
+    def worker_params(self) -> SamplingParams:
+        """The sampler's params for this sequence: the prompt's logprobs are sample 0's alone (the
+        others fork after the prompt and compute only its last block)."""
+        params = self.request.params
+        if self.index > 0 and params.prompt_logprobs is not None:
+            return msgspec.structs.replace(params, prompt_logprobs=None)
+        return params
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request.request_id}#{self.index}, id={self.seq_id}, {self.status.value}, "
