@@ -29,6 +29,7 @@ from actors.messages.handoff import HandoffOffer
 from actors.messages.kv import KVAdmit, KVFree, KVGrow, KVReserve, KVStep, KVStepResult, KVTrim
 from actors.messages.step import NewSequence, ScheduledSeq, SeqOutput, StepPlan, StepResult
 from actors.scheduler.ballast import BallastPolicy, count_rows
+from actors.scheduler.bursts import burst_length, burst_trims
 from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.counters import Counters
 from actors.scheduler.handoffs import HandoffTracker
@@ -156,7 +157,6 @@ class Scheduler:
         # arrival order: a prefill that sorts first (a more important request, a preempted older
         # one) must not take the budget from a stream that already emits tokens. Batch lines
         # (ballast) get what the interactive requests leave.
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
         interactive_tokens, ballast_room = 0, None   # ballast's room is set where its first turn comes
         for seq in self.ballast.budget_order(self.running, self.waiting):
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -170,7 +170,8 @@ class Scheduler:
                 step.grows.append((seq, n))
                 budget -= n + seq.spec_k
                 interactive_tokens += 0 if seq.request.ballast else n + seq.spec_k
-        step.burst = self._burst_len(decodes)
+        others = self.speculation is not None or bool(self.waiting) or self.requests.forking()
+        step.burst = burst_length(self.running, self.cfg.max_burst, self.cfg.max_model_len, others)
         room = self.cfg.max_num_seqs - len(self.running)
         admits = self._admissible(room) if budget > 0 and room > 0 else []
         if ballast_room is None:
@@ -277,7 +278,7 @@ class Scheduler:
         self.counters.ballast_rows += (result.num_steps - 1) * count_rows(map(self.seqs.get, step.starts))
         failures = self._take_outputs(step, result.outputs)
         if step.burst:
-            self._end_burst(step, result.num_steps)
+            self._trims += burst_trims(map(self.seqs.get, step.starts), result.num_steps)
         self.handoffs.computed(self.seqs.get(seq_id) for seq_id in step.starts)
         self.counters.steps += result.num_steps - 1
         return failures
@@ -338,27 +339,6 @@ class Scheduler:
             if len(admits) == room:
                 break
         return admits
-
-    def _burst_len(self, decodes: list[Sequence]) -> int:
-        """Further decode steps the worker may run after this one: only when every running sequence
-        decodes and nothing else waits to join (a request, a fork, drafts), and never past a
-        sequence's output or context room. A handoff's blocks may still be arriving: its commit
-        pulls the brake."""
-        if (self.cfg.max_burst < 2 or self.speculation is not None or self.waiting or self.requests.forking()
-                or not decodes
-                or len(decodes) != len(self.running) or any(s.request.handoff_to is not None for s in decodes)):
-            return 0
-        room = min(s.room(self.cfg.max_model_len) for s in decodes)
-        return max(min(self.cfg.max_burst, room) - 1, 0)
-
-    def _end_burst(self, step: InFlightStep, num_steps: int) -> None:
-        """After a burst of `num_steps` steps: its sequences' KV holds one position per step (the
-        last sampled token's is not written yet); the lookahead slots past it go back."""
-        for seq_id in step.starts:
-            seq = self.seqs.get(seq_id)
-            if seq is not None and seq.status is SeqStatus.RUNNING:
-                seq.num_computed += num_steps - 1
-                self._trims.append(KVTrim(seq_id, seq.num_computed))
 
     def _take_in_flight(self) -> InFlightStep:
         step, self._in_flight = self._in_flight, InFlightStep()
