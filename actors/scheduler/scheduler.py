@@ -10,9 +10,9 @@ tokens, stops sequences and queues the TokenDeltas for their front ends. It neve
 
 Admission, the budget and preemption are here, over the two queues (waiting, running); the rest is
 delegated: the requests' bookkeeping and what their ends send out to a RequestTable (requests.py),
-speculative decoding to a SpeculationPlanner (speculation.py), disaggregation to a HandoffTracker
-(handoffs.py), and which rows, tokens and blocks batch lines (ballast) may take to a BallastPolicy
-(ballast.py).
+speculative decoding to a SpeculationPlanner (speculation.py), how far a decode burst goes to
+bursts.py, disaggregation to a HandoffTracker (handoffs.py), and which rows, tokens and blocks batch
+lines (ballast) may take to a BallastPolicy (ballast.py).
 """
 
 from __future__ import annotations
