@@ -55,6 +55,7 @@ class ActorCell:
         self.watching: set[Any] = set()
         self.timers: set[Timer] = set()
         self.pipes: set[Pipe | Turns] = set()   # running, or their outcome not yet received
+        self.taken: dict[type, Callable[[Any], Any]] = {}   # message kinds a Turns takes from receive
         self.escalation: BaseException | None = None
         self.ref = LocalRef(self)
         self.log = system.log.bind(actor=path)
@@ -130,6 +131,7 @@ class ActorCell:
         dq = self.dq
         loop = self.loop
         receive = self.actor.receive
+        taken = self.taken
         while not self.stopping:
             if not dq:
                 self.waiter = w = loop.create_future()
@@ -157,7 +159,7 @@ class ActorCell:
                 receive = self.actor.receive
             else:
                 try:
-                    await receive(item)
+                    await (receive(item) if not taken or cls not in taken else taken[cls](item))
                 except Exception as exc:
                     await self._fail(exc)
                     receive = self.actor.receive

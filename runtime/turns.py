@@ -4,7 +4,10 @@
 In its turn the coroutine is the actor: no message is handled meanwhile, so it reads and changes the
 actor's state as a handler does. `await turns.reenter_after(aw)` ends the turn: messages are handled
 while `aw` runs, and once `aw` is done the coroutine queues behind them in the mailbox and resumes in
-its next turn. Like a pipe, it never outlives its actor's incarnation."""
+its next turn. `reenter_after(aw, take=(Kind, handler))` also gives the coroutine the messages of one
+kind that arrive while `aw` runs (Erlang's selective receive): each goes to `handler` in its place in
+the mailbox, as `receive` would have had it, up to the resumption. Like a pipe, it never outlives its
+actor's incarnation."""
 from __future__ import annotations
 
 import asyncio
@@ -20,12 +23,13 @@ if TYPE_CHECKING:
 class Turns(Owned):
     """One coroutine run in turns (`ActorContext.run_in_turns`); `cancel()` it and it never resumes."""
 
-    __slots__ = ("_cell", "_back", "_turn", "away")
+    __slots__ = ("_cell", "_back", "_turn", "_taken", "away")
 
     def __init__(self, cell: ActorCell, fn: Callable[[Turns], Awaitable[Any]]):
         self._cell = cell
         self._back: asyncio.Future | None = cell.loop.create_future()   # the turn it holds is given back
         self._turn: asyncio.Future | None = None   # the mailbox reached its re-entry
+        self._taken: type | None = None   # the kind of message it takes from receive while away
         self.cancelled = False
         self.away = False   # out of its turn: awaiting in reenter_after, or queued to resume
         self.task = cell.loop.create_task(self._run(fn))   # owned: cancelled and awaited by its actor
@@ -39,23 +43,46 @@ class Turns(Owned):
         if error is not None:
             raise error
 
-    async def reenter_after(self, awaitable: Awaitable[Any]) -> Any:
+    async def reenter_after(self, awaitable: Awaitable[Any],
+                            take: tuple[type, Callable[[Any], Awaitable[None]]] | None = None) -> Any:
         """End this turn and await `awaitable` while the actor handles its messages; resume in mailbox
         order, after the messages that arrived meanwhile, with its result or raising its exception (a
         cancellation from inside as a RuntimeError). The awaitable starts before any message is
-        handled. A stop or a restart of the actor while it waits cancels both the awaitable and the
-        coroutine (CancelledError, not to be caught)."""
+        handled. `take=(Kind, handler)`: until the resumption, each message of class Kind goes to
+        `await handler(msg)` instead of `receive`, in mailbox order (a failure in it fails the actor
+        as one in receive does). A stop or a restart of the actor while it waits cancels both the
+        awaitable and the coroutine (CancelledError, not to be caught), and gives Kind back to receive."""
         self.away = True
         self._back.set_result(None)
         self._back = None
-        result, error = await self._settle(awaitable)
-        self._turn = self._cell.loop.create_future()
-        self._cell.post_turn(self)
-        await self._turn
+        if take is not None:
+            self._take(*take)
+        try:
+            result, error = await self._settle(awaitable)
+            self._turn = self._cell.loop.create_future()
+            self._cell.post_turn(self)
+            await self._turn
+        finally:
+            self._give_back()
         self._turn, self.away = None, False
         if error is not None:
             raise error
         return result
+
+    def cancel(self) -> None:
+        self._give_back()
+        super().cancel()
+
+    def _take(self, kind: type, handler: Callable[[Any], Awaitable[None]]) -> None:
+        taken = self._cell.taken
+        if kind in taken:
+            raise RuntimeError(f"{kind.__name__} messages are taken already")
+        taken[kind], self._taken = handler, kind
+
+    def _give_back(self) -> None:
+        if self._taken is not None:
+            self._cell.taken.pop(self._taken, None)
+            self._taken = None
 
     async def resume(self) -> BaseException | None:
         """The mailbox reached the coroutine's re-entry (called by its actor's drain loop): it runs its

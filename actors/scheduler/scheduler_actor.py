@@ -4,9 +4,10 @@ One step, in order, is `step()`: schedule -> KV transaction -> drafts -> forward
 It runs in turns (runtime/turns.py): the mailbox waits while it plans, flows while the draft and
 model workers compute (Submit and Abort keep arriving), and the update resumes in mailbox order.
 
-A decode burst (actors/worker/decode_burst.py) is one step of several forwards: its tokens arrive
-as StepProgress while it runs and are emitted at once; anything that should change the batch (a
-request in, an abort, a sequence done) pulls the brake.
+A decode burst (actors/worker/decode_burst.py) is one step of several forwards: the step takes its
+tokens as they arrive (StepProgress, in mailbox order among the Submits and Aborts) and emits them
+at once; anything that should change the batch (a request in, an abort, a sequence done) pulls the
+brake.
 
 It never polls: with no work it simply waits for the next message. A failed step ends its requests
 with finish_reason "error", never "abort", and the engine goes on.
@@ -118,12 +119,8 @@ class SchedulerActor(Actor):
                 self._pull_brake()
                 self._send_outputs()
                 await self._unstall()
-            case StepProgress(step_id=step_id, outputs=outputs):
-                running = len(self.scheduler.running)
-                self._log_failures(self.scheduler.progress(step_id, outputs))
-                if len(self.scheduler.running) != running:
-                    self._pull_brake()
-                self._send_outputs()
+            case StepProgress():
+                pass   # a burst's tokens after its step ended (failed, or cancelled by a restart): too late
             case HandoffSent():
                 self.handoffs.sent(msg)
                 self.scheduler.handoff_done(msg.seq_id)
@@ -167,7 +164,8 @@ class SchedulerActor(Actor):
 
     async def step(self, turn: Turns) -> None:
         """One step: schedule -> KV -> drafts -> forward -> update -> emit. No message is handled but
-        while the draft and model workers compute; the update comes after every Abort sent meanwhile."""
+        while the draft and model workers compute; a decode burst's steps are taken and emitted as
+        they come, and the update comes after every Abort sent meanwhile."""
         self._started = time.perf_counter()
         prefilled_before = self.scheduler.counters.prefill_tokens
         try:
@@ -175,7 +173,7 @@ class SchedulerActor(Actor):
             if plan is None:   # nothing fits: stalled on handoffs, or the queue failed
                 self._send_outputs()
                 return
-            result = await turn.reenter_after(self._draft_and_forward(plan))
+            result = await turn.reenter_after(self._draft_and_forward(plan), take=(StepProgress, self._burst_step))
         except RanksLost:
             # The worker stops the node (WorkerActor._ranks_lost): no request ends with an error here, so
             # a cluster sees the engine die and continues them on another.
@@ -245,6 +243,15 @@ class SchedulerActor(Actor):
             if self.brake is not None:
                 self.brake.release()
         return await self.worker.ask(plan, timeout=self.step_timeout_s)
+
+    async def _burst_step(self, progress: StepProgress) -> None:
+        """One of a decode burst's steps computed: its tokens go out now, and a sequence it ended
+        pulls the brake (the batch changed)."""
+        running = len(self.scheduler.running)
+        self._log_failures(self.scheduler.progress(progress.step_id, progress.outputs))
+        if len(self.scheduler.running) != running:
+            self._pull_brake()
+        self._send_outputs()
 
     def _pull_brake(self) -> None:
         if self.brake is not None and self.scheduler.in_burst():

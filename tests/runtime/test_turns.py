@@ -138,3 +138,82 @@ async def test_a_restart_drops_a_resumption_already_in_the_mailbox(system):
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.001)
+
+
+class Token:
+    """A message kind a coroutine takes from receive while it is away."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+class Taker(Actor):
+    """`("run", fut)`: a coroutine that awaits `fut` away from its turns, taking every Token meanwhile;
+    receive logs what reaches it, Tokens included."""
+
+    def __init__(self):
+        self.log: list = []
+        self.turns = None
+
+    async def receive(self, msg):
+        match msg:
+            case ("run", fut):
+                self.turns = self.context.run_in_turns(lambda turns: self._run(turns, fut))
+                await self.turns.first_turn()
+            case ("boom",):
+                raise RuntimeError("restart")
+            case "get":
+                return list(self.log)
+            case Token():
+                self.log.append(("receive", msg.n))
+            case _:
+                self.log.append(msg)
+
+    async def _run(self, turns, fut):
+        got = await turns.reenter_after(asyncio.shield(fut), take=(Token, self._token))
+        self.log.append(("resumed", got))
+
+    async def _token(self, token):
+        self.log.append(("taken", token.n))
+        if token.n == "bad":
+            raise ValueError("a taken message fails the actor as receive's would")
+
+
+async def test_taken_messages_reach_the_coroutine_in_mailbox_order_until_it_resumes(system):
+    actor = Taker()
+    ref = await system.spawn(actor, name="t")
+    fut = system.loop.create_future()
+    ref.tell(("run", fut))
+    for msg in (Token(1), "other", Token(2)):
+        ref.tell(msg)
+    assert await ref.ask("get") == [("taken", 1), "other", ("taken", 2)]
+    ref.tell(Token(3))
+    fut.set_result("done")
+    ref.tell(Token(4))   # told before the resumption can queue behind it: still taken
+    await asyncio.wait_for(_until(lambda: any(e[0] == "resumed" for e in actor.log if isinstance(e, tuple))), 2)
+    ref.tell(Token(5))   # after the resumption: receive's again
+    assert (await ref.ask("get"))[3:] == [("taken", 3), ("taken", 4), ("resumed", "done"), ("receive", 5)]
+
+
+async def test_a_restart_gives_the_taken_kind_back_to_receive(system):
+    actor = Taker()
+    ref = await system.spawn(actor, name="t", supervision=FAST)
+    fut = system.loop.create_future()
+    ref.tell(("run", fut))
+    ref.tell(("boom",))
+    ref.tell(Token(1))
+    assert await ref.ask("get") == [("receive", 1)]
+    assert actor.turns.cancelled
+    ref.tell(("run", fut))   # the kind can be taken again
+    ref.tell(Token(2))
+    assert (await ref.ask("get"))[-1] == ("taken", 2)
+
+
+async def test_a_failing_taken_message_fails_the_actor(system):
+    actor = Taker()
+    ref = await system.spawn(actor, name="t", supervision=FAST)
+    ref.tell(("run", system.loop.create_future()))
+    ref.tell(Token("bad"))
+    ref.tell(Token(1))
+    await asyncio.wait_for(_until(lambda: ("receive", 1) in actor.log), 2)   # restarted, the kind given back
+    assert actor.log == [("taken", "bad"), ("receive", 1)]
