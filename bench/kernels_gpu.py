@@ -9,6 +9,7 @@ Triton's interpreter, to check the script itself. The last line printed is the J
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -282,25 +283,31 @@ def print_summary(summary: dict, path: str | None) -> None:
     print(text)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def gpu_run(name: str, description: str, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """A GPU benchmark's arguments (--dry-run, --json) and where it runs: on CUDA in bfloat16, or with
+    --dry-run on the CPU under Triton's interpreter in float32 (it mishandles bfloat16). Without CUDA
+    or --dry-run it refuses in one line."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dry-run", action="store_true", help="toy sizes; on the CPU under Triton's interpreter")
     parser.add_argument("--json", help="also write the summary to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
-        parser.error("no CUDA device: run with --dry-run to check the script on the CPU")
+        sys.exit(f"{name}: no CUDA device here; it measures GPU bandwidth (--dry-run checks the script)")
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of a Triton kernel
+    return args, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, device, dtype = gpu_run("kernels_gpu", __doc__, argv)
     from kernels import get_ops
 
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter mishandles bfloat16
     ops, ref = get_ops("triton", device), get_ops("torch", device)
     timer = Timer(device, args.dry_run)
     torch.manual_seed(0)
 
-    summary = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter, dry run)",
+    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter, dry run)",
                "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__}
     errors = check_correctness(ops, ref, device, dtype, args.dry_run)
     tolerance = 0.03 if dtype == torch.bfloat16 else 1e-4

@@ -10,15 +10,12 @@ to miss the L2 cache). `error` is against the kernel's own math (kernel_math: th
 dtype before the products), `vs fp32` against dequantize-then-matmul in float32, the difference being that
 rounding: a Q8_0 weight of 8-bit integers times a float16 scale loses bits in bfloat16's 8.
 """
-
-import argparse
-import os
-import sys
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from bench.kernels_gpu import Timer, _error, copy_bandwidth, print_summary
+from bench.kernels_gpu import Timer, _error, copy_bandwidth, gpu_run, print_summary
 
 ROWS = [1, 4, 16]
 # (N, K) of the projections of each model shape: SmolLM2-135M (and its LM head), a 7B Llama.
@@ -107,22 +104,12 @@ def measure(shapes, device, dtype, timer, ceiling):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dry-run", action="store_true", help="toy sizes; on the CPU under Triton's interpreter")
-    parser.add_argument("--json", help="also write the summary to this file")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
-        sys.exit("kernels_quant_gpu: no CUDA device here; it measures GPU bandwidth (--dry-run checks the script)")
-    if not cuda:
-        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of a Triton kernel
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter mishandles bfloat16
+    args, device, dtype = gpu_run("kernels_quant_gpu", __doc__, argv)
     timer = Timer(device, args.dry_run)
     torch.manual_seed(0)
 
     ceiling = copy_bandwidth(device, timer, args.dry_run)
-    summary = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter, dry run)",
+    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter, dry run)",
                "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                "copy_bandwidth_gb_s": ceiling / 1e9}
     print(f"device-to-device copy: {ceiling / 1e9:.0f} GB/s (read + write)")
