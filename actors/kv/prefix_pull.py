@@ -52,7 +52,7 @@ class PrefixPull:
         finally:
             seconds = time.perf_counter() - started
             self.kv.tell(KVTierPut(hashes, blocks, seconds, failed))
-            self.scheduler.tell(PrefixPullTimed(sum(len(b) for b in blocks), seconds))
+            self.scheduler.tell(PrefixPullTimed(sum(len(b) for b in blocks), seconds, submit.pull_from.node))
             self.scheduler.tell(msgspec.structs.replace(submit, pull_from=None))
 
     async def serve(self, pull: KVPull) -> KVPulled:

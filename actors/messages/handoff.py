@@ -180,11 +180,12 @@ class KVPulled(msgspec.Struct, tag=True):
 
 
 class PrefixPullTimed(msgspec.Struct, tag=True, frozen=True):
-    """To the scheduler, from its KV transfer actor: a prefix pull moved `num_bytes` in `seconds` (a
-    measurement of the link, for the next pull-or-compute decision)."""
+    """To the scheduler, from its KV transfer actor: a prefix pull from `peer` (its node) moved
+    `num_bytes` in `seconds` (a measurement of that link, for the next pull-or-compute decision)."""
 
     num_bytes: int
     seconds: float
+    peer: str = ""
 
 
 # Across processes between engines and gateways; the rest stays inside one engine process.

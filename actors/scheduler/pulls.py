@@ -25,7 +25,8 @@ class PullGate:
         caller sends it), or it came back from its pull aborted. A request not held for a pull is
         computed here whatever peer it names."""
         if msg.pull_from is not None:
-            if self.enabled and msg.handoff_to is None and (self.cost is None or self.cost.should_pull()):
+            if self.enabled and msg.handoff_to is None and (self.cost is None
+                                                              or self.cost.should_pull(msg.pull_from.node)):
                 self._pulling.add(msg.request_id)
                 return True
             return False

@@ -109,9 +109,9 @@ class SchedulerActor(Actor):
                 self._pull_brake()
                 self._send_outputs()
                 await self._maybe_step()
-            case PrefixPullTimed(num_bytes=num_bytes, seconds=seconds):
+            case PrefixPullTimed(num_bytes=num_bytes, seconds=seconds, peer=peer):
                 if self.pulls.cost is not None:
-                    self.pulls.cost.pulled(num_bytes, seconds)
+                    self.pulls.cost.pulled(num_bytes, seconds, peer)
             case AbortRequest(request_id=request_id, index=index):
                 if index is None:
                     self.pulls.abort(request_id)

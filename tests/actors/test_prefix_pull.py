@@ -168,7 +168,7 @@ async def test_a_link_measured_slow_makes_the_engine_compute_instead_of_pulling(
         assert (stats.kv_tier.tier_pulls, stats.kv_tier.tier_pull_failures) == (1, 0)
         assert stats.prefix_cache_tier_hit_tokens == (len(PROMPT) - 1) // 16 * 16
         cost = puller.scheduler_actor.pulls.cost
-        assert cost.block_ratio() > 1.0       # pulling a block took longer than computing one
+        assert cost.block_ratio(holder_tx.node) > 1.0   # pulling a block from it took longer than computing one
 
         before = stats
         assert await run(puller, front, ref, "p2", others[1], pull_from=holder_tx) == expected_other[1]

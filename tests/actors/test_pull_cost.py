@@ -67,6 +67,17 @@ def test_a_slow_link_is_probed_again_every_so_often():
     assert all(cost.should_pull() for _ in range(4))
 
 
+def test_each_peer_is_its_own_link():
+    cost = PullCost(BLOCK_TOKENS, BLOCK_BYTES, probe_every=4)
+    cost.prefilled(1_600, 1.0)                        # 100 blocks a second computed
+    cost.pulled(10 * BLOCK_BYTES, 1.0, "far")         # 10 a second from one peer: compute instead
+    cost.pulled(1_000 * BLOCK_BYTES, 1.0, "near")     # 1,000 a second from the other: pull
+    assert not cost.should_pull("far") and cost.should_pull("near")
+    assert cost.block_ratio("new") == 1 / 8 and cost.should_pull("new")   # unmeasured: the tier's eighth
+    assert [cost.should_pull("far") for _ in range(3)] == [False, False, True]   # its own probe count
+    assert cost.link.samples == 2                     # the stats' rate counts every peer's pulls
+
+
 async def test_the_gate_holds_a_request_for_its_pull_only_when_pulling_pays():
     system = ActorSystem("gate-test")
     await system.start()
@@ -81,7 +92,9 @@ async def test_the_gate_holds_a_request_for_its_pull_only_when_pulling_pays():
 
         assert gate.hold(submit("a"))             # unmeasured: pulled
         gate.cost.prefilled(16_000, 1.0)
-        gate.cost.pulled(BLOCK_BYTES, 1.0)
-        assert not gate.hold(submit("b"))          # measured slow: computed here
+        gate.cost.pulled(BLOCK_BYTES, 1.0, "elsewhere")
+        assert gate.hold(submit("b"))              # another peer's slow link says nothing of this one's
+        gate.cost.pulled(BLOCK_BYTES, 1.0, peer.node)
+        assert not gate.hold(submit("c"))          # measured slow: computed here
     finally:
         await system.shutdown()
