@@ -147,7 +147,7 @@ FLAGS += ["--kv-offload-memory", "--kv-offload-dir", "--kv-offload-disk", "--kv-
 FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch-concurrency", "--batch-file-ttl",
           "--batch-ttft-objective", "--batch-itl-objective", "--batch-lease", "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
-FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
+FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--tp-all-reduce"]
 FLAGS += ["--batch-invariant"]
 
 
