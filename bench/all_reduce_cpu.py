@@ -25,7 +25,7 @@ BLOCK = 10
 def _join(rank: int, port: int):
     import torch.distributed as dist
 
-    from actors.worker import shm_group
+    from actors.worker import cpu_collectives
 
     cores = sorted(os.sched_getaffinity(0))   # halves, as the engine splits them (rank 1 starts unpinned)
     half = cores[rank * len(cores) // 2:(rank + 1) * len(cores) // 2]
@@ -33,7 +33,7 @@ def _join(rank: int, port: int):
         os.sched_setaffinity(0, half)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
-    return dist, shm_group.choose("shm", rank, 2, 120.0)
+    return dist, cpu_collectives.choose("shm", rank, 2, 120.0)
 
 
 def _run(rank: int, port: int, shapes: list[tuple[int, str]], width: int, calls: int) -> dict:

@@ -1,13 +1,14 @@
-/* The tensor-parallel all-reduce of the ranks of one host through a shared-memory segment, in place of
- * gloo's socket round trips (0.13-2.9 ms for one 2048-wide row on a 2-core VM, against microseconds
- * here). Built by cpu_native.py; shm_all_reduce.py maps the segment and calls these.
+/* The tensor-parallel all-reduce (and the LM head's all-gather) of the ranks of one host through a
+ * shared-memory segment, in place of gloo's socket round trips (0.13-2.9 ms for one 2048-wide row on a
+ * 2-core VM, against microseconds here). Built by cpu_native.py; shm_all_reduce.py maps the segment and
+ * calls these.
  *
  * The segment: a page of counters (one cache line per rank), then two sets of slots, a slot per rank
  * in each. A round (one call, or one slot-sized piece of a larger tensor) has a number; in round s a
  * rank copies its piece into its slot of set s % 2, raises its counter to s (a release store), waits
- * until every counter reads at least s (acquire loads), and sums every rank's slot in rank order, in
- * float32, rounding to the dtype once: every rank runs the same additions in the same order, so every
- * rank gets the same bits. The second barrier before a slot is written again is the next round's own:
+ * until every counter reads at least s (acquire loads), and then reads every rank's slot: an all-reduce
+ * sums them in rank order, in float32, rounding to the dtype once (every rank runs the same additions in
+ * the same order, so every rank gets the same bits); an all-gather copies them out. The second barrier before a slot is written again is the next round's own:
  * a rank writes set s % 2 again in round s + 2 only after every other rank arrived at s + 1, which each
  * did after it had finished reading round s.
  *
@@ -181,12 +182,11 @@ static void store(char *dst, const float *acc, long n, int dtype) {
     }
 }
 
-/* One round: `n` elements of `data` (this rank's piece) replaced by every rank's piece summed. */
-static int round_trip(struct matinee_shm_group *g, char *data, long n, int dtype, uint64_t call) {
-    long esize = dtype == SHM_F32 ? 4 : 2;
+/* Round s begins: this rank's `bytes` into its slot, its arrival announced, every other rank's awaited. */
+static int arrive(struct matinee_shm_group *g, const char *data, long bytes, uint64_t call) {
     uint64_t round = (uint64_t)++g->rounds;
     struct control *mine = control(g, g->rank);
-    memcpy(slot(g, round, g->rank), data, n * esize);
+    memcpy(slot(g, round, g->rank), data, bytes);
     mine->call[round & 1] = call;
     __atomic_store_n(&mine->arrived, round, __ATOMIC_RELEASE);
     for (int r = 0; r < g->size; r++) {
@@ -200,30 +200,51 @@ static int round_trip(struct matinee_shm_group *g, char *data, long n, int dtype
             return SHM_OUT_OF_STEP;
         }
     }
-    float acc[BLOCK];
-    for (long i = 0; i < n; i += BLOCK) {
-        long m = n - i < BLOCK ? n - i : BLOCK;
-        load_f32(acc, slot(g, round, 0) + i * esize, m, dtype);
-        for (int r = 1; r < g->size; r++)
-            add_f32(acc, slot(g, round, r) + i * esize, m, dtype);
-        store(data + i * esize, acc, m, dtype);
-    }
     return SHM_OK;
+}
+
+static int valid(const struct matinee_shm_group *g, long count) {
+    return count >= 0 && g->size >= 1 && g->size <= HEADER / LINE && g->slot_bytes > 0 && g->slot_bytes % LINE == 0;
 }
 
 /* data[numel] (contiguous, `dtype`) summed over the ranks in place, a slot-sized piece per round; every
  * rank must make the same calls in the same order. SHM_OK, or why not (g->lost: the rank waited for). */
 int matinee_shm_all_reduce(struct matinee_shm_group *g, void *data, long numel, int dtype) {
-    if (dtype < SHM_F32 || dtype > SHM_F16 || numel < 0 || g->size < 1 || g->size > HEADER / LINE)
+    if (!valid(g, numel) || dtype < SHM_F32 || dtype > SHM_F16)
         return SHM_BAD_ARGUMENT;
     long esize = dtype == SHM_F32 ? 4 : 2;
     long piece = g->slot_bytes / esize;
     uint64_t call = (uint64_t)numel * 4 + (uint64_t)dtype;
+    float acc[BLOCK];
     for (long start = 0; start < numel; start += piece) {
         long n = numel - start < piece ? numel - start : piece;
-        int status = round_trip(g, (char *)data + start * esize, n, dtype, call);
+        char *mine = (char *)data + start * esize;
+        int status = arrive(g, mine, n * esize, call);
         if (status != SHM_OK)
             return status;
+        for (long i = 0; i < n; i += BLOCK) {
+            long m = n - i < BLOCK ? n - i : BLOCK;
+            load_f32(acc, slot(g, g->rounds, 0) + i * esize, m, dtype);
+            for (int r = 1; r < g->size; r++)
+                add_f32(acc, slot(g, g->rounds, r) + i * esize, m, dtype);
+            store(mine + i * esize, acc, m, dtype);
+        }
+    }
+    return SHM_OK;
+}
+
+/* src[bytes] of every rank into out[size][bytes], in rank order (the LM head's vocabulary slices). */
+int matinee_shm_all_gather(struct matinee_shm_group *g, const void *src, void *out, long bytes) {
+    if (!valid(g, bytes))
+        return SHM_BAD_ARGUMENT;
+    uint64_t call = (uint64_t)bytes * 4 + 3;   /* never an all-reduce's: its dtypes are 0-2 */
+    for (long start = 0; start < bytes; start += g->slot_bytes) {
+        long n = bytes - start < g->slot_bytes ? bytes - start : g->slot_bytes;
+        int status = arrive(g, (const char *)src + start, n, call);
+        if (status != SHM_OK)
+            return status;
+        for (int r = 0; r < g->size; r++)
+            memcpy((char *)out + r * bytes + start, slot(g, g->rounds, r), n);
     }
     return SHM_OK;
 }

@@ -1,10 +1,10 @@
-"""The all-reduce of processes on one host through a shared-memory segment (shm_all_reduce.c): what
-tensor-parallel ranks on the CPU use instead of gloo where the C kernels build.
+"""The all-reduce (and all-gather) of processes on one host through a shared-memory segment
+(shm_all_reduce.c): what tensor-parallel ranks on the CPU use instead of gloo where the C kernels build.
 
 A segment is a file (under /dev/shm) that one process creates (`create`) and every rank maps
-(`ShmAllReduce`); once all have, the creator may unlink it. Nothing here agrees on the file's name or
-decides between this and gloo: actors/worker/shm_group.py does, through the ranks' gloo group. A call
-never hangs: it raises ShmFailure at the deadline or as soon as a rank it waits for has died.
+(`ShmGroup`); once all have, the creator may unlink it. Nothing here agrees on the file's name or
+decides between this and gloo: actors/worker/cpu_collectives.py does, through the ranks' gloo group. A
+call never hangs: it raises ShmFailure at the deadline or as soon as a rank it waits for has died.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.matinee_shm_hold.argtypes = [ctypes.POINTER(_Group)]
     lib.matinee_shm_all_reduce.restype = _int
     lib.matinee_shm_all_reduce.argtypes = [ctypes.POINTER(_Group), _ptr, _long, _int]
+    lib.matinee_shm_all_gather.restype = _int
+    lib.matinee_shm_all_gather.argtypes = [ctypes.POINTER(_Group), _ptr, _ptr, _long]
 
 
 class ShmFailure(RuntimeError):
@@ -58,8 +60,9 @@ def create(path: str, size: int, slot_bytes: int = SLOT_BYTES) -> None:
     os.close(fd)
 
 
-class ShmAllReduce:
-    """One rank's end of a segment: all_reduce() sums a tensor over the ranks, in place."""
+class ShmGroup:
+    """One rank's end of a segment: all_reduce() sums a tensor over the ranks, in place; all_gather() stacks
+    theirs. Every rank makes the same calls, with tensors of the same shape and dtype, in the same order."""
 
     def __init__(self, path: str, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES) -> None:
         """Maps the segment at `path` and takes this rank's lock; OSError where it cannot."""
@@ -88,22 +91,37 @@ class ShmAllReduce:
         return t.device.type == "cpu" and t.dtype in DTYPES
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over the ranks, in place; every rank calls with the same shape and dtype, in the same order."""
+        """t summed over the ranks (in rank order, in float32), in place."""
         if not self.takes(t):
             raise ValueError(f"the shared-memory all-reduce takes {list(DTYPES)} CPU tensors, not {t.dtype} on {t.device}")
         flat = t if t.is_contiguous() else t.contiguous()
         status = self._lib.matinee_shm_all_reduce(ctypes.byref(self._group), flat.data_ptr(), flat.numel(),
                                                   DTYPES[t.dtype])
-        if status != 0:
-            rank, lost = self._group.rank, self._group.lost
-            why = {_TIMEOUT: f"rank {lost} did not arrive within {self._group.timeout_s:g} s",
-                   _RANK_LOST: f"rank {lost} is gone (its lock on the segment was released)",
-                   _OUT_OF_STEP: f"rank {lost} reduced another tensor than {tuple(t.shape)} {t.dtype}"}
-            raise ShmFailure(f"shared-memory all-reduce, rank {rank}: "
-                             + why.get(status, f"refused its arguments (status {status})"))
+        self._check(status, "all-reduce", t)
         if flat is not t:
             t.copy_(flat)
         return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[size, *t.shape]: every rank's t, in rank order (any dtype: bytes are copied)."""
+        if t.device.type != "cpu":
+            raise ValueError(f"the shared-memory all-gather takes CPU tensors, not one on {t.device}")
+        t = t.contiguous()
+        out = torch.empty((self._group.size, *t.shape), dtype=t.dtype)
+        status = self._lib.matinee_shm_all_gather(ctypes.byref(self._group), t.data_ptr(), out.data_ptr(),
+                                                  t.numel() * t.element_size())
+        self._check(status, "all-gather", t)
+        return out
+
+    def _check(self, status: int, what: str, t: torch.Tensor) -> None:
+        if status == 0:
+            return
+        lost = self._group.lost
+        why = {_TIMEOUT: f"rank {lost} did not arrive within {self._group.timeout_s:g} s",
+               _RANK_LOST: f"rank {lost} is gone (its lock on the segment was released)",
+               _OUT_OF_STEP: f"rank {lost} called with another tensor than {tuple(t.shape)} {t.dtype}"}
+        raise ShmFailure(f"shared-memory {what}, rank {self._group.rank}: "
+                         + why.get(status, f"refused its arguments (status {status})"))
 
     def close(self) -> None:
         """Unmaps the segment and closes the file (which drops this rank's lock)."""

@@ -1,6 +1,6 @@
 """One rank's end of a tensor-parallel model worker: the process group and the few collectives the
-sharded forward needs (gloo on the CPU, NCCL on GPUs; on the CPU the all-reduces go through shared memory
-instead where the ranks share a host: shm_group.py chooses).
+sharded forward needs (gloo on the CPU, NCCL on GPUs; on the CPU the all-reduces and the LM head's gather go
+through shared memory instead where the ranks share a host: cpu_collectives.py chooses).
 
 Rank 0 is the engine's model worker; it broadcasts each step's flattened batch (the plan) once, every rank
 runs the forward on its shard, o_proj and down_proj outputs are summed by one all-reduce each, and the
@@ -19,7 +19,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from actors.worker import shm_group
+from actors.worker import cpu_collectives
 from actors.worker.forward_batch import FlatBatch
 from actors.worker.shard_plan import ShardPlan
 
@@ -60,8 +60,8 @@ class TensorParallel:
                                 init_method=f"tcp://{spec.master_addr}:{spec.master_port}", rank=spec.rank,
                                 world_size=spec.size, timeout=timedelta(seconds=spec.timeout_s))
         try:
-            self._shm = None if device.type == "cuda" else shm_group.choose(spec.all_reduce, spec.rank, spec.size,
-                                                                             spec.timeout_s)
+            self._shm = None if device.type == "cuda" else cpu_collectives.choose(spec.all_reduce, spec.rank,
+                                                                                   spec.size, spec.timeout_s)
         except BaseException:
             dist.destroy_process_group()
             raise
@@ -87,8 +87,11 @@ class TensorParallel:
         width = max(self._vocab_sizes)
         padded = logits.new_zeros(logits.shape[0], width)
         padded[:, :logits.shape[1]] = logits
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self._guarded(dist.all_gather, parts, padded)
+        if self._shm is not None:
+            parts = self._guarded(self._shm.all_gather, padded).unbind(0)
+        else:
+            parts = [torch.empty_like(padded) for _ in range(self.size)]
+            self._guarded(dist.all_gather, parts, padded)
         return torch.cat([p[:, :n] for p, n in zip(parts, self._vocab_sizes)], dim=1)
 
     def send_plan(self, flat: FlatBatch) -> None:
@@ -132,12 +135,13 @@ class TensorParallel:
         self._guarded(dist.broadcast, on, 0)
         return on.cpu() if on is not t else t
 
-    def _guarded(self, collective, *args, all_reduce: bool = False) -> None:
+    def _guarded(self, collective, *args, all_reduce: bool = False):
+        """collective(*args)'s result, timed; RanksLost for good once one has failed."""
         if self.broken is not None:
             raise RanksLost(self.broken)
         t0 = time.perf_counter()
         try:
-            collective(*args)
+            result = collective(*args)
         except (RuntimeError, dist.DistBackendError) as e:   # ShmFailure is a RuntimeError
             self.broken = f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({e})"
             raise RanksLost(self.broken) from e
@@ -145,3 +149,4 @@ class TensorParallel:
         self.collective_s += spent
         if all_reduce:
             self.all_reduce_s += spent
+        return result

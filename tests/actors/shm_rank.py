@@ -4,8 +4,8 @@
 
 It says "imported" and waits for a line on stdin (so the test's rendezvous clock starts once torch is
 loaded), joins the group with the all-reduce CHOICE, prints which one the group chose, then runs CASE:
-`sums` (every tensor of `inputs(1)` all-reduced, a digest of each result printed) or `stall` (one
-all-reduce, then sleeps until killed).
+`sums` (every tensor of `inputs(1)` all-reduced, then `logits(1)` gathered with rank 0's, a digest of each
+result printed) or `stall` (one all-reduce, then sleeps until killed).
 """
 from __future__ import annotations
 
@@ -29,9 +29,17 @@ def inputs(rank: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=g).mul_(1 + 10 * rank).to(dtype) for n, dtype in CASES]
 
 
+VOCAB = [5000, 4999]   # uneven slices: padded to gather; 300 rows of 5000 float32 are more than a slot
+
+
 def plans() -> list[ShardPlan]:
-    """Two ranks' vocabularies (the only part of a plan the all-reduce's group reads)."""
-    return [ShardPlan(r, 2, range(0), range(0), range(0), range(8 * r, 8 * r + 8)) for r in range(2)]
+    """Two ranks' vocabularies (the only part of a plan the group reads)."""
+    return [ShardPlan(0, 2, range(0), range(0), range(0), range(0, VOCAB[0])),
+            ShardPlan(1, 2, range(0), range(0), range(0), range(VOCAB[0], sum(VOCAB)))]
+
+
+def logits(rank: int) -> torch.Tensor:
+    return torch.randn(300, VOCAB[rank], generator=torch.Generator().manual_seed(2000 + rank))
 
 
 def digest(t: torch.Tensor) -> str:
@@ -51,6 +59,7 @@ def main(argv: list[str]) -> int:
     if case == "sums":
         for t in inputs(1):
             print(digest(tp.all_reduce(t)), flush=True)
+        print(digest(tp.gather_vocab(logits(1))), flush=True)
     else:
         tp.all_reduce(torch.ones(2048))
         print("stalling", flush=True)

@@ -1,8 +1,8 @@
-"""The CPU ranks' shared-memory all-reduce (kernels/shm_all_reduce.c, chosen by actors/worker/shm_group.py).
+"""The CPU ranks' shared-memory all-reduce (kernels/shm_all_reduce.c, chosen by actors/worker/cpu_collectives.py).
 
 Two real processes (this one rank 0, tests/actors/shm_rank.py rank 1) sum float32, bfloat16 and float16
 tensors from one value to more than a slot: the result is the float32 sum in rank order rounded once, and
-the same bits on both ranks. A rank killed while the other waits on it makes the other raise RanksLost in
+the same bits on both ranks; the LM head's gather of uneven vocabulary slices, larger than a slot, too. A rank killed while the other waits on it makes the other raise RanksLost in
 seconds; a rank that never comes, at the deadline. `--tp-all-reduce` (MATINEE_TP_ALL_REDUCE) is what the
 ranks use.
 """
@@ -22,7 +22,7 @@ from actors.config import EngineConfig
 from actors.nodes.engine_ranks import free_port, rank_specs
 from actors.worker.tensor_parallel import RanksLost
 from kernels import cpu_native
-from kernels.shm_all_reduce import ShmAllReduce, ShmFailure, create
+from kernels.shm_all_reduce import ShmGroup, ShmFailure, create
 from tests.actors import shm_rank
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the C kernels do not build here")
@@ -73,6 +73,9 @@ def test_two_processes_get_the_sum_in_rank_order_bit_for_bit():
             assert torch.equal(got, want), (n, dtype)
             assert rank1.line() == shm_rank.digest(got), (n, dtype)   # rank 1 holds the same bits
         assert tp.all_reduce_s > 0
+        whole = tp.gather_vocab(shm_rank.logits(0))   # the LM head's slices, through the segment too
+        assert torch.equal(whole, torch.cat([shm_rank.logits(0), shm_rank.logits(1)], dim=1))
+        assert rank1.line() == shm_rank.digest(whole)
     finally:
         tp.close()
         assert rank1.end() == 0
@@ -99,7 +102,7 @@ def test_a_rank_killed_mid_wait_raises_ranks_lost_within_seconds():
 def test_a_rank_that_never_arrives_fails_at_the_deadline(tmp_path):
     path = str(tmp_path / "segment")
     create(path, 2, 1024)
-    ranks = [ShmAllReduce(path, r, 2, timeout_s=0.5, slot_bytes=1024) for r in range(2)]
+    ranks = [ShmGroup(path, r, 2, timeout_s=0.5, slot_bytes=1024) for r in range(2)]
     try:
         t0 = time.monotonic()
         with pytest.raises(ShmFailure, match="rank 1 did not arrive within 0.5 s"):
@@ -114,7 +117,7 @@ def test_ranks_out_of_step_are_caught(tmp_path):
     """Ranks that reduce different tensors (a bug) fail the round instead of summing unrelated bytes."""
     path = str(tmp_path / "segment")
     create(path, 2, 1024)
-    ranks = [ShmAllReduce(path, r, 2, timeout_s=10, slot_bytes=1024) for r in range(2)]
+    ranks = [ShmGroup(path, r, 2, timeout_s=10, slot_bytes=1024) for r in range(2)]
     errors = []
 
     def reduce(r: int, n: int) -> None:
@@ -130,7 +133,7 @@ def test_ranks_out_of_step_are_caught(tmp_path):
         t.join(10)
     for r in ranks:
         r.close()
-    assert len(errors) == 2 and all("reduced another tensor" in e for e in errors)
+    assert len(errors) == 2 and all("called with another tensor" in e for e in errors)
 
 
 @pytest.mark.parametrize("choice", ["gloo", "auto"])
@@ -143,6 +146,8 @@ def test_the_choice_is_the_ranks_and_theirs_alike(choice):
         for mine in shm_rank.inputs(0):
             got = tp.all_reduce(mine)
             assert rank1.line() == shm_rank.digest(got)
+        whole = tp.gather_vocab(shm_rank.logits(0))   # before reading rank 1's line: it waits on this one
+        assert rank1.line() == shm_rank.digest(whole)
     finally:
         tp.close()
         assert rank1.end() == 0

@@ -1,5 +1,6 @@
-"""Which all-reduce the CPU ranks use: gloo's, or the shared-memory one (kernels/shm_all_reduce.py)
-where every rank is on one host and it builds, and under `auto` where it also measures faster.
+"""Which all-reduce (and LM-head gather) the CPU ranks use: gloo's, or the shared-memory one
+(kernels/shm_all_reduce.py) where every rank is on one host and it builds, and under `auto` where it also
+measures faster. The plan's broadcasts stay on gloo: a rank past 0 waits in them while the engine idles.
 
 Called by every rank right after the gloo group starts: each step below is a collective over that
 group, so the ranks agree on the segment's name (rank 0 picks it), on whether every rank could map it,
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels.shm_all_reduce import ShmAllReduce, create
+from kernels.shm_all_reduce import ShmGroup, create
 from runtime import get_logger
 
 CHOICES = ("auto", "shm", "gloo")
@@ -27,7 +28,7 @@ WARM_UP, TIMED = 2, 8
 log = get_logger(component="tp-all-reduce")
 
 
-def choose(choice: str, rank: int, size: int, timeout_s: float) -> ShmAllReduce | None:
+def choose(choice: str, rank: int, size: int, timeout_s: float) -> ShmGroup | None:
     """The shared-memory all-reduce to use, or None for gloo. `shm` that cannot be set up raises
     RuntimeError on every rank (asked for, it is never silently replaced)."""
     if choice not in CHOICES:
@@ -46,7 +47,7 @@ def choose(choice: str, rank: int, size: int, timeout_s: float) -> ShmAllReduce 
     return shm
 
 
-def _join(rank: int, size: int, timeout_s: float) -> tuple[ShmAllReduce | None, str]:
+def _join(rank: int, size: int, timeout_s: float) -> tuple[ShmGroup | None, str]:
     """Rank 0 creates a segment under a fresh random name and broadcasts it; every rank maps it; once all
     have said whether they could, rank 0 unlinks the file (the mappings stay). (group or None, why not)."""
     header = torch.zeros(2, dtype=torch.int64)
@@ -62,7 +63,7 @@ def _join(rank: int, size: int, timeout_s: float) -> tuple[ShmAllReduce | None, 
     shm = None
     if header[0]:
         try:
-            shm = ShmAllReduce(_path(int(header[1])), rank, size, timeout_s)
+            shm = ShmGroup(_path(int(header[1])), rank, size, timeout_s)
         except OSError as e:   # another host's rank finds no such file
             why = f"rank {rank} cannot map the segment: {e}"
     joined = torch.tensor([int(shm is not None)], dtype=torch.int64)
@@ -76,7 +77,7 @@ def _join(rank: int, size: int, timeout_s: float) -> tuple[ShmAllReduce | None, 
     return shm, ""
 
 
-def _faster(shm: ShmAllReduce, rank: int) -> bool:
+def _faster(shm: ShmGroup, rank: int) -> bool:
     """Each all-reduce timed on a probe row, rank 0's medians deciding for every rank."""
     probe = torch.ones(PROBE, dtype=torch.float32)
     medians = {}
