@@ -59,17 +59,19 @@ def _join(rank: int, size: int, timeout_s: float) -> tuple[ShmGroup | None, str]
             header[0] = 1
         except OSError as e:
             why = f"rank 0 cannot create a segment in {SEGMENTS}: {e}"
-    dist.broadcast(header, 0)
     shm = None
-    if header[0]:
-        try:
-            shm = ShmGroup(_path(int(header[1])), rank, size, timeout_s)
-        except OSError as e:   # another host's rank finds no such file
-            why = f"rank {rank} cannot map the segment: {e}"
-    joined = torch.tensor([int(shm is not None)], dtype=torch.int64)
-    dist.all_reduce(joined, dist.ReduceOp.MIN)
-    if rank == 0 and header[0]:
-        os.unlink(_path(int(header[1])))
+    try:
+        dist.broadcast(header, 0)
+        if header[0]:
+            try:
+                shm = ShmGroup(_path(int(header[1])), rank, size, timeout_s)
+            except OSError as e:   # another host's rank finds no such file
+                why = f"rank {rank} cannot map the segment: {e}"
+        joined = torch.tensor([int(shm is not None)], dtype=torch.int64)
+        dist.all_reduce(joined, dist.ReduceOp.MIN)
+    finally:   # every rank has mapped it or given up (or the group failed): the name is no longer needed
+        if rank == 0 and header[0]:
+            os.unlink(_path(int(header[1])))
     if not joined[0]:
         if shm is not None:
             shm.close()
