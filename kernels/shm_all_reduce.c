@@ -12,17 +12,22 @@
  * a rank writes set s % 2 again in round s + 2 only after every other rank arrived at s + 1, which each
  * did after it had finished reading round s.
  *
- * A rank never waits forever: it spins briefly, then yields, then sleeps; it gives up at its deadline,
- * or as soon as a rank it waits for holds no lock on its byte of the segment file (each rank holds an
- * open-file-description lock there, which the kernel drops when the process dies, however it dies).
+ * A waiting rank spins briefly (on a quiet machine the ranks arrive within microseconds of each other),
+ * then sleeps on the counter (a futex, woken by the rank that raises it): where other work shares the
+ * cores, a rank that is behind because it was descheduled gets them back instead of racing a spinner.
+ * It never waits forever: it gives up at its deadline, or as soon as a rank it waits for holds no lock
+ * on its byte of the segment file (each rank holds an open-file-description lock there, which the kernel
+ * drops when the process dies, however it dies).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <immintrin.h>
-#include <sched.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -31,10 +36,8 @@
 #define LINE 64
 #define HEADER 4096                /* the counters' page: at most HEADER / LINE ranks */
 #define BLOCK 512                  /* elements summed at a time, in a float32 buffer on the stack */
-#define SPIN_S 50e-6               /* a wait this short spins (a step's ranks arrive within microseconds)... */
-#define YIELD_S 50e-3              /* ...then yields its core, then sleeps NAP_NS at a time */
-#define NAP_NS 200000L
-#define CHECK_S 2e-3               /* how often a long wait looks for dead ranks and the deadline */
+#define SPIN_S 50e-6               /* a wait this short spins; a longer one sleeps on the counter... */
+#define CHECK_NS 2000000L          /* ...waking this often to look for dead ranks and the deadline */
 
 enum { SHM_F32 = 0, SHM_BF16 = 1, SHM_F16 = 2 };
 enum { SHM_OK = 0, SHM_TIMEOUT = 1, SHM_RANK_LOST = 2, SHM_OUT_OF_STEP = 3, SHM_BAD_ARGUMENT = 4 };
@@ -51,7 +54,8 @@ struct matinee_shm_group {
 };
 
 struct control {             /* a rank's cache line */
-    uint64_t arrived;        /* the last round its slot was written for */
+    uint32_t arrived;        /* the last round its slot was written for, modulo 2^32: a futex word */
+    uint32_t sleepers;       /* ranks asleep on `arrived`, for the rank raising it to wake */
     uint64_t call[2];        /* by round parity: the call's numel * 4 + dtype, to catch ranks out of step */
 };
 
@@ -95,39 +99,45 @@ static int alive(const struct matinee_shm_group *g, int r) {
     return fl.l_type != F_UNLCK;
 }
 
-static int wait_for(struct matinee_shm_group *g, int r, uint64_t round) {
-    const uint64_t *arrived = &control(g, r)->arrived;
-    if (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) >= round)
-        return SHM_OK;
-    double start = now_s(), checked = start;
-    for (unsigned spins = 1;; spins++) {
-        if (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) >= round)
-            return SHM_OK;
-        if (spins % 64) {
-            _mm_pause();
-            continue;
-        }
-        double t = now_s();
-        if (t - start < SPIN_S)
-            continue;
-        if (t - start < YIELD_S) {
-            sched_yield();
-        } else {
-            struct timespec nap = {0, NAP_NS};
-            nanosleep(&nap, 0);
-        }
-        if (t - checked < CHECK_S)
-            continue;
-        checked = t;
-        if (!alive(g, r) && __atomic_load_n(arrived, __ATOMIC_ACQUIRE) < round) {
+/* Whether a counter reads round `round` or later (modulo 2^32: no two ranks are 2^31 rounds apart). */
+static int reached(const uint32_t *arrived, uint32_t round) {
+    return (int32_t)(__atomic_load_n(arrived, __ATOMIC_ACQUIRE) - round) >= 0;
+}
+
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0);   /* not PRIVATE: the word is shared */
+}
+
+static int wait_for(struct matinee_shm_group *g, int r, uint32_t round) {
+    struct control *c = control(g, r);
+    double start = now_s();
+    for (unsigned spins = 1; !reached(&c->arrived, round); spins++) {
+        _mm_pause();
+        if (spins % 64 == 0 && now_s() - start > SPIN_S)
+            break;
+    }
+    const struct timespec check = {0, CHECK_NS};
+    while (!reached(&c->arrived, round)) {
+        /* Announced before the last look, which the raising rank's store and its look at `sleepers`
+         * mirror (both sequentially consistent): either it sees a sleeper and wakes it, or this sees
+         * its round and does not sleep; a round raised in between fails the futex's compare. */
+        __atomic_add_fetch(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint32_t seen = __atomic_load_n(&c->arrived, __ATOMIC_SEQ_CST);
+        if ((int32_t)(seen - round) < 0)
+            futex(&c->arrived, FUTEX_WAIT, seen, &check);
+        __atomic_sub_fetch(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+        if (reached(&c->arrived, round))
+            break;
+        if (!alive(g, r) && !reached(&c->arrived, round)) {
             g->lost = r;
             return SHM_RANK_LOST;
         }
-        if (t - start > g->timeout_s) {
+        if (now_s() - start > g->timeout_s) {
             g->lost = r;
             return SHM_TIMEOUT;
         }
     }
+    return SHM_OK;
 }
 
 static void load_f32(float *acc, const char *src, long n, int dtype) {
@@ -184,11 +194,13 @@ static void store(char *dst, const float *acc, long n, int dtype) {
 
 /* Round s begins: this rank's `bytes` into its slot, its arrival announced, every other rank's awaited. */
 static int arrive(struct matinee_shm_group *g, const char *data, long bytes, uint64_t call) {
-    uint64_t round = (uint64_t)++g->rounds;
+    uint32_t round = (uint32_t)++g->rounds;
     struct control *mine = control(g, g->rank);
-    memcpy(slot(g, round, g->rank), data, bytes);
+    memcpy(slot(g, g->rounds, g->rank), data, bytes);
     mine->call[round & 1] = call;
-    __atomic_store_n(&mine->arrived, round, __ATOMIC_RELEASE);
+    __atomic_store_n(&mine->arrived, round, __ATOMIC_SEQ_CST);   /* releases the slot's bytes */
+    if (__atomic_load_n(&mine->sleepers, __ATOMIC_SEQ_CST))
+        futex(&mine->arrived, FUTEX_WAKE, INT_MAX, NULL);
     for (int r = 0; r < g->size; r++) {
         if (r == g->rank)
             continue;
