@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from actors.nodes.engine_ranks import free_port
 
+    cores = len(os.sched_getaffinity(0))   # before rank 0 pins itself to its half
     port = free_port("127.0.0.1")
     shapes = [(rows, dtype) for dtype in args.dtypes for rows in args.rows]
     rank1 = multiprocessing.get_context("spawn").Process(target=_run, args=(1, port, shapes, args.width, args.calls))
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{g['median_us'] / s['median_us']:10.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cores": len(os.sched_getaffinity(0)), "calls": args.calls, **out}, f, indent=2)
+            json.dump({"cores": cores, "calls": args.calls, **out}, f, indent=2)
     return out
 
 

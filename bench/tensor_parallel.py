@@ -150,11 +150,11 @@ def _table(runs: dict) -> str:
                  (f"decode all-reduce share, {key}", ("decode", key), "all_reduce_share")]
     names = ["TP=1"] + [f"TP=2 {r['all_reduce']}" for r in twos.values()]
     names += [f"{n}/TP=1" for n in names[1:]]
-    lines = [f"{'':34}" + "".join(f"{n:>14}" for n in names)]
+    lines = [f"{'':34}" + "".join(f"{n:>15}" for n in names)]
     for label, where, field in rows:
         values = [_at(r, where)[field] for r in (one, *twos.values())]
-        fmt = "{:14.1%}" if "share" in field else "{:14.2f}"
-        ratios = "" if "share" in field else "".join(f"{v / values[0]:14.2f}" for v in values[1:])
+        fmt = "{:15.1%}" if "share" in field else "{:15.2f}"
+        ratios = "" if "share" in field else "".join(f"{v / values[0]:15.2f}" for v in values[1:])
         lines.append(f"{label:34}" + "".join(fmt.format(v) for v in values) + ratios)
     return "\n".join(lines)
 
