@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_OFFLOAD_DTYPES = ("auto", "int8")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+TP_ALL_REDUCES = ("auto", "shm", "gloo")
 # The step's token budget. A CPU computes ~1k tokens a second with a small model, and a prompt's first
 # token waits for the whole step that finishes it: 2048-token steps stall every decode for two seconds
 # behind a wave of prompts and batch them no better. Once a step's decodes cost what they cost alone
@@ -136,6 +137,10 @@ class EngineConfig:
         "help": "address of node 0, where the tensor-parallel ranks meet"})
     master_port: int | None = field(default=None, metadata={
         "help": "port on node 0 where the tensor-parallel ranks meet (unset on one node: a free port)"})
+    tp_all_reduce: str = field(default="auto", metadata={
+        "help": "the CPU ranks' all-reduce: shm (through shared memory: ranks on one host), gloo, or auto: shm "
+                "where it sets up and measures faster at start, gloo across --nnodes; CUDA uses NCCL",
+        "choices": TP_ALL_REDUCES})
     seed: int = 0
     num_threads: int | None = field(default=None, metadata={
         "help": "threads for the forward pass on the CPU, torch's and the C kernels' (unset: every core "
@@ -214,6 +219,12 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("ranks on several machines (nnodes > 1) need --master-addr and --master-port")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tp_all_reduce must be one of {TP_ALL_REDUCES}, got {self.tp_all_reduce!r}")
+        if self.tp_all_reduce == "shm" and self.nnodes > 1:
+            raise ValueError("tp_all_reduce shm needs every rank on one host: not with nnodes above 1")
+        if self.tp_all_reduce == "shm" and self.tensor_parallel_size > 1 and self.resolved_device() == "cuda":
+            raise ValueError("tp_all_reduce shm is for CPU ranks; on CUDA the ranks all-reduce through NCCL")
         if self.tensor_parallel_size == 1:
             return
         # What reads or writes rank 0's model or cache alone would see one shard of it.

@@ -2,11 +2,12 @@
 against one process on all of them, through the whole engine (`actors.LLM`).
 
     python -m bench.tensor_parallel --model PATH [--prompt-len 512] [--decode-tokens 64] [--batch 8]
-                                    [--repeats 3] [--dtype auto] [--json PATH]
+                                    [--repeats 3] [--dtype auto] [--all-reduce gloo shm] [--json PATH]
 
 For each configuration (TP=1 on every core this process may use, then TP=2 with the cores split in two
-contiguous groups, one rank on each: on two cores, one core each), each in a fresh process of its own
-after the one before has ended (never both engines at once), it measures:
+contiguous groups, one rank on each: on two cores, one core each; a TP=2 run for each `--all-reduce`
+choice, gloo's or shared memory's), each in a fresh process of its own after the one before has ended
+(never two engines at once), it measures:
 
 - decode inter-token latency of one stream and of `--batch` streams (the engine's own ITL: a step's gap
   per token, the mean over the run; each stream's prompt 17 tokens, all but the last already in the prefix
@@ -45,12 +46,12 @@ BLOCK = 16
 DECODE_PROMPT_LEN = BLOCK + 1   # a decode stream's prompt: one block from the prefix cache, one token computed
 
 
-def run_configuration(model: str, tp: int, opts: dict) -> dict:
+def run_configuration(model: str, tp: int, opts: dict, all_reduce: str = "auto") -> dict:
     """One engine of `tp` ranks measured in a fresh process of its own, which ends (and its ranks with it)
     before this returns: nothing one configuration leaves in a process (threads, an OpenMP team, a heap)
     is measured with the other."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure, model, tp, opts).result()
+        return pool.submit(_measure, model, tp, opts, all_reduce).result()
 
 
 def _blocks(tokens: int) -> int:
@@ -75,7 +76,7 @@ def _shares(d: dict) -> dict:
             "collective_share": d["collective_s"] / step_s if step_s > 0 else 0.0}
 
 
-def _measure(model: str, tp: int, opts: dict) -> dict:
+def _measure(model: str, tp: int, opts: dict, all_reduce: str) -> dict:
     from actors import LLM, SamplingParams
 
     prompt_len, decode_tokens, batch = opts["prompt_len"], opts["decode_tokens"], opts["batch"]
@@ -85,7 +86,7 @@ def _measure(model: str, tp: int, opts: dict) -> dict:
     rng = random.Random(opts["seed"])
     t_start = time.perf_counter()
     with LLM(model, dtype=opts["dtype"], kernels=opts["kernels"], quantization=opts["quantization"],
-             tensor_parallel_size=tp, block_size=BLOCK, num_blocks=num_blocks,
+             tensor_parallel_size=tp, tp_all_reduce=all_reduce, block_size=BLOCK, num_blocks=num_blocks,
              max_num_seqs=max(batch, 1), max_num_batched_tokens=max(prompt_len, batch * DECODE_PROMPT_LEN),
              seed=opts["seed"]) as llm:
         load_s = time.perf_counter() - t_start
@@ -128,7 +129,8 @@ def _measure(model: str, tp: int, opts: dict) -> dict:
             decode[str(streams)] = {"streams": streams, "itl_ms": itl * 1e3,
                                     "tokens_per_s": streams * decode_tokens / itl if itl else 0.0, **_shares(d)}
         weight_bytes = llm.stats().weight_bytes
-    return {"tensor_parallel_size": tp, "cores": cores, "threads_per_rank": max(1, cores // tp),
+    return {"tensor_parallel_size": tp, "all_reduce": all_reduce if tp > 1 else None, "cores": cores,
+            "threads_per_rank": max(1, cores // tp),
             "load_s": load_s, "weight_bytes_rank0": weight_bytes, "prefill": prefill, "decode": decode}
 
 
@@ -139,18 +141,21 @@ def _ratios(one: dict, two: dict) -> dict:
     return out
 
 
-def _table(runs: dict, ratios: dict) -> str:
-    one, two = runs["tp1"], runs["tp2"]
+def _table(runs: dict) -> str:
+    """A column per configuration, then each TP=2 one over TP=1 (above 1: slower)."""
+    one, twos = runs["tp1"], {k: v for k, v in runs.items() if k != "tp1"}
     rows = [("prefill ms", "prefill", "ms"), ("prefill all-reduce share", "prefill", "all_reduce_share")]
     for key in one["decode"]:
         rows += [(f"decode ITL ms, {key} stream(s)", ("decode", key), "itl_ms"),
                  (f"decode all-reduce share, {key}", ("decode", key), "all_reduce_share")]
-    lines = [f"{'':34}{'TP=1':>10}{'TP=2':>10}{'TP2/TP1':>10}"]
+    names = ["TP=1"] + [f"TP=2 {r['all_reduce']}" for r in twos.values()]
+    names += [f"{n}/TP=1" for n in names[1:]]
+    lines = [f"{'':34}" + "".join(f"{n:>15}" for n in names)]
     for label, where, field in rows:
-        a, b = (_at(r, where)[field] for r in (one, two))
-        ratio = "" if "share" in field else f"{b / a:10.2f}"
-        fmt = "{:10.1%}" if "share" in field else "{:10.2f}"
-        lines.append(f"{label:34}{fmt.format(a)}{fmt.format(b)}{ratio}")
+        values = [_at(r, where)[field] for r in (one, *twos.values())]
+        fmt = "{:15.1%}" if "share" in field else "{:15.2f}"
+        ratios = "" if "share" in field else "".join(f"{v / values[0]:15.2f}" for v in values[1:])
+        lines.append(f"{label:34}" + "".join(fmt.format(v) for v in values) + ratios)
     return "\n".join(lines)
 
 
@@ -159,15 +164,13 @@ def _at(run: dict, where):
 
 
 def _summary(two: dict) -> str:
-    """What the TP=2 step is made of, for reasoning about a machine where each rank has its own memory."""
+    """What a TP=2 step is made of, for reasoning about a machine where each rank has its own memory."""
     lines = []
     for label, s in [("prefill", two["prefill"])] + [(f"decode, {k} stream(s)", d) for k, d in two["decode"].items()]:
         rest = s["step_ms"] - s["all_reduce_ms"]
-        lines.append(f"TP=2 {label}: a step of {s['step_ms']:.2f} ms, {s['all_reduce_ms']:.2f} ms "
+        lines.append(f"TP=2 {two['all_reduce']} {label}: a step of {s['step_ms']:.2f} ms, {s['all_reduce_ms']:.2f} ms "
                      f"({s['all_reduce_share']:.1%}) inside the all-reduces (all collectives: "
                      f"{s['collective_share']:.1%}), {rest:.2f} ms the rest")
-    lines.append("On one socket both ranks share its memory bandwidth; with a socket each, the rest of a "
-                 "memory-bound step could shrink toward half while the all-reduce part stays.")
     return "\n".join(lines)
 
 
@@ -178,9 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens each decode stream generates")
     ap.add_argument("--batch", type=int, default=8, help="streams of the batched decode (also run: 1)")
     ap.add_argument("--repeats", type=int, default=3, help="prefills timed (the median reported)")
-    ap.add_argument("--dtype", default="auto", help="resolved once, and the same for both configurations")
+    ap.add_argument("--dtype", default="auto", help="resolved once, and the same for every configuration")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--all-reduce", nargs="+", default=["auto"], choices=["auto", "shm", "gloo"],
+                    help="the TP=2 ranks' all-reduce (--tp-all-reduce): a TP=2 run for each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH", help="write every figure here as JSON")
     args = ap.parse_args(argv)
@@ -194,16 +199,21 @@ def main(argv: list[str] | None = None) -> dict:
     opts = dict(prompt_len=args.prompt_len, decode_tokens=args.decode_tokens, batch=args.batch,
                 repeats=args.repeats, dtype=dtype, kernels=args.kernels, quantization=args.quantization,
                 seed=args.seed)
-    runs = {}
-    for tp in (1, 2):   # one after the other: the second starts once the first's processes have ended
-        runs[f"tp{tp}"] = run_configuration(args.model, tp, opts)
-    ratios = _ratios(runs["tp1"], runs["tp2"])
+    # One after the other: each starts once the one before's processes have ended.
+    runs = {"tp1": run_configuration(args.model, 1, opts)}
+    for choice in dict.fromkeys(args.all_reduce):
+        runs[f"tp2_{choice}"] = run_configuration(args.model, 2, opts, choice)
+    ratios = {run["all_reduce"]: _ratios(runs["tp1"], run) for key, run in runs.items() if key != "tp1"}
     out = {"model": os.path.basename(os.path.normpath(args.model)), "cores": len(os.sched_getaffinity(0)),
            "decode_prompt_len": DECODE_PROMPT_LEN, **opts, **runs, "ratios_tp2_over_tp1": ratios}
-    print(f"{out['model']}, {dtype}, {out['cores']} cores: TP=1 on all of them, TP=2 on "
-          f"{runs['tp2']['threads_per_rank']} each")
-    print(_table(runs, ratios))
-    print(_summary(runs["tp2"]))
+    threads = runs[f"tp2_{args.all_reduce[0]}"]["threads_per_rank"]
+    print(f"{out['model']}, {dtype}, {out['cores']} cores: TP=1 on all of them, TP=2 on {threads} each")
+    print(_table(runs))
+    for key, run in runs.items():
+        if key != "tp1":
+            print(_summary(run))
+    print("On one socket both ranks share its memory bandwidth; with a socket each, the rest of a "
+          "memory-bound step could shrink toward half while the all-reduce part stays.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

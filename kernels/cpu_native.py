@@ -1,5 +1,6 @@
 """The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
-quant_gemm.c, int8_gemm.c, int8_amx.c, int8_rows.c, quant_amx.c, token_mask.c, decode_layers.c):
+quant_gemm.c, int8_gemm.c, int8_amx.c, int8_rows.c, quant_amx.c, token_mask.c, decode_layers.c,
+shm_all_reduce.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -31,7 +32,8 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c", "int8_gemm.c",
-                                                             "int8_amx.c", "int8_rows.c", "quant_amx.c", "token_mask.c", "decode_layers.c")]
+                                                             "int8_amx.c", "int8_rows.c", "quant_amx.c", "token_mask.c", "decode_layers.c",
+                                                             "shm_all_reduce.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16.h", "e4m3.h", "quant_layout.h", "vexp.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
@@ -153,8 +155,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             fn.restype, fn.argtypes = restype, args
         fn = getattr(lib, f"matinee_write_kv_quant_{dtype}")
         fn.restype, fn.argtypes = int_, [ptr] * 7 + [long_] * 7 + [int_]
-    from kernels import decode_layers   # its argument structs live beside their Python side
+    from kernels import decode_layers, shm_all_reduce   # their argument structs live beside their Python side
     decode_layers.declare(lib)
+    shm_all_reduce.declare(lib)
     return lib
 
 

@@ -39,8 +39,9 @@ def rank_specs(config: EngineConfig) -> list[RankSpec]:
     per_node = config.ranks_per_node
     groups = _core_groups(per_node) if config.resolved_device() == "cpu" else [[]] * per_node
     first = config.node_rank * per_node
+    all_reduce = "gloo" if config.nnodes > 1 else config.tp_all_reduce   # shared memory spans one host
     return [RankSpec(first + i, config.tensor_parallel_size, config.master_addr, port, config.step_timeout_s,
-                     groups[i]) for i in range(per_node)]
+                     groups[i], all_reduce) for i in range(per_node)]
 
 
 def _core_groups(n: int) -> list[list[int]]:

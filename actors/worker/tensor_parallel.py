@@ -1,5 +1,6 @@
 """One rank's end of a tensor-parallel model worker: the process group and the few collectives the
-sharded forward needs (gloo on the CPU, NCCL on GPUs).
+sharded forward needs (gloo on the CPU, NCCL on GPUs; on the CPU the all-reduces and the LM head's gather go
+through shared memory instead where the ranks share a host: cpu_collectives.py chooses).
 
 Rank 0 is the engine's model worker; it broadcasts each step's flattened batch (the plan) once, every rank
 runs the forward on its shard, o_proj and down_proj outputs are summed by one all-reduce each, and the
@@ -18,6 +19,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from actors.worker import cpu_collectives
 from actors.worker.forward_batch import FlatBatch
 from actors.worker.shard_plan import ShardPlan
 
@@ -33,6 +35,7 @@ class RankSpec(msgspec.Struct, frozen=True):
     master_port: int
     timeout_s: float = 600.0
     cores: list[int] = []   # on the CPU, the core group its forward runs on (empty: wherever the process may)
+    all_reduce: str = "auto"   # on the CPU: shm, gloo, or auto (shm where every rank maps it and it measures faster)
 
 
 class RanksLost(RuntimeError):
@@ -56,10 +59,19 @@ class TensorParallel:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://{spec.master_addr}:{spec.master_port}", rank=spec.rank,
                                 world_size=spec.size, timeout=timedelta(seconds=spec.timeout_s))
+        try:
+            self._shm = None if device.type == "cuda" else cpu_collectives.choose(spec.all_reduce, spec.rank,
+                                                                                   spec.size, spec.timeout_s)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        self.all_reduce_via = "nccl" if device.type == "cuda" else "gloo" if self._shm is None else "shm"
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The ranks' partial sums of a row-parallel projection, summed in place."""
-        self._guarded(dist.all_reduce, t)
+        """The ranks' partial sums of a row-parallel projection, summed in place (through shared memory, the
+        sum in rank order: every rank gets the same bits)."""
+        shm = self._shm is not None and self._shm.takes(t)
+        self._guarded(self._shm.all_reduce if shm else dist.all_reduce, t, all_reduce=True)
         return t
 
     def embedding(self, ops, input_ids: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
@@ -75,8 +87,11 @@ class TensorParallel:
         width = max(self._vocab_sizes)
         padded = logits.new_zeros(logits.shape[0], width)
         padded[:, :logits.shape[1]] = logits
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self._guarded(dist.all_gather, parts, padded)
+        if self._shm is not None:
+            parts = self._guarded(self._shm.all_gather, padded).unbind(0)
+        else:
+            parts = [torch.empty_like(padded) for _ in range(self.size)]
+            self._guarded(dist.all_gather, parts, padded)
         return torch.cat([p[:, :n] for p, n in zip(parts, self._vocab_sizes)], dim=1)
 
     def send_plan(self, flat: FlatBatch) -> None:
@@ -109,6 +124,8 @@ class TensorParallel:
                          max_query_len, max_seq_len, pool)
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -118,16 +135,18 @@ class TensorParallel:
         self._guarded(dist.broadcast, on, 0)
         return on.cpu() if on is not t else t
 
-    def _guarded(self, collective, *args) -> None:
+    def _guarded(self, collective, *args, all_reduce: bool = False):
+        """collective(*args)'s result, timed; RanksLost for good once one has failed."""
         if self.broken is not None:
             raise RanksLost(self.broken)
         t0 = time.perf_counter()
         try:
-            collective(*args)
-        except (RuntimeError, dist.DistBackendError) as e:
+            result = collective(*args)
+        except (RuntimeError, dist.DistBackendError) as e:   # ShmFailure is a RuntimeError
             self.broken = f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({e})"
             raise RanksLost(self.broken) from e
         spent = time.perf_counter() - t0
         self.collective_s += spent
-        if collective is dist.all_reduce:
+        if all_reduce:
             self.all_reduce_s += spent
+        return result

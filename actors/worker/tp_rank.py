@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(argv[1], type=RankLaunch)
     log = get_logger(component="tp-rank", rank=launch.rank.rank)
     runner = ModelRunner(**launch.runner, tensor_parallel=launch.rank)
-    log.info("tensor-parallel rank ready", size=launch.rank.size, weight_bytes=runner.weight_bytes)
+    log.info("tensor-parallel rank ready", size=launch.rank.size, weight_bytes=runner.weight_bytes,
+             all_reduce=runner.tp.all_reduce_via)
     try:
         runner.follow()
     finally:

@@ -148,7 +148,7 @@ FLAGS += ["--batch-dir", "--batch-max-file-bytes", "--batch-max-lines", "--batch
           "--batch-ttft-objective", "--batch-itl-objective", "--batch-step-slack", "--batch-lease",
           "--batch-retention"]
 FLAGS += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--enable-lora-runtime-updates"]
-FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port"]
+FLAGS += ["--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--tp-all-reduce"]
 FLAGS += ["--batch-invariant"]
 
 
