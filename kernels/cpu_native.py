@@ -215,29 +215,51 @@ def keep_measurements(path: Path, known: dict) -> None:
 # install, the AMX kernels measured 10-50x slower at some row counts and the choices they made were kept
 # for every later start.
 BUSY_SHARE = 0.25
+# Timings taken beside other work serve, for this long, every process that starts meanwhile (engines
+# started together must agree: two that chose different dtypes could not share KV), then the next
+# start measures again.
+PROVISIONAL_S = 300.0
 
 
 def kept_measurement(suffix: str, name: str, measure, lib: ctypes.CDLL | None = None) -> dict:
     """The timings `name` from the file beside the built library (whose name is its digest; `lib`, by
     default the loaded one) with this suffix; where they are not there yet, `measure()` gives them and they
     are kept for the next start, unless other work took more than BUSY_SHARE of the CPUs meanwhile: then
-    they serve this process alone and the next start measures again. Processes measure one at a time (an
-    flock in the cache folder), so engines started together take the first one's timings rather than each
-    timing its kernels beside the others'."""
+    they are kept apart, provisionally, serving only the processes that start in the next PROVISIONAL_S
+    seconds, and a start after that measures again. Processes measure one at a time (an flock in the
+    cache folder), so engines started together take the first one's timings rather than each timing its
+    kernels beside the others' (and choosing differently)."""
     path = (lib or library()).path.with_suffix(suffix)
     known = read_measurements(path)
     if name not in known:
         with _one_at_a_time(path.parent):
             known = read_measurements(path)   # kept by another process while this one waited
-            if name not in known:
-                timings, share = measured_alone(measure)
-                if share > BUSY_SHARE:
-                    structlog.get_logger().warning("CPU kernels: measured beside other work, not kept",
-                                                   measurement=name, path=path.name, others_share=round(share, 2))
-                    return timings
-                known = read_measurements(path) | {name: timings}   # re-read: another process may have added some
-                keep_measurements(path, known)
+            if name in known:
+                return known[name]
+            provisional = path.with_suffix(path.suffix + ".provisional")
+            recent = _recent_measurements(provisional)
+            if name in recent:
+                return recent[name]
+            timings, share = measured_alone(measure)
+            if share > BUSY_SHARE:
+                structlog.get_logger().warning("CPU kernels: measured beside other work, kept provisionally",
+                                               measurement=name, path=path.name, others_share=round(share, 2),
+                                               for_s=PROVISIONAL_S)
+                keep_measurements(provisional, recent | {name: timings})
+                return timings
+            known = read_measurements(path) | {name: timings}   # re-read: another process may have added some
+            keep_measurements(path, known)
     return known[name]
+
+
+def _recent_measurements(path: Path) -> dict:
+    """The provisional timings at `path` while they are recent, else {}."""
+    try:
+        if time.time() - path.stat().st_mtime > PROVISIONAL_S:
+            return {}
+    except OSError:
+        return {}
+    return read_measurements(path)
 
 
 class _MeasuringLock:
