@@ -137,35 +137,41 @@ static void expand_tile(const float *t, long R, const char *b, int w_bf16, long 
 int matinee_lora_add(const void *x, long x_stride, void *out, long out_stride, int act_bf16, const void *a,
                      const void *b, int w_bf16, long K, long R, long N, const long *segments, long n_segments,
                      const long *blocks, long n_blocks, int threads) {
-    long rows = 0, tiles = 0, chunks = 0;
-    for (long s = 0; s < n_segments; s++) {
-        long len = segments[4 * s + 1] - segments[4 * s];
-        if (len > 0 && segments[4 * s + 3] > 0) rows += len, tiles += (len + MB - 1) / MB;
-    }
+    long rows = 0, chunks = 0;
+    for (long s = 0; s < n_segments; s++)
+        if (segments[4 * s + 3] > 0 && segments[4 * s + 1] > segments[4 * s]) rows += segments[4 * s + 1] - segments[4 * s];
     for (long bl = 0; bl < n_blocks; bl++) chunks += (blocks[3 * bl + 2] + CHUNK - 1) / CHUNK;
     if (rows == 0 || chunks == 0) return 0;
     float *xf = malloc(sizeof(float) * rows * (K + R) + 64);
-    Tile *tile = malloc(sizeof(Tile) * tiles + sizeof(long) * (rows + 3 * chunks));
+    Tile *tile = malloc(sizeof(Tile) * rows + sizeof(long) * (rows + 3 * chunks + n_segments));
     if (xf == NULL || tile == NULL) { free(xf); free(tile); return -1; }
     float *t = xf + rows * K;
-    long *row_of = (long *)(tile + tiles), *chunk = row_of + rows;
+    long *row_of = (long *)(tile + rows), *chunk = row_of + rows, *order = chunk + 3 * chunks;
     const long w_el = w_bf16 ? 2 : 4, x_el = act_bf16 ? 2 : 4;
-    long first = 0, n = 0;
+    /* The segments by slot (stable): a batch in arrival order holds one adapter's rows apart (round robin
+     * over adapters gives one-row segments), and each slot's weights are then read once per MB rows. */
     for (long s = 0; s < n_segments; s++) {
-        long start = segments[4 * s], len = segments[4 * s + 1] - start, rank = segments[4 * s + 3];
-        if (len <= 0 || rank <= 0) continue;
-        for (long i = 0; i < len; i += MB)
-            tile[n++] = (Tile){first + i, min_l(MB, len - i), segments[4 * s + 2], rank};
-        for (long i = 0; i < len; i++) {
-            row_of[first + i] = start + i;
-            const char *src = (const char *)x + x_el * (start + i) * x_stride;
-            float *dst = xf + (first + i) * K;
+        long j = s;
+        for (; j > 0 && segments[4 * order[j - 1] + 2] > segments[4 * s + 2]; j--) order[j] = order[j - 1];
+        order[j] = s;
+    }
+    long first = 0, tiles = 0, run = 0, slot = -1, rank = 0;
+    for (long o = 0; o < n_segments; o++) {
+        const long *seg = segments + 4 * order[o];
+        if (seg[3] <= 0 || seg[1] <= seg[0]) continue;
+        if (seg[2] != slot && run) tile[tiles++] = (Tile){first - run, run, slot, rank}, run = 0;
+        slot = seg[2], rank = seg[3];
+        for (long r = seg[0]; r < seg[1]; r++, first++) {
+            row_of[first] = r;
+            const char *src = (const char *)x + x_el * r * x_stride;
+            float *dst = xf + first * K;
             if (act_bf16) for (long k = 0; k < K; k++) dst[k] = bf16_to_f32(((const uint16_t *)src)[k]);
             else memcpy(dst, src, sizeof(float) * K);
+            if (++run == MB) tile[tiles++] = (Tile){first + 1 - run, run, slot, rank}, run = 0;
         }
-        first += len;
     }
-    n = 0;
+    if (run) tile[tiles++] = (Tile){first - run, run, slot, rank};
+    long n = 0;
     for (long bl = 0; bl < n_blocks; bl++)
         for (long c = 0; c < blocks[3 * bl + 2]; c += CHUNK)
             chunk[3 * n] = blocks[3 * bl], chunk[3 * n + 1] = blocks[3 * bl + 1] + c,

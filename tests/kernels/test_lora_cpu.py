@@ -1,7 +1,8 @@
 """The CPU's batched LoRA kernel (lora_sgmv.c) against the torch reference (kernels/lora.py): ranks 8, 16
 and 64 in a fused group's stacks, float32 and bfloat16 rows and stacks, several slot layouts (an empty
 segment, base-model rows between segments, one slot in two segments, segments of lengths that are not a
-multiple of the kernel's tile), on the AVX-512 build and the AVX2 one."""
+multiple of the kernel's tile, one-row segments of three slots in turn, which the kernel groups by slot), on
+the AVX-512 build and the AVX2 one."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ LAYOUTS = {
     "decodes under many adapters": [(0, 2, 4), (2, 3, 0), (4, 6, 2), (6, 8, 1), (9, 11, 3)],
     "a long segment and a one-row one": [(3, 4, 2), (4, 40, 0), (43, 80, 2)],
     "an empty segment": [(0, 5, 1), (5, 5, 3), (7, 80, 3)],
+    "arrival order, round robin": [(r, r + 1, r % 3) for r in range(0, 30) if r % 7] + [(30, 33, 1), (33, 34, 4)],
     "one slot for every row": [(0, 80, 1)],
 }
 
