@@ -75,60 +75,91 @@ typedef struct {
 
 static inline long min_l(long a, long b) { return a < b ? a : b; }
 
-/* t[rows, R] (only each module's first `rank` columns) = xf[rows, K] @ A[K, R], two vectors of columns at
- * a time for MB rows. */
+#if VW == 16
+#define NV 4   /* vectors of columns a micro-kernel holds per row: MB x NV accumulators of the 32 zmm */
+#else
+#define NV 2   /* of the 16 ymm */
+#endif
+
+/* acc[i][v] (i < mr, v < nv) = sum over k < K of x[i][k] * w[k][v * VW ...], w's rows `stride` elements apart,
+ * the last vector `last` lanes wide. mr, nv and bf16 are constants where this is inlined: the loops unroll and
+ * the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+micro(const int mr, const int nv, const int bf16, const float *x, long x_stride, const char *w, long stride, long K,
+      long last, vf acc[MB][NV]) {
+    const long el = bf16 ? 2 : 4;
+    vf c[MB][NV];   /* local, its address never taken: registers (acc may alias what the loop reads) */
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) c[i][v] = VZERO();
+    for (long k = 0; k < K; k++) {
+        const char *row = w + el * k * stride;
+        vf wv[NV];
+        for (int v = 0; v < nv; v++) wv[v] = vload(row + el * VW * v, bf16, v + 1 < nv ? VW : last);
+        for (int i = 0; i < mr; i++) {
+            vf xv = VSET1(x[i * x_stride + k]);
+            for (int v = 0; v < nv; v++) c[i][v] = VFMA(xv, wv[v], c[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = c[i][v];
+}
+
+#define MICRO_CASE(MR, NVV)                                                                         \
+    case (MR) * 8 + (NVV):                                                                          \
+        if (bf16) micro(MR, NVV, 1, x, x_stride, w, stride, K, last, acc);                         \
+        else micro(MR, NVV, 0, x, x_stride, w, stride, K, last, acc);                              \
+        break;
+
+/* micro() for a run-time mr (1..MB) and nv (1..NV), each combination its own unrolled copy. */
+static void micro_any(int mr, int nv, int bf16, const float *x, long x_stride, const char *w, long stride, long K,
+                      long last, vf acc[MB][NV]) {
+    switch (mr * 8 + nv) {
+        MICRO_CASE(1, 1) MICRO_CASE(2, 1) MICRO_CASE(3, 1) MICRO_CASE(4, 1)
+        MICRO_CASE(1, 2) MICRO_CASE(2, 2) MICRO_CASE(3, 2) MICRO_CASE(4, 2)
+#if NV == 4
+        MICRO_CASE(1, 3) MICRO_CASE(2, 3) MICRO_CASE(3, 3) MICRO_CASE(4, 3)
+        MICRO_CASE(1, 4) MICRO_CASE(2, 4) MICRO_CASE(3, 4) MICRO_CASE(4, 4)
+#endif
+    }
+}
+
+/* t[rows, the adapter's rank columns of each module] = xf[rows, K] @ A[K, R]. Modules whose columns meet
+ * (an adapter of the full rank) are one run, NV vectors at a time. */
 static void shrink_tile(const float *xf, long K, const char *a, int w_bf16, long R, const long *blocks, long nb,
                         const Tile *tile, float *t) {
     const long el = w_bf16 ? 2 : 4;
     for (long b = 0; b < nb; b++) {
-        const long at = blocks[3 * b], end = at + tile->rank;
-        for (long j = at; j < end; j += 2 * VW) {
-            const long n0 = min_l(VW, end - j), n1 = end - j - VW;
-            vf acc[MB][2];
-            for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = VZERO();
-            for (long k = 0; k < K; k++) {
-                const char *row = a + el * (k * R + j);
-                vf w0 = vload(row, w_bf16, n0), w1 = n1 > 0 ? vload(row + el * VW, w_bf16, n1) : VZERO();
-                for (int i = 0; i < MB; i++) {
-                    if (i >= tile->rows) break;
-                    vf xv = VSET1(xf[(tile->first + i) * K + k]);
-                    acc[i][0] = VFMA(xv, w0, acc[i][0]);
-                    acc[i][1] = VFMA(xv, w1, acc[i][1]);
-                }
-            }
-            for (int i = 0; i < tile->rows; i++) {
-                vstore(t + (tile->first + i) * R + j, 0, n0, acc[i][0]);
-                if (n1 > 0) vstore(t + (tile->first + i) * R + j + VW, 0, n1, acc[i][1]);
-            }
+        long at = blocks[3 * b], end = at + tile->rank;
+        while (b + 1 < nb && blocks[3 * (b + 1)] == end) end = blocks[3 * ++b] + tile->rank;   /* columns that meet */
+        for (long j = at; j < end; j += NV * VW) {
+            const long n = min_l(NV * VW, end - j), nv = (n + VW - 1) / VW, last = n - (nv - 1) * VW;
+            vf acc[MB][NV];
+            micro_any((int)tile->rows, (int)nv, w_bf16, xf + tile->first * K, K, a + el * j, R, K, last, acc);
+            for (int i = 0; i < tile->rows; i++)
+                for (int v = 0; v < nv; v++)
+                    vstore(t + (tile->first + i) * R + j + v * VW, 0, v + 1 < nv ? VW : last, acc[i][v]);
         }
     }
 }
 
-/* out[rows, c0:c0+n] += t[rows, at:at+rank] @ B[at:at+rank, c0:c0+n], n <= 2 * VW. */
+#define CHUNK (NV * VW)   /* output columns of one expand task */
+
+/* out[rows, c0:c0+n] += t[rows, at:at+rank] @ B[at:at+rank, c0:c0+n], n <= CHUNK. */
 static void expand_tile(const float *t, long R, const char *b, int w_bf16, long N, long at, long c0, long n,
                         const Tile *tile, const long *row_of, char *out, long out_stride, int act_bf16) {
     const long el = w_bf16 ? 2 : 4, out_el = act_bf16 ? 2 : 4;
-    const long n0 = min_l(VW, n), n1 = n - VW;
-    vf acc[MB][2];
-    for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = VZERO();
-    for (long j = at; j < at + tile->rank; j++) {
-        const char *row = b + el * (j * N + c0);
-        vf w0 = vload(row, w_bf16, n0), w1 = n1 > 0 ? vload(row + el * VW, w_bf16, n1) : VZERO();
-        for (int i = 0; i < MB; i++) {
-            if (i >= tile->rows) break;
-            vf tv = VSET1(t[(tile->first + i) * R + j]);
-            acc[i][0] = VFMA(tv, w0, acc[i][0]);
-            acc[i][1] = VFMA(tv, w1, acc[i][1]);
-        }
-    }
+    const long nv = (n + VW - 1) / VW, last = n - (nv - 1) * VW;
+    vf acc[MB][NV];
+    micro_any((int)tile->rows, (int)nv, w_bf16, t + tile->first * R + at, R, b + el * (at * N + c0), N, tile->rank,
+              last, acc);
     for (int i = 0; i < tile->rows; i++) {
         char *o = out + out_el * (row_of[tile->first + i] * out_stride + c0);
-        vstore(o, act_bf16, n0, VADD(vload(o, act_bf16, n0), acc[i][0]));
-        if (n1 > 0) vstore(o + out_el * VW, act_bf16, n1, VADD(vload(o + out_el * VW, act_bf16, n1), acc[i][1]));
+        for (int v = 0; v < nv; v++) {
+            const long lanes = v + 1 < nv ? VW : last;
+            vstore(o + out_el * VW * v, act_bf16, lanes, VADD(vload(o + out_el * VW * v, act_bf16, lanes), acc[i][v]));
+        }
     }
 }
-
-#define CHUNK (2 * VW)   /* output columns of one expand task */
 
 /* x [*, K] (row stride x_stride) and out [*, *] (row stride out_stride, the group's N columns from `out`)
  * in float32, or bfloat16 when act_bf16; a [slots, K, R] and b [slots, R, N] in float32, or bfloat16 when
