@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_native, lora_cpu
+from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
+from kernels.lora import block_table, segment_table
 from kernels.packed_linear import PackedWeight
 from kernels.paged_attention_cpu import INVARIANT_QUERY_LEN, MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantStack, QuantWeight
@@ -165,11 +166,11 @@ def _plan(model) -> _Plan | None:
 _lora_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # LoRASlots -> its stacks' pointers
 
 
-def _lora(lora, dtype: torch.dtype, num_tokens: int) -> _LoRA | None:
-    """A step's adapters as decode_layers.c reads them, or None where lora_sgmv.c would not take them (the
-    layer loop then adds them through the pool's own add)."""
+def _lora(lora, ops, dtype: torch.dtype, num_tokens: int) -> _LoRA | None:
+    """A step's adapters as decode_layers.c reads them, or None where the pool adds them otherwise than through
+    the CPU table's add_lora (lora_sgmv.c), or that would not take them: the layer loop then adds them."""
     slots = lora.slots
-    if slots.add is not lora_cpu.add_lora or slots.a["qkv"][0].dtype not in (torch.float32, torch.bfloat16) \
+    if slots.add is not ops.add_lora or slots.a["qkv"][0].dtype not in (torch.float32, torch.bfloat16) \
             or dtype not in (torch.float32, torch.bfloat16):
         return None
     if slots not in _lora_stacks:   # the pool's stacks never move: their pointers are laid out once
@@ -182,8 +183,8 @@ def _lora(lora, dtype: torch.dtype, num_tokens: int) -> _LoRA | None:
         segments, a, b = lora.by_group[g], slots.a[g][0], slots.b[g][0]
         if not segments:
             continue
-        table = lora_cpu.segment_table(segments, slots.layouts[g], a.shape[2], num_tokens, a.shape[0])
-        blocks = lora_cpu.block_table(slots.layouts[g], a.shape[2], b.shape[2])
+        table = segment_table(segments, slots.layouts[g], a.shape[2], num_tokens, a.shape[0])
+        blocks = block_table(slots.layouts[g], a.shape[2], b.shape[2])
         keep += [table, blocks]
         place.segments, place.n_segments, place.blocks, place.n_blocks, place.R = (
             table.data_ptr(), table.shape[0], blocks.data_ptr(), blocks.shape[0], a.shape[2])
@@ -207,7 +208,7 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
     plan = _plan(model)
     if plan is None or (plan.rows_limit is not None and num_tokens >= plan.rows_limit):
         return None
-    adapters = None if lora is None else _lora(lora, model.dtype, num_tokens)
+    adapters = None if lora is None else _lora(lora, model.ops, model.dtype, num_tokens)
     if lora is not None and adapters is None:
         return None
     k_cache, v_cache, k_scales, v_scales = (*kv_caches[0], None, None)[:4]

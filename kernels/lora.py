@@ -68,3 +68,30 @@ def _padded_bmm(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Te
     padded[slots, pos] = x[rows]
     delta = torch.bmm(torch.bmm(padded, a), b)
     out[rows] += delta[slots, pos].to(out.dtype)
+
+
+def segment_table(segments: list[Segment], layout: Layout | None, rank: int, rows: int, slots: int) -> torch.Tensor:
+    """The C kernels' table of a step's segments: int64 [segments, 4] (start, end, slot, the adapter's rank),
+    checked against the step's `rows` and the pool's `slots`, and made once a step for a step's Segments: every
+    layer reads the same."""
+    cached = getattr(segments, "_sgmv", None)
+    if cached is None:
+        if any(not (0 <= s <= e <= rows and 0 <= slot < slots) for s, e, slot in segments):
+            raise IndexError(f"add_lora: a segment outside {rows} rows or {slots} slots: {list(segments)}")
+        cached = torch.tensor([(s, e, slot, rank if layout is None else layout.ranks[slot])
+                               for s, e, slot in segments], dtype=torch.int64).reshape(-1, 4)
+        if isinstance(segments, Segments):
+            segments._sgmv = cached
+    return cached
+
+
+def block_table(layout: Layout | None, rank: int, width: int) -> torch.Tensor:
+    """The C kernels' table of a group's modules: int64 [modules, 3] (rank_at, out_at, width); without a
+    layout one module over the whole stacks."""
+    if layout is None:
+        return torch.tensor([[0, 0, width]], dtype=torch.int64)
+    cached = getattr(layout, "_sgmv", None)
+    if cached is None:
+        cached = torch.tensor(layout.blocks, dtype=torch.int64).reshape(-1, 3)
+        object.__setattr__(layout, "_sgmv", cached)   # frozen: the table is a cache of what it says
+    return cached

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native, lora
-from kernels.lora import Layout, Segment
+from kernels.lora import Layout, Segment, block_table, segment_table
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -22,31 +22,6 @@ def takes(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) 
             and a.dim() == b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
             and x.shape[1] == a.shape[1] and out.shape[1] == b.shape[2] and x.shape[0] == out.shape[0]
             and cpu_native.library() is not None)
-
-
-def segment_table(segments: list[Segment], layout: Layout | None, rank: int, rows: int, slots: int) -> torch.Tensor:
-    """int64 [segments, 4] (start, end, slot, the adapter's rank), checked against the step's `rows` and the
-    pool's `slots`, and made once a step for a step's Segments: every layer reads the same."""
-    cached = getattr(segments, "_sgmv", None)
-    if cached is None:
-        if any(not (0 <= s <= e <= rows and 0 <= slot < slots) for s, e, slot in segments):
-            raise IndexError(f"add_lora: a segment outside {rows} rows or {slots} slots: {list(segments)}")
-        cached = torch.tensor([(s, e, slot, rank if layout is None else layout.ranks[slot])
-                               for s, e, slot in segments], dtype=torch.int64).reshape(-1, 4)
-        if isinstance(segments, lora.Segments):
-            segments._sgmv = cached
-    return cached
-
-
-def block_table(layout: Layout | None, rank: int, width: int) -> torch.Tensor:
-    """int64 [modules, 3] (rank_at, out_at, width); without a layout one module over the whole stacks."""
-    if layout is None:
-        return torch.tensor([[0, 0, width]], dtype=torch.int64)
-    cached = getattr(layout, "_sgmv", None)
-    if cached is None:
-        cached = torch.tensor(layout.blocks, dtype=torch.int64).reshape(-1, 3)
-        object.__setattr__(layout, "_sgmv", cached)   # frozen: the table is a cache of what it says
-    return cached
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
