@@ -1,6 +1,6 @@
 """The CPU serving path's C kernels (cpu_gemm.c, paged_attention_cpu.c, packed_gemm.c, cpu_layer_ops.c,
 quant_gemm.c, int8_gemm.c, int8_amx.c, int8_rows.c, quant_amx.c, token_mask.c, decode_layers.c,
-shm_all_reduce.c):
+shm_all_reduce.c, lora_sgmv.c):
 built once, loaded once.
 
 The sources are compiled together with the system's C compiler on first use, for this CPU
@@ -33,7 +33,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "paged_attention_cpu.c", "packed_gemm.c",
                                                              "cpu_layer_ops.c", "quant_gemm.c", "int8_gemm.c",
                                                              "int8_amx.c", "int8_rows.c", "quant_amx.c", "token_mask.c", "decode_layers.c",
-                                                             "shm_all_reduce.c")]
+                                                             "shm_all_reduce.c", "lora_sgmv.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("amx.h", "bf16.h", "e4m3.h", "quant_layout.h", "vexp.h")]   # included by the sources: part of the library's name
 NATIVE = ["-march=native"]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]   # every AVX2 + FMA CPU has F16C (quant_gemm.c reads float16 scales)
@@ -144,6 +144,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_quantize_rows.argtypes = [ptr, int_, ptr, ptr, long_, long_, int_]
     lib.matinee_quant_amx.restype = int_
     lib.matinee_quant_amx.argtypes = [ptr, int_, ptr, ptr, ptr] + [long_] * 3 + [int_]
+    lib.matinee_lora_add.restype = int_
+    lib.matinee_lora_add.argtypes = [ptr, long_, ptr, long_, int_, ptr, ptr, int_] + [long_] * 3 + [ptr, long_] * 2 + [int_]
     lib.matinee_apply_token_bitmask.restype = None
     lib.matinee_apply_token_bitmask.argtypes = [ptr, long_, long_, ptr, long_, ptr, long_]
     for dtype in ("f32", "bf16"):   # cpu_layer_ops.c

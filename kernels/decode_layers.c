@@ -47,6 +47,10 @@ int matinee_paged_attention(const void *q, const void *k_cache, const void *v_ca
                             long table_width, long num_blocks, float scale, int threads, int act_bf16,
                             int cache_kind, long short_max);
 
+int matinee_lora_add(const void *x, long x_stride, void *out, long out_stride, int act_bf16, const void *a,
+                     const void *b, int w_bf16, long K, long R, long N, const long *segments, long n_segments,
+                     const long *blocks, long n_blocks, int threads);
+
 enum { GGUF = 0, PACKED = 1, PACKED_DOT = 2 };   /* a projection's kernel: quant_gemm.c (qtype), packed_gemm.c
                                                    (PACKED_DOT: its vdpbf16ps path for bf16 rows) */
 
@@ -83,6 +87,31 @@ typedef struct {
     const float *cos_sin;    /* [cos_sin_rows, D] float32 */
 } Shape;
 
+/* A step's LoRA adapters (lora_sgmv.c's arguments), per projection group in the order qkv, o, gate_up, down. */
+enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
+typedef struct {
+    const long *segments;    /* [n_segments][4]: start, end, slot, rank; n_segments 0: no row adapts the group */
+    long n_segments;
+    const long *blocks;      /* [n_blocks][3]: rank_at, out_at, width */
+    long n_blocks, R;        /* R: the stacks' rank columns */
+} LoRAGroup;
+typedef struct {
+    LoRAGroup group[4];
+    const void *const *stacks;   /* [layers][4][2]: each group's A [slots, K, R] and B [slots, R, N] */
+    int w_bf16;
+} LoRA;
+
+/* out [T, N] (row stride N) += the rows' adapters' x [T, K] @ A @ B, as model.py's loop adds them after the
+ * projection, through the same kernel. */
+static int adapt(const LoRA *lora, long layer, int g, const void *x, long K, void *out, long N, int bf16,
+                 int threads) {
+    if (lora == NULL || lora->group[g].n_segments == 0) return 0;
+    const LoRAGroup *gr = lora->group + g;
+    const void *const *ab = lora->stacks + 8 * layer + 2 * g;
+    return matinee_lora_add(x, K, out, N, bf16, ab[0], ab[1], lora->w_bf16, K, gr->R, N, gr->segments,
+                            gr->n_segments, gr->blocks, gr->n_blocks, threads);
+}
+
 static int project_part(const Part *p, const void *x, void *y, long M, int bf16, int threads) {
     if (bf16 && p->amx_from && M >= p->amx_from)
         return matinee_quant_amx(x, p->kind == GGUF ? p->qtype : BF16P, p->w, p->bias, y, M, p->N, p->K, threads);
@@ -117,11 +146,12 @@ static int project(const Projection *p, const void *x, void *y, long M, int bf16
  * -4 a position outside the rotary table; -5 a slot outside the cache (the kernels' own checks, in
  * the layer loop's order: nothing is written before them); -6 a projection's kernel refused; -7 a head
  * shape the attention kernels do not take (decode_layers.py sends none). `layer_written`, where not NULL,
- * is called with each layer's index once its KV is in the cache (a prompt handed over goes layer by layer). */
+ * is called with each layer's index once its KV is in the cache (a prompt handed over goes layer by layer).
+ * `lora`, where not NULL, adds the rows' adapters to every projection it names (-1 out of memory there). */
 int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L, const Shape *s,
                           const void *embeddings, void *hidden, void *residual, const long *positions, const long *slots, const int *block_tables,
                           const int *query_start_loc, const int *seq_lens, long B, long T, int threads,
-                          void (*layer_written)(long)) {
+                          void (*layer_written)(long), const LoRA *lora) {
     const long H = s->hidden, Hq = s->Hq, Hk = s->Hk, D = s->D, I = s->intermediate;
     const long q_size = Hq * D, kv_size = Hk * D, qkv_width = q_size + 2 * kv_size;
     const long el = s->bf16 ? 2 : 4;
@@ -148,6 +178,7 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
             rms_norm(hidden, residual, residual, ly->input_norm, normed, T, H, s->eps, threads);
         }
         if (project(&ly->qkv, normed, qkv, T, bf16, threads)) { status = -6; break; }
+        if (adapt(lora, l, QKV, normed, H, qkv, qkv_width, bf16, threads)) { status = -1; break; }
         /* q and k rotate in place where they lie in the fused output; per-head norms write them out first */
         char *qp = qkv, *kp = qkv + el * q_size, *vp = qkv + el * (q_size + kv_size);
         long q_stride = qkv_width, k_stride = qkv_width;
@@ -183,10 +214,13 @@ int matinee_decode_layers(const Layer *layers, const LayerCache *caches, long L,
         if (status == -4) status = -7;   /* -4 is the rotary table's here */
         if (status) break;
         if (project(&ly->o, attn, x, T, bf16, threads)) { status = -6; break; }
+        if (adapt(lora, l, O, attn, q_size, x, H, bf16, threads)) { status = -1; break; }
         rms_norm(x, residual, residual, ly->post_norm, normed, T, H, s->eps, threads);
         if (project(&ly->gate_up, normed, gate_up, T, bf16, threads)) { status = -6; break; }
+        if (adapt(lora, l, GATE_UP, normed, H, gate_up, 2 * I, bf16, threads)) { status = -1; break; }
         (bf16 ? matinee_silu_and_mul_bf16 : matinee_silu_and_mul_f32)(gate_up, act, T, I, threads);
         if (project(&ly->down, act, hidden, T, bf16, threads)) { status = -6; break; }
+        if (adapt(lora, l, DOWN, act, I, hidden, H, bf16, threads)) { status = -1; break; }
     }
     free(scratch);
     return status;

@@ -5,8 +5,8 @@ them (checks, views, allocations, ctypes conversions) took as long as the kernel
 same step when the attention kernels take its heads (decodes and verifications through the decode
 kernel, prefill chunks beside them through the prefill kernel) and every projection is one the C loop
 can call (a GGUF weight through quant_gemm.c, a K-quant mix's type runs side by side, a packed bf16 one
-through packed_gemm.c): the same kernels
-on the same arguments in the same order, so the same bits. The layers' weight pointers are laid out
+through packed_gemm.c), with a step's LoRA adapters added after each projection (lora_sgmv.c): the same
+kernels on the same arguments in the same order, so the same bits. The layers' weight pointers are laid out
 once per model, the caches' once per cache list. Anything else returns None, and the model runs its
 own loop.
 """
@@ -21,6 +21,7 @@ import torch
 
 from kernels import cpu_native
 from kernels.kv_quant import check_scales, is_quantized
+from kernels.lora import block_table, segment_table
 from kernels.packed_linear import PackedWeight
 from kernels.paged_attention_cpu import INVARIANT_QUERY_LEN, MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantStack, QuantWeight
@@ -56,14 +57,26 @@ class _Shape(ctypes.Structure):
                [("eps", _float), ("scale", _float), ("bf16", _int), ("cache", _int), ("cos_sin", _ptr)]
 
 
-def declare(lib: ctypes.CDLL) -> None:
-    lib.matinee_decode_layers.restype = _int
-    lib.matinee_decode_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_LayerCache), _long,
-                                          ctypes.POINTER(_Shape)] + [_ptr] * 8 + [_long] * 2 + [_int, LayerWritten]
+class _LoRAGroup(ctypes.Structure):
+    _fields_ = [("segments", _ptr), ("n_segments", _long), ("blocks", _ptr), ("n_blocks", _long), ("R", _long)]
+
+
+GROUPS = ("qkv", "o", "gate_up", "down")   # decode_layers.c's order of a layer's projection groups
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [("group", _LoRAGroup * len(GROUPS)), ("stacks", _ptr), ("w_bf16", _int)]
 
 
 LayerWritten = ctypes.CFUNCTYPE(None, _long)   # called back, holding the GIL, with each layer written
 _NOBODY = LayerWritten()                         # NULL: no call back
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.matinee_decode_layers.restype = _int
+    lib.matinee_decode_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_LayerCache), _long,
+                                          ctypes.POINTER(_Shape)] + [_ptr] * 8 + [_long] * 2 + \
+                                         [_int, LayerWritten, ctypes.POINTER(_LoRA)]
 
 
 class _Plan:
@@ -150,11 +163,41 @@ def _plan(model) -> _Plan | None:
     return _plans[model]
 
 
+_lora_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # LoRASlots -> its stacks' pointers
+
+
+def _lora(lora, ops, dtype: torch.dtype, num_tokens: int) -> _LoRA | None:
+    """A step's adapters as decode_layers.c reads them, or None where the pool adds them otherwise than through
+    the CPU table's add_lora (lora_sgmv.c), or that would not take them: the layer loop then adds them."""
+    slots = lora.slots
+    if slots.add is not ops.add_lora or slots.a["qkv"][0].dtype not in (torch.float32, torch.bfloat16) \
+            or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if slots not in _lora_stacks:   # the pool's stacks never move: their pointers are laid out once
+        pointers = [t.data_ptr() for layer in range(len(slots.a["qkv"])) for g in GROUPS
+                    for t in (slots.a[g][layer], slots.b[g][layer])]
+        _lora_stacks[slots] = (_ptr * len(pointers))(*pointers)
+    arg = _LoRA(stacks=ctypes.cast(_lora_stacks[slots], _ptr), w_bf16=int(slots.a["qkv"][0].dtype == torch.bfloat16))
+    keep = []
+    for place, g in zip(arg.group, GROUPS):
+        segments, a, b = lora.by_group[g], slots.a[g][0], slots.b[g][0]
+        if not segments:
+            continue
+        table = segment_table(segments, slots.layouts[g], a.shape[2], num_tokens, a.shape[0])
+        blocks = block_table(slots.layouts[g], a.shape[2], b.shape[2])
+        keep += [table, blocks]
+        place.segments, place.n_segments, place.blocks, place.n_blocks, place.R = (
+            table.data_ptr(), table.shape[0], blocks.data_ptr(), blocks.shape[0], a.shape[2])
+    arg.keep = keep   # the tables the pointers point into, alive as long as the argument
+    return arg
+
+
 def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: list,
-        layer_written: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        layer_written: Callable[[int], None] | None = None, lora=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The layers of `kv_caches` (the first len(kv_caches) of the model) over hidden [T, H], the
     embeddings: (the last layer's output, its residual), or None where the step is not one for
-    decode_layers.c. `layer_written(i)` is called (on this thread) once layer i's KV is in its cache."""
+    decode_layers.c. `layer_written(i)` is called (on this thread) once layer i's KV is in its cache.
+    `lora` (a LoRABatch) adds the rows' adapters after each projection, as the layer loop does."""
     lib = cpu_native.library()
     num_tokens = hidden.shape[0]
     cfg = model.config
@@ -164,6 +207,9 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
         return None
     plan = _plan(model)
     if plan is None or (plan.rows_limit is not None and num_tokens >= plan.rows_limit):
+        return None
+    adapters = None if lora is None else _lora(lora, model.ops, model.dtype, num_tokens)
+    if lora is not None and adapters is None:
         return None
     k_cache, v_cache, k_scales, v_scales = (*kv_caches[0], None, None)[:4]
     quantized = is_quantized(k_cache)
@@ -189,7 +235,8 @@ def run(model, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_caches: l
                                        positions.data_ptr(), slots.data_ptr(),
                                        tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), lens.shape[0],
                                        num_tokens, torch.get_num_threads(),
-                                       LayerWritten(layer_written) if layer_written is not None else _NOBODY)
+                                       LayerWritten(layer_written) if layer_written is not None else _NOBODY,
+                                       None if adapters is None else ctypes.byref(adapters))
     if status:
         error, message = _ERRORS.get(status, (MemoryError, "decode layers: no memory for a step's scratch"))
         raise error(message)

@@ -79,8 +79,9 @@ def _segment_table(segments: list[Segment], device: torch.device) -> tuple[torch
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             segments: list[Segment]) -> None:
-    """As lora.add_lora: out[start:end] += x[start:end] @ a[slot] @ b[slot] per segment, in place."""
+             segments: list[Segment], layout=None) -> None:
+    """As lora.add_lora: out[start:end] += x[start:end] @ a[slot] @ b[slot] per segment, in place
+    (the stacks read whole: `layout` is not used here)."""
     if not segments:
         return
     rank, d_in, d_out = a.shape[2], a.shape[1], b.shape[2]

@@ -4,7 +4,8 @@
 float32 matmuls, bf16 matmuls on weights packed at load, int8 products on GGUF-quantized weights
 (bf16 products on AMX from the rows where they measure faster),
 torch's int8 and int4 matmuls on weights quantized at load,
-short-query paged attention, one call per norm, rotary embedding, KV write and SiLU-and-multiply;
+short-query paged attention, one call per norm, rotary embedding, KV write and SiLU-and-multiply,
+every segment of a step's LoRA adapters in one call;
 the reference for everything else);
 "triton" the Triton kernels, which on a CPU run only under Triton's interpreter; "auto" picks by device.
 
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, cpu_gemm, cpu_layer_ops, cpu_native, decode_layers, kv_write, packed_linear, \
-    paged_attention, lora, paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
+    paged_attention, lora, lora_cpu, paged_attention_cpu, quant_amx, quant_linear, quant_linear_cpu, quant_matmul, rms_norm, rope
 from kernels.quantize import Int4Weight, Int8Weight
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -46,7 +47,7 @@ class Ops:
     # (model, embeddings, positions, meta, kv_caches) -> (hidden, residual) after the layers, the whole
     # loop in one call; None where the backend has none, or it returns None for the step: model.py loops
     decode_layers: Callable | None = None
-    # (out, x, A stack, B stack, segments): each segment's rows add x @ A[slot] @ B[slot] (kernels/lora.py)
+    # (out, x, A stack, B stack, segments, layout): each segment's rows add x @ A[slot] @ B[slot] (kernels/lora.py)
     add_lora: Callable = lora.add_lora
     batch_invariant: bool = False   # no kernel chosen by the step's rows (the module's docstring)
 
@@ -123,13 +124,14 @@ def _invariant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None)
 
 
 _LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",
-              "silu_and_mul")
+              "silu_and_mul", "add_lora")
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight,
                   prepare_quantized=quant_amx.prepare, linear=_cpu_linear,
                   prepare_int=_cpu_prepare_int, embedding=_int_rows_or(_cpu_embedding), paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
                   rotary_embedding=cpu_layer_ops.rotary_embedding, write_kv=cpu_layer_ops.write_kv,
-                  silu_and_mul=cpu_layer_ops.silu_and_mul, decode_layers=_cpu_decode_layers)
+                  silu_and_mul=cpu_layer_ops.silu_and_mul, decode_layers=_cpu_decode_layers,
+                  add_lora=lora_cpu.add_lora)
 CPU_INVARIANT_OPS = replace(CPU_OPS, prepare_weight=packed_linear.prepare_invariant,
                             prepare_quantized=quant_linear.pack, linear=_invariant_linear,
                             paged_attention=paged_attention_cpu.invariant_paged_attention, batch_invariant=True)

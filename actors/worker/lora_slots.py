@@ -16,7 +16,7 @@ import torch
 
 from actors.worker.lora_adapter import LoRAAdapter, module_shapes
 from actors.model.config import ModelConfig
-from kernels.lora import Segment, Segments
+from kernels.lora import Layout, Segment, Segments
 from kernels.lora import add_lora as lora_reference
 
 # The model's matmuls and the modules each one holds, in the order of their output columns.
@@ -34,7 +34,8 @@ class LoRABatch:
         """out (the `group` matmul's output for input x) += each row's adapter delta, in place."""
         segments = self.by_group[group]
         if segments:
-            self.slots.add(out, x, self.slots.a[group][layer], self.slots.b[group][layer], segments)
+            self.slots.add(out, x, self.slots.a[group][layer], self.slots.b[group][layer], segments,
+                           self.slots.layouts[group])
 
 
 class LoRASlots:
@@ -49,11 +50,14 @@ class LoRASlots:
         self.place: dict[str, tuple[str, int, int, int]] = {}
         self.a: dict[str, list[torch.Tensor]] = {}
         self.b: dict[str, list[torch.Tensor]] = {}
+        self.ranks = [0] * max_loras   # the rank of each slot's adapter
+        self.layouts: dict[str, Layout] = {}   # where each group's stacks may be non-zero (kernels that skip zeros)
         for group, modules in GROUPS.items():
             column = 0
             for j, module in enumerate(modules):
                 self.place[module] = (group, j * max_rank, column, shapes[module][1])
                 column += shapes[module][1]
+            self.layouts[group] = Layout(tuple(self.place[m][1:] for m in modules), self.ranks)
             d_in, ranks = shapes[modules[0]][0], len(modules) * max_rank
             self.a[group] = [torch.zeros(max_loras, d_in, ranks, dtype=dtype, device=device)
                              for _ in range(cfg.num_layers)]
@@ -110,9 +114,9 @@ class LoRASlots:
         for (layer, module), (a, b) in adapter.weights.items():
             group, rank_at, column, width = self.place[module]
             self.a[group][layer][slot, :, rank_at:rank_at + r].copy_(a.t())
-            b_slot = self.b[group][layer][slot, rank_at:rank_at + r, column:column + width]
-            b_slot.copy_(b.t())
-            b_slot.mul_(adapter.scale)
+            # scaled in float32, then rounded once into a bfloat16 stack
+            self.b[group][layer][slot, rank_at:rank_at + r, column:column + width].copy_(b.t().float() * adapter.scale)
         self.groups[slot] = frozenset(self.place[m][0] for m in adapter.modules)
+        self.ranks[slot] = r
         self._slot_of[adapter.uid] = slot
         self.loads += 1

@@ -214,7 +214,7 @@ class DecoderModel:
         Runs the first len(kv_caches) layers, then the final norm and LM head: passing fewer
         caches gives the self-speculative (layer-skip) draft on the same weights. `layer_written(i)`
         is called as soon as layer i's KV is in its cache. `lora` adds each row's adapter to the
-        projections (lora_slots.py); the fused all-layers kernel has no such hook, so it is skipped then.
+        projections (lora_slots.py), in the fused all-layers kernel too.
         """
         cfg, ops = self.config, self.ops
         if not 0 < len(kv_caches) <= cfg.num_layers:
@@ -229,8 +229,8 @@ class DecoderModel:
             hidden = tp.embedding(ops, input_ids, self.embed, self.dtype)
         residual = None
         # The fused all-layers kernel has no place for the ranks' all-reduces: a shard runs the loop below.
-        fused = (ops.decode_layers(self, hidden, positions, meta, kv_caches, layer_written=layer_written)
-                 if ops.decode_layers and lora is None and tp is None else None)
+        fused = (ops.decode_layers(self, hidden, positions, meta, kv_caches, layer_written=layer_written, lora=lora)
+                 if ops.decode_layers and tp is None else None)
         adapt = lora.add if lora is not None else _no_adapter
         if fused is not None:   # the loop below in one kernel call, bit for bit
             hidden, residual = fused

@@ -30,7 +30,7 @@ from actors.model.source import ModelSource, resolve_model_source
 from actors.worker.shard_plan import plan_shards
 from actors.worker.sharded_weights import ShardedWeights
 from actors.worker.tensor_parallel import RankSpec, TensorParallel
-from kernels import get_ops
+from kernels import get_ops, lora_cpu
 from kernels.kv_quant import QUANTIZED_DTYPES, is_quantized
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # bytes, when neither num_blocks nor kv_cache_memory is given
@@ -167,9 +167,11 @@ class ModelRunner:
         # while the worker runs a step whose prompts go layer by layer to a decode engine.
         self.layer_written: Callable[[int], None] | None = None
         self._pinned = PinnedBatch(self.device)
-        # On the CPU the adapters' small matmuls run in float32 whatever the model dtype: torch's bfloat16
-        # ones of a few rows took 2-3x as long (Zen 4, rank 16, 2-row segments: 40 against 15 us).
-        lora_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # On the CPU torch's adapters' small matmuls run in float32 whatever the model dtype: its bfloat16 ones
+        # of a few rows took 2-3x as long (Zen 4, rank 16, 2-row segments: 40 against 15 us). The C kernel
+        # (lora_sgmv.c) widens bfloat16 weights in registers: in the model dtype, half the bytes a step reads.
+        lora_dtype = self.dtype if self.device.type != "cpu" or self.ops.add_lora is lora_cpu.add_lora \
+            else torch.float32
         self.loras = LoRASlots(config, max_loras, max_lora_rank, lora_dtype, self.device,
                                self.ops.add_lora) if max_loras else None
         self.max_lora_rank = max_lora_rank

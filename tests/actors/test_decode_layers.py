@@ -219,3 +219,39 @@ def test_each_layer_is_announced_once_its_kv_is_in_the_cache(tiny_model_dir, tmp
         runner.layer_written = announcing(1)
         runner.execute(ForwardBatch([SequenceInput([8], position, [0, 1], 1)]))
         assert seen == list(range(n)) and fused_calls == [True, True]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_steps_with_lora_adapters_stay_in_the_c_loop(arch, dtype, tiny_model_dir, tmp_path, fused_calls):
+    """Three adapters (all seven projections rank 8, attention rank 4 rsLoRA, MLP and k rank 16) and a base-model
+    sequence in one batch: the prompts' step and eight decode steps go through the C loop, whose LoRA hook calls
+    lora_sgmv.c as the layer loop does, so the logits are the loop's bit for bit; and the adapters change them."""
+    from actors.worker.lora_adapter import read_adapter
+    from tests.actors.lora_adapters import make_adapter
+
+    base = tiny_model_dir(arch)
+    path = hf_folder_to_gguf(base, str(tmp_path / "model.gguf"), MIXES["q4_1+q8_0"])
+    fused, looped, plain = (ModelRunner(path, dtype=dtype, kernels="cpu", block_size=8, num_blocks=48, num_threads=2,
+                                        quantization="auto", max_loras=3, max_lora_rank=16) for _ in range(3))
+    _looping(looped)
+    adapters = [read_adapter(name, make_adapter(base, str(tmp_path / name), name, seed=i), fused.model_config, 16)
+                for i, name in enumerate(("all", "attn", "mlp"))] + [None]
+    tables = [[0, 1, 2, 3, 4], [8, 9, 10, 11, 12], [16, 17, 18, 19, 20], [24, 25, 26, 27, 28]]
+    prompts = [list(range(3, 20)), [7, 8, 9, 300, 5], list(range(40, 62)), [11, 12, 13]]
+    batch = ForwardBatch([SequenceInput(p, 0, t, 1, adapter=a) for p, t, a in zip(prompts, tables, adapters)])
+    got, want = fused.execute(batch), looped.execute(batch)
+    assert torch.equal(got, want)
+    lengths = [len(p) for p in prompts]
+    for step in range(8):
+        tokens = [int(row.argmax()) for row in got]
+        step_batch = ForwardBatch([SequenceInput([tok], n, t, 1, adapter=a)
+                                   for tok, n, t, a in zip(tokens, lengths, tables, adapters)])
+        lengths = [n + 1 for n in lengths]
+        got, want = fused.execute(step_batch), looped.execute(step_batch)
+        assert torch.equal(got, want), f"step {step}"
+    assert fused_calls == [True] * 9
+    without = ForwardBatch([SequenceInput(p, 0, t, 1) for p, t in zip(prompts, tables)])
+    bare = plain.execute(without)
+    assert all(not torch.equal(bare[i], fused.execute(batch)[i]) for i in range(3)) and torch.equal(
+        bare[3], fused.execute(batch)[3])
