@@ -50,16 +50,37 @@ def run_case(model: str, adapters: dict[str, str], num_adapters: int, requests: 
                            threads).result()
 
 
+def workload(vocab: int, adapters: dict[str, str], num_adapters: int, requests: int,
+             prompt_len: int) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts (seeded random token ids) and each one's adapter, round robin over the first
+    `num_adapters` (None: the base model)."""
+    names = list(adapters)[:num_adapters]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(requests)]
+    return prompts, [names[i % len(names)] if names else None for i in range(requests)]
+
+
+def run_vllm_case(model: str, vocab: int, adapters: dict[str, str], num_adapters: int, requests: int,
+                  prompt_len: int, output_len: int) -> dict:
+    """The same case through vLLM's CPU build offline (`--enable-lora`), bf16, in its own interpreter."""
+    from bench.peers import run_vllm_offline
+
+    prompts, loras = workload(vocab, adapters, num_adapters, requests, prompt_len)
+    used = {n: adapters[n] for n in loras if n}
+    job = {"model": model, "dtype": "bfloat16", "max_model_len": prompt_len + output_len + 16,
+           "max_num_seqs": requests, "max_num_batched_tokens": max(2048, prompt_len * requests),
+           "prompts": prompts, "max_tokens": [output_len] * requests, "loras": used, "lora_of": loras}
+    out = run_vllm_offline(job)
+    return {"adapters": num_adapters, "tok_s": out["tok_s"], "wall_s": out["seconds"]}
+
+
 def _case_here(model, adapters, num_adapters, requests, prompt_len, output_len, threads) -> dict:
     from actors import LLM, SamplingParams
 
     names = list(adapters)[:num_adapters]
-    rng = random.Random(0)
     with LLM(model, num_threads=threads, max_num_seqs=requests, lora_modules=[f"{n}={adapters[n]}" for n in names]
              or None, max_loras=max(num_adapters, 1), max_lora_rank=16) as llm:
-        vocab = llm.engine.model_config.vocab_size
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(prompt_len)] for _ in range(requests)]
-        loras = [names[i % len(names)] if names else None for i in range(requests)]
+        prompts, loras = workload(llm.engine.model_config.vocab_size, adapters, num_adapters, requests, prompt_len)
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0), lora_request=loras[0])
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         t0 = time.perf_counter()
@@ -93,6 +114,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 4, 16], help="distinct adapters; 0: the base")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also each case through vLLM's CPU build (--enable-lora), one after the other; --model "
+                         "must then be an HF folder both read (say /tmp/smollm2-hf-vllm)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from actors.worker.model_runner import open_model
@@ -104,17 +128,24 @@ def main() -> None:
         adapters = {f"a{i}": write_adapter(os.path.join(tmp, f"a{i}"), cfg, 16, i) for i in range(max(args.cases))}
         results = [run_case(args.model, adapters, n, args.requests, args.prompt_len, args.output_len, args.threads)
                    for n in args.cases]
+        vllm = [run_vllm_case(args.model, cfg.vocab_size, adapters, n, args.requests, args.prompt_len,
+                              args.output_len) for n in args.cases] if args.vllm else []
         load_s = load_time(args.model, adapters["a0"]) if adapters else None
-    base = next((r["tok_s"] for r in results if r["adapters"] == 0), None)
-    for r in results:
-        r["vs_base"] = r["tok_s"] / base if base else None
+    for cases in (results, vllm):
+        base = next((r["tok_s"] for r in cases if r["adapters"] == 0), None)
+        for r in cases:
+            r["vs_base"] = r["tok_s"] / base if base else None
+    for r, v in zip(results, vllm):
+        r["vs_vllm"] = r["tok_s"] / v["tok_s"]
     report = {"model": os.path.basename(args.model), "requests": args.requests, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "threads": args.threads, "cases": results, "adapter_load_s": load_s}
+              "output_len": args.output_len, "threads": args.threads, "cases": results, "vllm_cases": vllm,
+              "adapter_load_s": load_s}
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         for r in results:
-            print(f"{r['adapters']:>3} adapters: {r['tok_s']:8.1f} tok/s  ({r['vs_base'] or 0:.2f}x the base)")
+            print(f"{r['adapters']:>3} adapters: {r['tok_s']:8.1f} tok/s  ({r['vs_base'] or 0:.2f}x the base)"
+                  + (f", {r['vs_vllm']:.2f}x vLLM" if "vs_vllm" in r else ""))
         print(f"adapter load: {load_s * 1e3:.0f} ms" if load_s else "")
     sys.stdout.flush()
 
