@@ -44,10 +44,10 @@ def write_adapter(folder: str, cfg, rank: int, seed: int) -> str:
 
 
 def run_case(model: str, adapters: dict[str, str], num_adapters: int, requests: int, prompt_len: int,
-             output_len: int, threads: int) -> dict:
+             output_len: int, threads: int, dtype: str = "auto") -> dict:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_case_here, model, adapters, num_adapters, requests, prompt_len, output_len,
-                           threads).result()
+                           threads, dtype).result()
 
 
 def workload(vocab: int, adapters: dict[str, str], num_adapters: int, requests: int,
@@ -74,12 +74,12 @@ def run_vllm_case(model: str, vocab: int, adapters: dict[str, str], num_adapters
     return {"adapters": num_adapters, "tok_s": out["tok_s"], "wall_s": out["seconds"]}
 
 
-def _case_here(model, adapters, num_adapters, requests, prompt_len, output_len, threads) -> dict:
+def _case_here(model, adapters, num_adapters, requests, prompt_len, output_len, threads, dtype) -> dict:
     from actors import LLM, SamplingParams
 
     names = list(adapters)[:num_adapters]
     with LLM(model, num_threads=threads, max_num_seqs=requests, lora_modules=[f"{n}={adapters[n]}" for n in names]
-             or None, max_loras=max(num_adapters, 1), max_lora_rank=16) as llm:
+             or None, max_loras=max(num_adapters, 1), max_lora_rank=16, dtype=dtype) as llm:
         prompts, loras = workload(llm.engine.model_config.vocab_size, adapters, num_adapters, requests, prompt_len)
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0), lora_request=loras[0])
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 4, 16], help="distinct adapters; 0: the base")
+    ap.add_argument("--dtype", default="auto", help="Matinee's (bfloat16 to compare with vLLM's bf16 like for like)")
     ap.add_argument("--vllm", action="store_true",
                     help="also each case through vLLM's CPU build (--enable-lora), one after the other; --model "
                          "must then be an HF folder both read (say /tmp/smollm2-hf-vllm)")
@@ -126,8 +127,8 @@ def main() -> None:
     weights.close()
     with tempfile.TemporaryDirectory() as tmp:
         adapters = {f"a{i}": write_adapter(os.path.join(tmp, f"a{i}"), cfg, 16, i) for i in range(max(args.cases))}
-        results = [run_case(args.model, adapters, n, args.requests, args.prompt_len, args.output_len, args.threads)
-                   for n in args.cases]
+        results = [run_case(args.model, adapters, n, args.requests, args.prompt_len, args.output_len, args.threads,
+                            args.dtype) for n in args.cases]
         vllm = [run_vllm_case(args.model, cfg.vocab_size, adapters, n, args.requests, args.prompt_len,
                               args.output_len) for n in args.cases] if args.vllm else []
         load_s = load_time(args.model, adapters["a0"]) if adapters else None
@@ -138,7 +139,8 @@ def main() -> None:
     for r, v in zip(results, vllm):
         r["vs_vllm"] = r["tok_s"] / v["tok_s"]
     report = {"model": os.path.basename(args.model), "requests": args.requests, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "threads": args.threads, "cases": results, "vllm_cases": vllm,
+              "output_len": args.output_len, "threads": args.threads, "dtype": args.dtype, "cases": results,
+              "vllm_cases": vllm,
               "adapter_load_s": load_s}
     if args.json:
         print(json.dumps(report, indent=1))
