@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from redis.exceptions import RedisError
+
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
@@ -82,7 +84,7 @@ async def run_processes(args) -> dict:
 async def _engines(registry: RedisRegistry) -> list[tuple[str, str]]:
     try:
         return list((await registry.entries("engines/")).values())
-    except OSError:   # Redis not up yet
+    except (RedisError, OSError):   # Redis not up yet
         return []
 
 
