@@ -339,12 +339,15 @@ def test_files_and_outputs_expire_as_their_policy_says(gateway):
 
 @BOTH_STORES
 def test_ended_batches_go_after_their_retention(gateway, store, tmp_path):
-    gw = gateway(batch_retention_s=1.0)
+    # Times are whole seconds: a batch that ends at x.99 is past a 1 s retention 10 ms later, before the poll
+    # that sees it ended. Three seconds leave the poll at least two; the sleep runs to the retention's end.
+    retention = 3
+    gw = gateway(batch_retention_s=float(retention))
     f = upload(gw.client, jsonl([chat_line("a"), chat_line("b", temperature=-1)]))
     done = wait(gw.client, gw.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                     completion_window="24h").id)
     assert done.output_file_id and done.error_file_id
-    time.sleep(2.1)
+    time.sleep(max(0.0, done.completed_at + retention + 1.1 - time.time()))
     if store == "dir":   # swept without a request for it
         gone = [tmp_path / "batches" / "batches" / f"{done.id}.json", tmp_path / "batches" / "batches" /
                 f"{done.id}.results", tmp_path / "batches" / "files" / f"{done.output_file_id}.data"]
