@@ -150,6 +150,7 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
 /* A product kept apart from the sum it enters: no fused multiply-add, so every output is the float32
  * sequence quant_linear.reference_matmul computes, bit for bit. */
 #define KEEP(v) __asm__("" : "+v"(v))
+#define KEEP_S(f) __asm__("" : "+x"(f))   /* the same for a float */
 
 /* The sums of a's 8 lanes and of b's. */
 static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
@@ -758,15 +759,67 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     return 0;
 }
 
-/* Rows ids[0, n) of a packed weight of a 32-value type (an embedding's lookup), dequantized as
- * quant_linear.dequantize gives them: d * q, plus m for Q4_1 and Q5_1, in float32, into out [n, K] as
+/* v into out[at] as float32 or, rounded once more, bf16. */
+static inline void put(void *out, int out_bf16, long at, float v) {
+    if (out_bf16)
+        ((uint16_t *)out)[at] = f32_to_bf16(v);
+    else
+        ((float *)out)[at] = v;
+}
+
+/* Row `id` of a packed K-quant weight, dequantized as kquant.dequantize_raw gives it: Q4_K and Q5_K
+ * (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32), each product rounded to float32 on its own (no fused
+ * multiply-add), into out[at, at + K). The value of column j of super-block s is where kquant.pack put it. */
+static void kquant_row(int type, const uint8_t *w, long K, long id, void *out, int out_bf16, long at) {
+    const long ns = K / QKK, gb = group_bytes(type), lane = id % GR;
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *blk = w + ((id / GR) * ns + s) * gb;
+        uint16_t dh, mh = 0;
+        memcpy(&dh, blk + 2 * lane, 2);
+        const float d = _cvtsh_ss(dh);
+        if (type == Q6_K) {
+            const uint8_t *ql = blk + 18 * GR, *qh = ql + 128 * GR;
+            for (int j = 0; j < QKK; j++) {
+                const int b = j / QK, half = (j % QK) / 16, c = (j % 16) / 4, k = j % 4;
+                const uint8_t lo = ql[((b * 4 + c) * GR + lane) * 4 + k], hb = qh[((b * 2 + c / 2) * GR + lane) * 4 + k];
+                const int q = (half ? lo >> 4 : lo & 15) | ((hb >> (2 * half + 4 * (c & 1))) & 3) << 4;
+                float scale = d * (float)(int8_t)blk[2 * GR + (2 * b + half) * GR + lane];
+                KEEP_S(scale);
+                put(out, out_bf16, at + s * QKK + j, scale * (float)(q - 32));
+            }
+            continue;
+        }
+        memcpy(&mh, blk + 2 * GR + 2 * lane, 2);
+        const float dmin = _cvtsh_ss(mh);
+        const uint8_t *sc = blk + 4 * GR, *mn = blk + 12 * GR, *qs = blk + 20 * GR, *q5 = qs + 128 * GR;
+        for (int j = 0; j < QKK; j++) {
+            const int sub = j / QK, c = (j % QK) / 4, k = j % 4;
+            const uint8_t byte = qs[(((sub / 2) * 8 + c) * GR + lane) * 4 + k];
+            int q = sub & 1 ? byte >> 4 : byte & 15;
+            if (type == Q5_K) q |= ((q5[(c * GR + lane) * 4 + k] >> sub) & 1) << 4;
+            float scale = d * (float)sc[sub * GR + lane], low = dmin * (float)mn[sub * GR + lane];
+            KEEP_S(scale);
+            KEEP_S(low);
+            float v = scale * (float)q;
+            KEEP_S(v);
+            put(out, out_bf16, at + s * QKK + j, v - low);
+        }
+    }
+}
+
+/* Rows ids[0, n) of a packed weight (an embedding's lookup), dequantized as quant_linear.dequantize gives
+ * them: d * q, plus m for Q4_1 and Q5_1 (a K-quant's as kquant_row says), in float32, into out [n, K] as
  * float32 or, rounded once more, bf16. A token's row took ~15 small torch
  * ops there, 0.2 ms of a 10 ms one-token step. Returns 0; -2 for a type it does not read; -4 for an id
  * outside [0, N). */
 int matinee_quant_rows(int type, const uint8_t *w, long N, long K, const long *ids, long n, void *out, int out_bf16) {
-    if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q8_0) return -2;
+    if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q8_0 && !is_k(type)) return -2;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -4;
+    if (is_k(type)) {
+        for (long i = 0; i < n; i++) kquant_row(type, w, K, ids[i], out, out_bf16, i * K);
+        return 0;
+    }
     const long nb = K / QK, gb = group_bytes(type);
     const int has_min = type == Q4_1 || type == Q5_1, q5 = type == Q5_0 || type == Q5_1;
     const float offset = type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : 0.0f;
