@@ -3,9 +3,13 @@ toy sizes under the interpreter with --dry-run; the CPU one over one layer."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from bench.kernels_quant_gpu import FORMATS, ROWS
 
@@ -43,3 +47,20 @@ def test_cpu_bench_times_every_format_over_one_layer(capsys):
     assert len(summary["results"]) == len(names) * len(quant_linear_cpu.ROWS)
     by_name = {r["format"]: r["weight_mb"] for r in summary["results"]}
     assert by_name["int8"] < by_name["float32"] / 3.9 and by_name["int4_f32"] < by_name["float32"] / 6
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("git") is None or not (ROOT / ".git").exists()
+                    or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="needs a C compiler, an AVX2 CPU and the repository's history")
+def test_ab_bench_times_this_tree_against_a_commit(capsys):
+    """bench.quant_ab builds quant_gemm.c at a commit and in this tree and times both on the same weights; a commit
+    that does not exist is refused in one line."""
+    from bench import quant_ab
+
+    rows = quant_ab.main(["--against", "HEAD", "--types", "Q4_0,Q4_K", "--rows", "1,3", "--repeats", "1",
+                          "--layers", "1", "--threads", "1", "--json"])
+    assert [(r["type"], r["rows"]) for r in rows] == [("Q4_0", 1), ("Q4_0", 3), ("Q4_K", 1), ("Q4_K", 3)]
+    assert all(r["HEAD"]["best_ms"] > 0 and r["tree"]["best_ms"] > 0 and r["tree_over_against"] > 0 for r in rows)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rows
+    with pytest.raises(SystemExit, match="git archive no-such-commit"):
+        quant_ab.main(["--against", "no-such-commit"])
