@@ -781,7 +781,8 @@ static void kquant_row(int type, const uint8_t *w, long K, long id, void *out, i
             const uint8_t *ql = blk + 18 * GR, *qh = ql + 128 * GR;
             for (int j = 0; j < QKK; j++) {
                 const int b = j / QK, half = (j % QK) / 16, c = (j % 16) / 4, k = j % 4;
-                const uint8_t lo = ql[((b * 4 + c) * GR + lane) * 4 + k], hb = qh[((b * 2 + c / 2) * GR + lane) * 4 + k];
+                const uint8_t lo = ql[((b * 4 + c) * GR + lane) * 4 + k];
+                const uint8_t hb = qh[((b * 2 + c / 2) * GR + lane) * 4 + k];
                 const int q = (half ? lo >> 4 : lo & 15) | ((hb >> (2 * half + 4 * (c & 1))) & 3) << 4;
                 float scale = d * (float)(int8_t)blk[2 * GR + (2 * b + half) * GR + lane];
                 KEEP_S(scale);
