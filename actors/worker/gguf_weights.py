@@ -18,6 +18,8 @@ from actors.model.gguf_file import GGUFFile
 from actors.model.config import ModelConfig, ModelLoadError
 from kernels.quant_linear import QuantTensor, supported
 
+_FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -86,6 +88,16 @@ class GGUFWeights:
             return None
         raw = self._unpermuted(gname, self._file.raw(gname))
         return QuantTensor(info.qtype, torch.from_numpy(np.array(raw, order="C")), info.shape[1])
+
+    def dequantized_types(self) -> dict[str, int]:
+        """The quantized types of the file's matrices that no kernel reads in their blocks, with their bytes in
+        the file: those matrices load dequantized even where the others stay packed."""
+        unread: dict[str, int] = {}
+        for name, info in self._tensors.items():
+            qtype = GGMLQuantizationType(info.qtype)
+            if len(info.shape) == 2 and qtype not in _FLOATS and not supported(qtype):
+                unread[qtype.name] = unread.get(qtype.name, 0) + self._file.nbytes(name)
+        return unread
 
     def tensor_bytes(self) -> int:
         """What the file's tensors take, as stored: the measure resident weights are held to."""

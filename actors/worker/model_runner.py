@@ -119,15 +119,22 @@ class ModelRunner:
             self.model = DecoderModel(plan.local_config(config), self.ops, self.dtype, self.device, self.tp)
         else:
             self.model = DecoderModel(config, self.ops, self.dtype, self.device)
-        if self.source.kind == "gguf" and (why := why_dequantized(quantization, self.device, self.ops)):
+        why = why_dequantized(quantization, self.device, self.ops) if self.source.kind == "gguf" else None
+        if why:
             structlog.get_logger().info("GGUF weights dequantized at load", reason=why,
                                         dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         try:
             self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}",
                                     quantization=quantization)
             file_bytes = weights.tensor_bytes() if self.source.kind == "gguf" else None
+            # A GGUF type no kernel reads (IQ4_XS, Q2_K, ...) is dequantized even where the rest stays packed.
+            unread = getattr(weights, "dequantized_types", dict)() if self.source.kind == "gguf" and not why else {}
         finally:
             weights.close()
+        if unread:
+            structlog.get_logger().warning("GGUF tensors dequantized at load: no kernel reads their type in its "
+                                           "blocks", file_bytes_by_type=unread,
+                                           dtype=str(self.dtype).removeprefix("torch."))
         by_format = self.model.weight_bytes()
         self.weight_bytes = sum(by_format.values())   # resident: what `matinee serve` reports in its stats
         structlog.get_logger().info("weights resident", bytes=self.weight_bytes, by_format=by_format,

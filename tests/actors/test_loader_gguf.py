@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
 from actors.worker.forward_batch import ForwardBatch, SequenceInput
@@ -218,3 +219,27 @@ def test_fast_dequantize_on_the_real_file(smollm2_gguf):
     for name in ("token_embd.weight", "blk.3.attn_q.weight", "blk.29.ffn_down.weight", "blk.0.attn_norm.weight"):
         q = gguf.GGMLQuantizationType(f.tensors[name].qtype)
         np.testing.assert_array_equal(dequantize(f.raw(name), q), gguf.quants.dequantize(f.raw(name), q))
+
+
+def test_a_type_no_kernel_reads_loads_dequantized_and_is_named(tiny_model_dir, tmp_path):
+    """A GGUF whose MLP down matrices are MXFP4 (no kernel reads it in its blocks) loads them dequantized under
+    --quantization auto, says so once naming the type and its bytes, and computes what the same file gives with
+    every weight dequantized, bit for bit (its other matrices are float32)."""
+    from structlog.testing import capture_logs
+
+    from kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("GGUF blocks stay packed only under the CPU's C kernels")
+    down = lambda name: Q.MXFP4 if name.endswith("ffn_down.weight") else None   # noqa: E731
+    path = hf_folder_to_gguf(tiny_model_dir("llama"), str(tmp_path / "mixed.gguf"), quantize=down)
+    with capture_logs() as logs:
+        packed = ModelRunner(path, kernels="cpu", num_threads=1, block_size=16, num_blocks=16, quantization="auto")
+    named = [e for e in logs if e["event"].startswith("GGUF tensors dequantized at load")]
+    assert len(named) == 1 and list(named[0]["file_bytes_by_type"]) == ["MXFP4"]
+    assert named[0]["file_bytes_by_type"]["MXFP4"] > 0 and named[0]["log_level"] == "warning"
+    with capture_logs() as logs:
+        floats = ModelRunner(path, kernels="cpu", num_threads=1, block_size=16, num_blocks=16, quantization="none")
+    assert not [e for e in logs if e["event"].startswith("GGUF tensors dequantized at load")]
+    prompts = [[5, 9, 200, 31, 7, 7, 100, 3, 250, 11, 42]]
+    assert torch.equal(_logits(packed, prompts), _logits(floats, prompts))
