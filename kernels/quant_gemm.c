@@ -848,10 +848,7 @@ int matinee_quant_rows(int type, const uint8_t *w, long N, long K, const long *i
             for (int c = 0; c < QK; c++) {
                 float v = d * q[c];   /* exact: 11 bits of d times at most 8 of q */
                 if (has_min) v = v + m;   /* not + 0.0f for the others: a -0.0 stays -0.0 */
-                if (out_bf16)
-                    ((uint16_t *)out)[i * K + b * QK + c] = f32_to_bf16(v);
-                else
-                    ((float *)out)[i * K + b * QK + c] = v;
+                put(out, out_bf16, i * K + b * QK + c, v);
             }
         }
     }

@@ -265,9 +265,7 @@ def embedding(ids: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     them from the dequantized table): through quant_gemm.c where it is loaded (the same bits; a Q6_K token's
     row took 0.8 ms of a 1B model's 25-29 ms decode step through torch's ops), else `dequantize`."""
     lib = cpu_native.library()
-    in_c = weight.qtype in _HEAD or weight.qtype in kquant.TYPES
-    if lib is not None and in_c and weight.packed.device.type == "cpu" \
-            and weight.dtype in (torch.float32, torch.bfloat16):
+    if lib is not None and weight.packed.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.shape[0], weight.in_features, dtype=weight.dtype)
         status = lib.matinee_quant_rows(int(weight.qtype), weight.packed.data_ptr(), weight.out_features,

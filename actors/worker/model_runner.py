@@ -128,7 +128,7 @@ class ModelRunner:
                                     quantization=quantization)
             file_bytes = weights.tensor_bytes() if self.source.kind == "gguf" else None
             # A GGUF type no kernel reads (IQ4_XS, Q2_K, ...) is dequantized even where the rest stays packed.
-            unread = getattr(weights, "dequantized_types", dict)() if self.source.kind == "gguf" and not why else {}
+            unread = weights.dequantized_types() if self.source.kind == "gguf" and not why else {}
         finally:
             weights.close()
         if unread:

@@ -56,6 +56,9 @@ class ShardedWeights:
     def tensor_bytes(self) -> int:
         return self._weights.tensor_bytes()
 
+    def dequantized_types(self) -> dict[str, int]:
+        return self._weights.dequantized_types()
+
     def close(self) -> None:
         self._weights.close()
 

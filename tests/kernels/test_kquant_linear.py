@@ -15,9 +15,9 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from kernels import cpu_native, get_ops, kquant, quant_linear
+from kernels import get_ops, kquant, quant_linear
 from kernels.quant_linear import QuantStack, QuantTensor
-from tests.kernels.test_quant_linear import assert_unpacks_and_dequantizes_as_gguf
+from tests.kernels.test_quant_linear import assert_embedding_rows_in_c, assert_unpacks_and_dequantizes_as_gguf
 from tests.kquants import quantize
 
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
@@ -146,22 +146,10 @@ def test_bad_input_is_refused():
         quant_linear.pack(QuantTensor(int(Q.Q6_K), torch.zeros(4, 105, dtype=torch.uint8), 128))
 
 
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_in_c_are_dequantize_s_bits(qtype, dtype, monkeypatch):
-    """quant_gemm.c's row lookup of a K-quant gives the torch path's rows (kquant.dequantize_raw, as gguf
-    dequantizes them) bit for bit, rounded once to bf16 for a bf16 model, from every lane of a group and past
-    the first super-block; ids out of range are refused."""
+    """As the 32-value types', past the first super-block (kquant_row in quant_gemm.c)."""
     raw, _ = _quantized(qtype, 45, 768, 11)
-    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), 768), dtype)
-    rows = torch.tensor([[44, 0, 17], [16, 15, 44], [31, 32, 1]])
-    got = quant_linear.embedding(rows, weight)
-    assert got.dtype == dtype and got.shape == (3, 3, 768)
-    expect = torch.from_numpy(dequantize(raw, qtype)[rows.reshape(-1).numpy()]).to(dtype).view(3, 3, 768)
-    assert torch.equal(got, expect)
-    monkeypatch.setattr(cpu_native, "library", lambda: None)   # the torch path agrees
-    assert torch.equal(quant_linear.embedding(rows, weight), got)
-    monkeypatch.undo()
-    for bad in ([45], [-1], [3, 45]):
-        with pytest.raises(IndexError, match="out of range"):
-            quant_linear.embedding(torch.tensor(bad), weight)
+    assert_embedding_rows_in_c(raw, qtype, 768, dtype, monkeypatch)

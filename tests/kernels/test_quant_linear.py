@@ -65,14 +65,20 @@ def assert_unpacks_and_dequantizes_as_gguf(weight: QuantTensor, raw: np.ndarray,
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_in_c_are_dequantize_s_bits(qtype, dtype, monkeypatch):
-    """quant_gemm.c's row lookup gives `dequantize`'s rows (the torch path, as gguf dequantizes them) bit
-    for bit, rounded once to bf16 for a bf16 model; ids out of range are refused before anything is read."""
-    raw, tensor = _quantized(qtype, 45, 96, 7)
-    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), 96), dtype)
-    rows = torch.tensor([[44, 0, 17], [16, 15, 44]])
+    raw, _ = _quantized(qtype, 45, 96, 7)
+    assert_embedding_rows_in_c(raw, qtype, 96, dtype, monkeypatch)
+
+
+def assert_embedding_rows_in_c(raw: np.ndarray, qtype, k: int, dtype: torch.dtype, monkeypatch) -> None:
+    """quant_gemm.c's row lookup of 45 file rows of k values gives `dequantize`'s rows (the torch path, as gguf
+    dequantizes them) bit for bit, rounded once to bf16 for a bf16 model, from every lane of a group; ids out
+    of range are refused before anything is read."""
+    weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), k), dtype)
+    rows = torch.tensor([[44, 0, 17], [16, 15, 44], [31, 32, 1]])
     got = quant_linear.embedding(rows, weight)
-    assert got.dtype == dtype and got.shape == (2, 3, 96)
-    assert torch.equal(got, quant_linear.dequantize(weight, rows.reshape(-1)).to(dtype).view(2, 3, 96))
+    assert got.dtype == dtype and got.shape == (3, 3, k)
+    assert torch.equal(got, quant_linear.dequantize(weight, rows.reshape(-1)).to(dtype).view(3, 3, k))
+    assert torch.equal(got, torch.from_numpy(dequantize(raw, qtype)[rows.reshape(-1).numpy()]).to(dtype).view(3, 3, k))
     monkeypatch.setattr(cpu_native, "library", lambda: None)   # the torch path agrees with itself
     assert torch.equal(got, quant_linear.embedding(rows, weight))
     monkeypatch.undo()
