@@ -51,9 +51,9 @@ class EngineConfig:
                 "probe at the first start finds it faster, else float32", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
     quantization: str = field(default="auto", metadata={
-        "help": "weight format; auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K matmul weights stay "
-                "quantized in memory (on the CPU kernels and torch), a GPTQ or AWQ checkpoint's int4 too; none: "
-                "every weight dequantized to --dtype; "
+        "help": "weight format; auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL and Q4_K/Q5_K/Q6_K/IQ4_XS matmul "
+                "weights stay quantized in memory (on the CPU kernels and torch), a GPTQ or AWQ checkpoint's int4 "
+                "too; none: every weight dequantized to --dtype; "
                 "int8 / int4: projections quantized at load (per output channel / in groups; the LM head int8)",
         "choices": QUANTIZATIONS})
     kernels: str = field(default="auto", metadata={

@@ -1,6 +1,6 @@
-"""CPU projections on GGUF weights served packed: the K-quants (Q4_K, Q5_K, Q6_K) against the 32-block
-types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) through the same kernel file (quant_gemm.c), and the packed bf16 kernel on the
-same weights dequantized (what `--quantization none --dtype bfloat16` would multiply).
+"""CPU projections on GGUF weights served packed: the K-quants (Q4_K, Q5_K, Q6_K, IQ4_XS) against the 32-block
+types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) through the same kernel file (quant_gemm.c), and the packed bf16
+kernel on the same weights dequantized (what `--quantization none --dtype bfloat16` would multiply).
 
 Llama-3.2-1B's seven projections (hidden 2048, KV 512, MLP 8192: every width whole 256-value
 super-blocks, which SmolLM2's 576 is not) over LAYERS layers, so each call reads its weight from memory
@@ -25,7 +25,7 @@ HIDDEN, KV, INTER = 2048, 512, 8192
 PROJECTIONS = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
                (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
 ROWS = [1, 8, 32]
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 
 
 def main(argv=None) -> None:

@@ -65,8 +65,9 @@ def _add_plan_parser(sub) -> None:
                    help="fp32, bf16, fp16, int8, fp8 or int4 (default bf16; int8 and int4 as the engine holds "
                         "them under --quantization int8 / int4, scales, int8 LM head and float norms included, "
                         "or nominal 1 and 0.5 bytes a value for a preset that is only a parameter count, "
-                        "70b-gqa); a GGUF type (q8_0, q4_0, q4_1, q5_0, q5_1, "
-                        "q4_k, q5_k, q6_k: bytes as the CPU kernels hold it, scales included); auto: a GGUF file's own "
+                        "70b-gqa); a GGUF type (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, "
+                        "q4_k, q5_k, q6_k, iq4_xs: bytes as the CPU kernels hold it, scales included); "
+                        "auto: a GGUF file's own "
                         "types, as the CPU engine holds them under --quantization auto")
     p.add_argument("--backend", default="gpu", choices=BACKENDS,
                    help="whose int4 layout --weight-dtype int4 is sized in: gpu (torch and Triton kernels: a "

@@ -1,4 +1,4 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) for quant_gemm.c: the file's super-blocks decoded, repacked into
+"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS for quant_gemm.c: the file's super-blocks decoded, repacked into
 the kernel's 16-row groups and back, and the kernel's math in plain torch.
 
 A K-quant row is super-blocks of 256 values (gguf.quants.Q4_K and its neighbours read them):
@@ -8,6 +8,10 @@ A K-quant row is super-blocks of 256 values (gguf.quants.Q4_K and its neighbours
 - Q5_K (176): as Q4_K, with 32 bytes of fifth bits before the nibbles: bit j of byte l is value 32j + l's.
 - Q6_K (210): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 values),
   fp16 d; w = d * sc[s] * (q - 32), q in 0..63.
+- IQ4_XS (136): fp16 d, a uint16 of the eight 6-bit scales' high pairs, 4 bytes of their low nibbles, 128 bytes
+  of nibbles; w = (d * (sc[j] - 32)) * LEVELS[q] for sub-block j, LEVELS llama.cpp's 16 non-uniform int8 values
+  (kvalues_iq4nl). Byte 16j + l holds value 32j + l in its low nibble and 32j + 16 + l in its high one (a
+  Q4_0 block's order, sub-block by sub-block).
 
 The repacked group (one super-block of 16 rows, 16 x ROW_BYTES) keeps the file's bits, only its
 scales widened to a byte each (Q4_K/Q5_K: 148 and 180 bytes a row against the file's 144 and 176; Q6_K
@@ -19,6 +23,8 @@ scales widened to a byte each (Q4_K/Q5_K: 148 and 180 bytes a row against the fi
   column 32b + 4c + k's and high nibble 32b + 16 + 4c + k's, and [pair][row][4] bytes of high bits:
   bits 0-1, 2-3, 4-5 and 6-7 for columns 32b + 8i + k, 32b + 16 + 8i + k, 32b + 8i + 4 + k and
   32b + 16 + 8i + 4 + k.
+- IQ4_XS: d[16] fp16, sc[8][16] int8 (the file's 6 bits less 32), then [sub-block j][vector c][row][4]: the
+  file's nibble byte 16j + 4c + k of each row (138 bytes a row).
 
 The product quantizes x as llama.cpp's block_q8_K: one float32 scale per super-block of 256 (amax / 127),
 int8 values and their sums per 16. Within a super-block everything is integer: each sub-block's exact dot
@@ -34,10 +40,12 @@ from gguf.constants import GGMLQuantizationType as GGMLType
 
 QK_K = 256
 GR = 16
-Q4_K, Q5_K, Q6_K = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}          # a super-block of one row, as the file stores it
-ROW_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210}            # the same repacked
+Q4_K, Q5_K, Q6_K, IQ4_XS = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}   # a super-block of one row, as the file stores it
+ROW_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210, IQ4_XS: 138}     # the same repacked
 TYPES = tuple(BLOCK_BYTES)
+# The 16 values an IQ4 nibble indexes (llama.cpp's kvalues_iq4nl; quant_layout.h's IQ4_LEVELS).
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -77,11 +85,30 @@ def _q6_file(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     return torch.cat([ql.flatten(-2), qh.flatten(-2), sc, d], dim=-1)
 
 
+def _iq4_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS file blocks [..., 136] -> the eight scales less 32, int8 [..., 8]."""
+    high = blocks[..., 2].int() | (blocks[..., 3].int() << 8)
+    low = torch.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], dim=-1).flatten(-2).int()   # j = 2i + odd
+    return (low | (((high[..., None] >> (2 * torch.arange(8))) & 3) << 4)).sub(32).to(torch.int8)
+
+
+def _iq4_scale_bytes(sc: torch.Tensor) -> torch.Tensor:
+    """The inverse of _iq4_scales: int8 [..., 8] -> the file's scales_h (2 bytes) and scales_l (4), [..., 6]."""
+    ls = sc.int() + 32
+    high = ((ls >> 4) << (2 * torch.arange(8))).sum(dim=-1)
+    low = (ls[..., 0::2] & 0x0F) | ((ls[..., 1::2] & 0x0F) << 4)
+    return torch.cat([torch.stack([high & 0xFF, high >> 8], dim=-1), low], dim=-1).to(torch.uint8)
+
+
 def decode(raw: torch.Tensor, qtype: int) -> dict[str, torch.Tensor]:
     """File rows uint8 [R, S * block bytes] -> the super-blocks' fields, values in column order:
-    q uint8 [R, S, 256]; d float32 [R, S]; Q4_K/Q5_K: dmin [R, S], sc and m uint8 [R, S, 8]; Q6_K:
-    sc int8 [R, S, 16]."""
+    q uint8 [R, S, 256] (IQ4_XS: its levels, int8); d float32 [R, S]; Q4_K/Q5_K: dmin [R, S], sc and m uint8
+    [R, S, 8]; Q6_K: sc int8 [R, S, 16]; IQ4_XS: sc int8 [R, S, 8] (less 32)."""
     blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[qtype])
+    if qtype == IQ4_XS:
+        qs = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 1, 16)
+        nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*blocks.shape[:2], QK_K)
+        return {"q": IQ4_LEVELS[nibbles.long()], "d": _f16(blocks[..., 0:2]), "sc": _iq4_scales(blocks)}
     if qtype == Q6_K:
         return {"q": _q6_values(blocks), "d": _f16(blocks[..., 208:210]),
                 "sc": blocks[..., 192:208].contiguous().view(torch.int8)}
@@ -98,6 +125,9 @@ def dequantize_raw(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """File rows -> float32 [R, S * 256], bit for bit as gguf.quants.dequantize gives them."""
     f = decode(raw, qtype)
     rows, supers = f["q"].shape[:2]
+    if qtype == IQ4_XS:
+        scale = (f["d"][..., None] * f["sc"].float())[..., None]                       # [R, S, 8, 1]
+        return (scale * f["q"].reshape(rows, supers, 8, 32).float()).reshape(rows, -1)
     if qtype == Q6_K:
         scale = f["d"][..., None] * f["sc"].float()                                     # [R, S, 16]
         q = f["q"].reshape(rows, supers, 16, 16).float() - 32.0
@@ -128,7 +158,10 @@ def pack(raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     def columns(t: torch.Tensor, vectors: int) -> torch.Tensor:   # [G, S, 16, vectors * 4] -> [v][row][4]
         return t.reshape(groups, supers, GR, vectors, 4).transpose(2, 3).reshape(groups, supers, -1)
 
-    if qtype == Q6_K:
+    if qtype == IQ4_XS:
+        parts = [b[..., 0:2].reshape(groups, supers, -1), lanes(_iq4_scales(b).view(torch.uint8)),
+                 columns(b[..., 8:], 32)]                                          # [j * 4 + c][row][4]
+    elif qtype == Q6_K:
         q = _q6_values(b)                                                          # [G, S, 16, 256]
         x = q.reshape(groups, supers, GR, 8, 2, 4, 4)                               # [.., b, half, c, k]
         ql = (x[..., 0, :, :] & 0x0F) | ((x[..., 1, :, :] & 0x0F) << 4)             # [G, S, 16, 8, 4, 4]
@@ -157,7 +190,10 @@ def unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
     def columns(t: torch.Tensor, vectors: int) -> torch.Tensor:
         return t.reshape(groups, supers, vectors, GR, 4).transpose(2, 3).reshape(groups, supers, GR, -1)
 
-    if qtype == Q6_K:
+    if qtype == IQ4_XS:
+        d, sc = packed[..., :32].reshape(groups, supers, GR, 2), rows(packed[..., 32:160], 8).view(torch.int8)
+        blocks = torch.cat([d, _iq4_scale_bytes(sc), columns(packed[..., 160:], 32)], dim=-1)
+    elif qtype == Q6_K:
         d = packed[..., :32].reshape(groups, supers, GR, 2)
         sc = rows(packed[..., 32:288], 16)
         ql = packed[..., 288:2336].reshape(groups, supers, 8, 4, GR, 4).permute(0, 1, 4, 2, 3, 5)  # [.., 16, b, c, k]
@@ -196,7 +232,7 @@ def reference_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int) -> 
     f = decode(raw, qtype)
     supers = f["q"].shape[1]
     sub = 16 if qtype == Q6_K else 32                                   # values per integer scale
-    q = f["q"].double().reshape(n, supers, -1, sub)                     # [N, S, 256 / sub, sub]
+    q = f["q"].double().reshape(n, supers, -1, sub)                     # [N, S, 256 / sub, sub] (IQ4_XS: levels)
     if qtype == Q6_K:
         q = q - 32.0
     sc = f["sc"].double()
@@ -207,7 +243,7 @@ def reference_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int) -> 
         xq = xq.double().reshape(xq.shape[0], supers, -1, sub)
         dots = (torch.einsum("msjk,nsjk->mnsj", xq, q) * sc[None]).sum(dim=-1)       # [m, N, S]
         mins = None
-        if qtype != Q6_K:
+        if "m" in f:
             sums = xs.double().reshape(xs.shape[0], supers, 8, 2).sum(dim=-1)         # [m, S, 8] per 32
             mins = (sums[:, None] * f["m"].double()[None]).sum(dim=-1).float()        # [m, N, S]
         dots = dots.float()

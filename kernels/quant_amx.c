@@ -382,7 +382,9 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
 
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
-    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && !is_k(type) && type != BF16P)
+    /* IQ4_XS and IQ4_NL are not widened here (quant_gemm.c multiplies them at every row count). */
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q4_K && type != Q5_K &&
+        type != Q6_K && type != BF16P)
         return -2;
     if ((is_k(type) && K % QKK) || K % QK) return -2;
     if (!amx_permitted()) return -4;

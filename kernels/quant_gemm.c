@@ -1,5 +1,5 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), repacked once at
- * load (quant_linear.py) and never widened to float in memory.
+/* y[M, N] = x[M, K] @ W[N, K]^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), repacked
+ * once at load (quant_linear.py) and never widened to float in memory.
  *
  * x is quantized on the fly, per block of 32 values, to int8 with one float32 scale (amax / 127,
  * rounded to nearest even, as quant_linear.reference_matmul does), and each block's product is an
@@ -8,7 +8,8 @@
  * by one madd: 0.85-0.9x the time from 4 rows on a Zen 3). Q4 nibbles (0..15) and Q5 values (0..31)
  * are the unsigned operand; Q4_0's -8, Q5_0's -16 and Q8_0's +128 (its bytes are made unsigned by an
  * xor with 0x80 on VNNI) come back as -8, -16 or -128 times the block's sum of x, which the quantizer
- * counts once per row. The int32 sums are scaled per block in float32 and added
+ * counts once per row. IQ4_NL's nibbles index 16 signed levels (a byte shuffle, SHUF8), then multiply as Q8_0's
+ * bytes do. The int32 sums are scaled per block in float32 and added
  * up block after block, in the order the torch reference adds them: the two agree bit for bit.
  *
  * The packed weight is [ceil(N/16), K/32, GROUP_BYTES]: 16 output rows (one int32 lane each) of one
@@ -20,7 +21,7 @@
  * i at 8i + 4 (the four shifted copies do not overlap, so nothing carries).
  * One broadcast of 4 bytes of x multiplies 16 rows at once; a group's blocks are one stream.
  *
- * The K-quants (Q4_K, Q5_K, Q6_K; kquant.py draws their group of one 256-value super-block) quantize x
+ * The K-quants (Q4_K, Q5_K, Q6_K, and IQ4_XS; kquant.py draws their group of one 256-value super-block) quantize x
  * as llama.cpp's block_q8_K: one float32 scale per super-block of 256, the values rounded as above, and
  * their sums per 16. A super-block then stays in int32 to its end: per sub-block the exact dot product
  * times the sub-block's integer scale (AVX2: the int16 pair sums widened by a madd with the scale), added
@@ -71,6 +72,8 @@ typedef __m512 vf;
 #define SLLI32 _mm512_slli_epi32
 #define SRL16(v, n) _mm512_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm512_sub_ps
+#define SHUF8 _mm512_shuffle_epi8                         /* a byte table per 128 bits, indexed by low nibbles */
+#define TABLE16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #ifdef __AVX512VNNI__
 #define DOT_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #define DOT_I16(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)   /* int16 pairs: a0 b0 + a1 b1 per lane */
@@ -122,6 +125,8 @@ typedef __m256 vf;
 #define SLLI32 _mm256_slli_epi32
 #define SRL16(v, n) _mm256_srl_epi16(v, _mm_cvtsi32_si128(n))
 #define VSUB _mm256_sub_ps
+#define SHUF8 _mm256_shuffle_epi8
+#define TABLE16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 static inline vi dot_u8(vi acc, vi w, vi x) {   /* Q4 pairs: 2 * 15 * 127, within int16 */
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
@@ -151,6 +156,12 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
  * sequence quant_linear.reference_matmul computes, bit for bit. */
 #define KEEP(v) __asm__("" : "+v"(v))
 #define KEEP_S(f) __asm__("" : "+x"(f))   /* the same for a float */
+
+/* IQ4's 16 levels as the signed weight bytes DOT_S8 takes after Q8_PREP (on VNNI + 128, unsigned), for a SHUF8
+ * by nibbles; and their magnitudes, for AVX2's maddubs (a level's sign goes onto x). */
+static const int8_t IQ4_TABLE[16] = IQ4_LEVELS;
+
+static inline vi iq4_table(void) { return Q8_PREP(TABLE16(IQ4_TABLE)); }
 
 /* The sums of a's 8 lanes and of b's. */
 static inline void sum2(__m256i a, __m256i b, int32_t *sa, int32_t *sb) {
@@ -311,6 +322,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
             vi pairs[MR_MAX * HALVES];
             for (int i = 0; i < MR * NH; i++) pairs[i] = SET1I(0);
 #endif
+            const vi table = iq4_table();
             vi qh[HALVES];
             for (int u = 0; u < NH; u++) qh[u] = q5 ? LOADI(qs + u * LANES * 4) : SET1I(0);
             const uint8_t *nibbles = q5 ? qs + GR * 4 : qs;
@@ -325,10 +337,16 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
                         hi[u] = ORI(hi[u], ANDI(MULLO(ANDI(SRLI32(qh[u], 16), nib), spread), bit4));
                         qh[u] = SRLI32(qh[u], 4);
                     }
+                    if (type == IQ4_NL) lo[u] = SHUF8(table, lo[u]), hi[u] = SHUF8(table, hi[u]);
                 }
                 for (int i = 0; i < MR; i++) {
                     const vi x0 = SET1I(bcast4(xb + i * K + 4 * c)), x1 = SET1I(bcast4(xb + i * K + 16 + 4 * c));
                     for (int u = 0; u < NH; u++) {
+                        if (type == IQ4_NL) {   /* signed levels: an AVX2 pair sum reaches 2 * 127 * 127 alone */
+                            acc[i * NH + u] = DOT_S8(acc[i * NH + u], lo[u], x0);
+                            acc[i * NH + u] = DOT_S8(acc[i * NH + u], hi[u], x1);
+                            continue;
+                        }
 #ifdef PAIRS16
                         pairs[i * NH + u] = ADD16(pairs[i * NH + u], ADD16(PAIRS16(lo[u], x0), PAIRS16(hi[u], x1)));
 #else
@@ -338,7 +356,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
                     }
                 }
 #ifdef PAIRS16
-                if (!q5 || c & 1)   /* Q4: 8 sums of 2 * 15 * 127 fit int16; Q5 (values to 31): 4 do */
+                if (type != IQ4_NL && (!q5 || c & 1))   /* Q4: 8 sums of 2 * 15 * 127 fit int16; Q5: 4 do */
                     for (int i = 0; i < MR * NH; i++) acc[i] = WIDEN_PAIRS(acc[i], pairs[i]), pairs[i] = SET1I(0);
 #endif
             }
@@ -570,6 +588,76 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
         for (int u = 0; u < NH; u++) VSTORE(tile + i * GR + (h + u) * LANES, facc[i * NH + u]);
 }
 
+/* IQ4_XS: per sub-block j of 32 values, 4 columns of nibbles (low: value 4c + k, high: 16 + 4c + k), each an index
+ * into IQ4's 16 signed levels (SHUF8), one signed scale (the file's 6 bits less 32) per sub-block. Each sub-block's
+ * exact dot product times its scale is added up over the super-block in int32. On VNNI the levels are multiplied
+ * + 128 (unsigned) and 128 * sum(sc * sum(x of j)) comes off once per super-block by int16 pairs, as Q6_K's offset
+ * (|each part| <= 8 * 32 * 32 * 241 * 127 < 2^28); on AVX2 a level's magnitude meets x with the level's sign, and
+ * each column's int16 pair sums are widened by a madd with the scale. NH halves from h, as kernel_k45. */
+static inline __attribute__((always_inline)) void kernel_iq4xs(const int MR, const int NH, const uint8_t *w, long ns,
+                                                               const int8_t *xq, const float *xd, const int32_t *xp,
+                                                               long K, int h, float *tile) {
+    const long gb = group_bytes(IQ4_XS);
+    const vi low = SET1B(0x0f), table = iq4_table();
+    vf facc[MR_MAX * HALVES];
+    for (int i = 0; i < MR * NH; i++) facc[i] = VZERO();
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *blk = w + s * gb;
+        const uint8_t *scp = blk + 2 * GR + h * LANES, *qs = blk + 10 * GR + h * LANES * 4;
+        vi dot[MR_MAX * HALVES];
+        for (int i = 0; i < MR * NH; i++) dot[i] = SET1I(0);
+        for (int j = 0; j < 8; j++) {
+            const int8_t *xb = xq + s * QKK + j * QK;
+            vi sc[HALVES];
+            for (int u = 0; u < NH; u++) sc[u] = scale_i8(scp + j * GR + u * LANES);
+#ifndef MADD16
+            vi acc[MR_MAX * HALVES];
+            for (int i = 0; i < MR * NH; i++) acc[i] = SET1I(0);
+#endif
+            for (int c = 0; c < 4; c++) {
+                vi lo[HALVES], hi[HALVES];
+                for (int u = 0; u < NH; u++) {
+                    const uint8_t *at = qs + (j * 4 + c) * GR * 4 + u * LANES * 4;
+                    if (u == 0) _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                    const vi raw = LOADI(at);
+                    lo[u] = SHUF8(table, ANDI(raw, low)), hi[u] = SHUF8(table, ANDI(SRLI16(raw, 4), low));
+                }
+                for (int i = 0; i < MR; i++) {
+                    const vi xa = SET1I(bcast4(xb + i * K + 4 * c)), xc = SET1I(bcast4(xb + i * K + 16 + 4 * c));
+                    for (int u = 0; u < NH; u++) {
+#ifdef MADD16   /* |level| x (x with the level's sign): pair sums within 2 * 127 * 127 */
+                        const vi pl = PAIRS16(_mm256_abs_epi8(lo[u]), _mm256_sign_epi8(xa, lo[u]));
+                        const vi ph = PAIRS16(_mm256_abs_epi8(hi[u]), _mm256_sign_epi8(xc, hi[u]));
+                        dot[i * NH + u] = ADDI(dot[i * NH + u], ADDI(MADD16(pl, sc[u]), MADD16(ph, sc[u])));
+#else
+                        acc[i * NH + u] = DOT_S8(acc[i * NH + u], lo[u], xa);
+                        acc[i * NH + u] = DOT_S8(acc[i * NH + u], hi[u], xc);
+#endif
+                    }
+                }
+            }
+#ifndef MADD16
+            for (int i = 0; i < MR * NH; i++) dot[i] = ADDI(dot[i], MULLO(acc[i], sc[i % NH]));
+#endif
+        }
+        if (Q8_BIAS) {
+            vi offset[MR_MAX * HALVES];
+            for (int i = 0; i < MR * NH; i++) offset[i] = SET1I(0);
+            for (int t = 0; t < 4; t++)
+                for (int u = 0; u < NH; u++) {
+                    const vi sp = pair_i8(scp + 2 * t * GR + u * LANES, scp + (2 * t + 1) * GR + u * LANES);
+                    for (int i = 0; i < MR; i++)
+                        offset[i * NH + u] = DOT_I16(offset[i * NH + u], sp, SET1I(xp[i * ns * 4 + s * 4 + t]));
+                }
+            for (int i = 0; i < MR * NH; i++) dot[i] = SUBI(dot[i], SLLI32(offset[i], 7));
+        }
+        for (int u = 0; u < NH; u++)
+            scale_super(MR, NH, u, facc, dot, 0, LOAD_F16(blk + (h + u) * LANES * 2), VZERO(), xd + s, ns);
+    }
+    for (int i = 0; i < MR; i++)
+        for (int u = 0; u < NH; u++) VSTORE(tile + i * GR + (h + u) * LANES, facc[i * NH + u]);
+}
+
 typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, const int32_t *, const float *, long,
                           float *);
 
@@ -583,6 +671,8 @@ typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, const float *, 
     do {                                                                                                   \
         if (T == Q6_K)                                                                                     \
             kernel_q6k(MR, NH, w, K / QKK, xq, xd, xo, K, h, tile);                                        \
+        else if (T == IQ4_XS)                                                                              \
+            kernel_iq4xs(MR, NH, w, K / QKK, xq, xd, xo, K, h, tile);                                      \
         else if (T == Q4_K || T == Q5_K)                                                                   \
             kernel_k45(T, MR, NH, w, K / QKK, xq, xd, xo, K, h, tile);                                     \
         else                                                                                               \
@@ -613,6 +703,8 @@ INSTANCES(8)
 INSTANCES(12)
 INSTANCES(13)
 INSTANCES(14)
+INSTANCES(20)
+INSTANCES(23)
 static const kernel_fn KERNELS_Q4_0[MR_MAX + 1] = TABLE(2);
 static const kernel_fn KERNELS_Q4_1[MR_MAX + 1] = TABLE(3);
 static const kernel_fn KERNELS_Q5_0[MR_MAX + 1] = TABLE(6);
@@ -621,6 +713,8 @@ static const kernel_fn KERNELS_Q8_0[MR_MAX + 1] = TABLE(8);
 static const kernel_fn KERNELS_Q4_K[MR_MAX + 1] = TABLE(12);
 static const kernel_fn KERNELS_Q5_K[MR_MAX + 1] = TABLE(13);
 static const kernel_fn KERNELS_Q6_K[MR_MAX + 1] = TABLE(14);
+static const kernel_fn KERNELS_IQ4_NL[MR_MAX + 1] = TABLE(20);
+static const kernel_fn KERNELS_IQ4_XS[MR_MAX + 1] = TABLE(23);
 
 int matinee_quant_width(void) { return WIDTH; }
 
@@ -700,7 +794,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     const kernel_fn *kernels = type == Q4_0 ? KERNELS_Q4_0 : type == Q4_1 ? KERNELS_Q4_1
                              : type == Q5_0 ? KERNELS_Q5_0 : type == Q5_1 ? KERNELS_Q5_1
                              : type == Q8_0 ? KERNELS_Q8_0 : type == Q4_K ? KERNELS_Q4_K
-                             : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K : 0;
+                             : type == Q5_K ? KERNELS_Q5_K : type == Q6_K ? KERNELS_Q6_K
+                             : type == IQ4_NL ? KERNELS_IQ4_NL : type == IQ4_XS ? KERNELS_IQ4_XS : 0;
     if (!kernels) return -2;
     if (is_k(type) && K % QKK) return -3;
     long nb = K / QK, groups = (N + GR - 1) / GR;
@@ -716,7 +811,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     /* What a block of the 32-value types adds besides its products, per row: the offset's int32 start
      * value (-8, -16 or Q8_0's -Q8_BIAS times the sum of x), the minimum's multiplier d * sum in float32.
      * Worked out once per row and block, not once per group, and read by a broadcast from memory. */
-    const int32_t offset = type == Q8_0 ? -Q8_BIAS : type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
+    const int32_t offset = type == Q8_0 || type == IQ4_NL ? -Q8_BIAS : type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
     /* A K-quant row's x: a scale per super-block (xd), its sums per 16 (xs), and those sums as the int16 pairs
      * its kernel reads (xo: per super-block Q6_K's 8 pairs of 16s, Q4_K's and Q5_K's 4 pairs of 32s). */
     const long sd = is_k(type) ? K / QKK : nb, so = is_k(type) ? K / QKK * (type == Q6_K ? 8 : 4) : nb;
@@ -790,6 +885,17 @@ static void kquant_row(int type, const uint8_t *w, long K, long id, void *out, i
             }
             continue;
         }
+        if (type == IQ4_XS) {   /* (d * sc) * level, sc the file's 6 bits less 32 */
+            const uint8_t *qs = blk + 10 * GR;
+            for (int j = 0; j < QKK; j++) {
+                const int sub = j / QK, c = (j % 16) / 4, k = j % 4;
+                const uint8_t byte = qs[((sub * 4 + c) * GR + lane) * 4 + k];
+                float scale = d * (float)(int8_t)blk[2 * GR + sub * GR + lane];
+                KEEP_S(scale);
+                put(out, out_bf16, at + s * QKK + j, scale * (float)IQ4_TABLE[j % QK < 16 ? byte & 15 : byte >> 4]);
+            }
+            continue;
+        }
         memcpy(&mh, blk + 2 * GR + 2 * lane, 2);
         const float dmin = _cvtsh_ss(mh);
         const uint8_t *sc = blk + 4 * GR, *mn = blk + 12 * GR, *qs = blk + 20 * GR, *q5 = qs + 128 * GR;
@@ -814,7 +920,8 @@ static void kquant_row(int type, const uint8_t *w, long K, long id, void *out, i
  * ops there, 0.2 ms of a 10 ms one-token step. Returns 0; -2 for a type it does not read; -4 for an id
  * outside [0, N). */
 int matinee_quant_rows(int type, const uint8_t *w, long N, long K, const long *ids, long n, void *out, int out_bf16) {
-    if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q8_0 && !is_k(type)) return -2;
+    if (type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q8_0 && type != IQ4_NL && !is_k(type))
+        return -2;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -4;
     if (is_k(type)) {
@@ -843,6 +950,7 @@ int matinee_quant_rows(int type, const uint8_t *w, long N, long K, const long *i
                     const uint8_t byte = vals[(j / 4) * GR * 4 + lane * 4 + j % 4];
                     q[j] = (float)((byte & 15) | (q5 ? ((qh >> j) & 1) << 4 : 0)) - offset;
                     q[j + QK / 2] = (float)((byte >> 4) | (q5 ? ((qh >> (j + QK / 2)) & 1) << 4 : 0)) - offset;
+                    if (type == IQ4_NL) q[j] = IQ4_TABLE[byte & 15], q[j + QK / 2] = IQ4_TABLE[byte >> 4];
                 }
             }
             for (int c = 0; c < QK; c++) {

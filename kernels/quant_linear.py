@@ -1,9 +1,9 @@
 """GGUF-quantized projections on the CPU: quant_gemm.c's launcher, its weight layout, and the torch
 reference of the same math.
 
-A weight stays in its file's block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the K-quants Q4_K, Q5_K,
-Q6_K of kquant.py), repacked once at load into groups of 16 output rows (see quant_gemm.c); nothing is widened
-to float in memory. The product quantizes x
+A weight stays in its file's block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the K-quants Q4_K,
+Q5_K, Q6_K and IQ4_XS of kquant.py), repacked once at load into groups of 16 output rows (see quant_gemm.c);
+nothing is widened to float in memory. The product quantizes x
 per block of 32 to int8 (one float32 scale, amax / 127, rounded to nearest even; per super-block of 256
 for the K-quants, see kquant.py) and sums exact int32 block products scaled in float32, as llama.cpp does: `reference_matmul` is that math in plain
 torch, what the torch backend serves a quantized weight with and what the tests hold the kernel to.
@@ -22,12 +22,13 @@ from kernels.quantize import GGUF_BLOCK as QK, GGUF_BLOCK_BYTES, GGMLType
 
 GR = 16                             # output rows per packed group
 Q4_0, Q4_1, Q8_0 = GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0   # ggml's type numbers, as GGUF stores them
-Q5_0, Q5_1 = GGMLType.Q5_0, GGMLType.Q5_1
-# Q5_0 and Q5_1 blocks: d [, m], then qh (the 32 fifth bits, a little-endian uint32), then Q4's 16 bytes of nibbles.
-BLOCK_BYTES = {**GGUF_BLOCK_BYTES, Q5_0: 22, Q5_1: 24}
+Q5_0, Q5_1, IQ4_NL = GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.IQ4_NL
+# Q5_0 and Q5_1 blocks: d [, m], then qh (the 32 fifth bits, a little-endian uint32), then Q4's 16 bytes of nibbles;
+# IQ4_NL: d, then Q4_0's nibbles, each an index into kquant.IQ4_LEVELS.
+BLOCK_BYTES = {**GGUF_BLOCK_BYTES, Q5_0: 22, Q5_1: 24, IQ4_NL: 18}
 NAMES = {qtype: qtype.name for qtype in (*BLOCK_BYTES, *kquant.TYPES)}
-_HEAD = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1}      # float16 scales per row and block (d [, m])
-_VECTORS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8}   # 4-byte columns per row and block (Q5: qh first)
+_HEAD = {Q4_0: 1, Q4_1: 2, Q5_0: 1, Q5_1: 2, Q8_0: 1, IQ4_NL: 1}      # float16 scales per row and block (d [, m])
+_VECTORS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8, IQ4_NL: 4}   # 4-byte columns per row and block (Q5: qh first)
 _MIN = (Q4_1, Q5_1)                                         # the types with a minimum m
 
 
@@ -162,7 +163,8 @@ def unpack(weight: QuantWeight) -> torch.Tensor:
 
 def _parts(weight: QuantWeight, rows: torch.Tensor | None = None):
     """(values [R, nb, 32] as float32, d [R, nb], m [R, nb] or None) of output rows `rows` (all by
-    default), the values as the integers the kernel multiplies (Q4_0's already less 8, Q5_0's less 16)."""
+    default), the values as the integers the kernel multiplies (Q4_0's already less 8, Q5_0's less 16, IQ4_NL's
+    levels)."""
     qtype, (groups, nb, _) = weight.qtype, weight.packed.shape
     heads, head = _HEAD[qtype], 2 * _HEAD[qtype] * GR
     scales = weight.packed[..., :head].view(torch.float16).view(groups, nb, heads, GR)
@@ -179,7 +181,8 @@ def _parts(weight: QuantWeight, rows: torch.Tensor | None = None):
         if qtype in (Q5_0, Q5_1):   # bit j of qh: column j's fifth bit
             qh, values = values[..., :4].to(torch.int64), values[..., 4:]
             qh = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24
-        q = torch.cat([values & 0x0F, values >> 4], dim=-1).float()
+        q = torch.cat([values & 0x0F, values >> 4], dim=-1)
+        q = kquant.IQ4_LEVELS[q.long()].float() if qtype == IQ4_NL else q.float()
         if qh is not None:
             q = q + 16.0 * ((qh[..., None] >> torch.arange(QK)) & 1).float()
         if qtype in (Q4_0, Q5_0):

@@ -13,7 +13,7 @@ from __future__ import annotations
 # The kernels' own tables (quant_linear.BLOCK_BYTES, kquant.ROW_BYTES) import torch, which planning
 # does without: a test holds this copy to them.
 GGUF_WEIGHT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32,
-                     "q4_k": 148 / 256, "q5_k": 180 / 256, "q6_k": 210 / 256}
+                     "iq4_nl": 18 / 32, "q4_k": 148 / 256, "q5_k": 180 / 256, "q6_k": 210 / 256, "iq4_xs": 138 / 256}
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_size: float) -> float:

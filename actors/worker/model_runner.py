@@ -127,7 +127,7 @@ class ModelRunner:
             self.model.load_weights(weights, label=f"loading {os.path.basename(self.source.path)}",
                                     quantization=quantization)
             file_bytes = weights.tensor_bytes() if self.source.kind == "gguf" else None
-            # A GGUF type no kernel reads (IQ4_XS, Q2_K, ...) is dequantized even where the rest stays packed.
+            # A GGUF type no kernel reads (Q2_K, Q3_K, IQ3_S, ...) is dequantized even where the rest stays packed.
             unread = weights.dequantized_types() if self.source.kind == "gguf" and not why else {}
         finally:
             weights.close()

@@ -105,6 +105,31 @@ def test_k_quants_greedy_parity_with_the_torch_reference(arch, v_type, tiny_mode
     _assert_same_logits(cpu, ref)
 
 
+def _iq4_mix(name: str) -> Q:
+    """An IQ4_XS file: its matrices IQ4_XS, v IQ4_NL (llama.cpp's choice for rows not whole super-blocks), the
+    output Q6_K."""
+    if name.endswith("attn_v.weight"):
+        return Q.IQ4_NL
+    return Q.Q6_K if name.startswith("output.") else Q.IQ4_XS
+
+
+@pytest.mark.parametrize("arch", ["llama_wide", "qwen2_wide"])
+def test_iq4_greedy_parity_with_the_torch_reference(arch, tiny_model_dir, tmp_path):
+    from actors.worker.gguf_weights import GGUFWeights
+
+    path = hf_folder_to_gguf(tiny_model_dir(arch), str(tmp_path / "model.gguf"), _iq4_mix)
+    assert GGUFWeights(path).dequantized_types() == {}           # every type read in its blocks
+    cpu, ref = _runner(path), _reference(path)
+    model = cpu.model
+    layer = model.layers[0]
+    assert [p.name for p in layer.qkv_weight.parts] == ["IQ4_XS", "IQ4_NL"]
+    assert (layer.gate_up_weight.name, layer.o_weight.name, layer.down_weight.name) == ("IQ4_XS",) * 3
+    assert model.embed.name == "IQ4_XS"
+    assert model.lm_head.name == ("IQ4_XS" if arch == "llama_wide" else "Q6_K")   # tied: the embedding itself
+    assert cpu.weight_bytes <= 1.15 * GGUFWeights(path).tensor_bytes()
+    _assert_same_logits(cpu, ref)
+
+
 def test_resident_bytes_are_the_files_and_none_dequantizes(tiny_model_dir, tmp_path):
     from actors.worker.gguf_weights import GGUFWeights
 

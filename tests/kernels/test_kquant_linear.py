@@ -1,4 +1,4 @@
-"""The K-quant CPU matmul (Q4_K, Q5_K, Q6_K in quant_gemm.c) and its layout (kernels/kquant.py): the packer
+"""The K-quant CPU matmul (Q4_K, Q5_K, Q6_K and IQ4_XS in quant_gemm.c) and its layout (kernels/kquant.py): the packer
 keeps the file's bits (unpacking gives the file's bytes back) and dequantizes as the gguf package does, bit
 for bit; both builds (-march=native and AVX2) equal the torch reference of the same math bit for bit (x
 quantized per super-block of 256, llama.cpp's Q8_K, the sums integer within a super-block), and
@@ -23,7 +23,7 @@ from tests.kquants import quantize
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
 
-TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 SHAPES = [(1, 256), (17, 512), (45, 768), (100, 256)]   # (N, K): N off the 16-row groups, 1 to 3 super-blocks
 
 
@@ -85,8 +85,17 @@ def test_every_row_count_to_16_matches_the_reference(each_build, qtype):
 
 def _extreme_rows(qtype) -> np.ndarray:
     """File rows of two super-blocks at the integer sums' limits, d and dmin 1.0: Q4_K and Q5_K all bits set (every
-    value 15 or 31, every scale and min 63); Q6_K's values 63 or 0 (-32 less its offset) with scales -128 or 127."""
+    value 15 or 31, every scale and min 63); Q6_K's values 63 or 0 (-32 less its offset) with scales -128 or 127;
+    IQ4_XS's levels -127 or 113 (241 as VNNI multiplies them) with scales -32, 31 or both in turn."""
     size, one = kquant.BLOCK_BYTES[qtype], np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype == Q.IQ4_XS:
+        rows = np.zeros((16, 2, size), np.uint8)
+        for r in range(16):
+            rows[r, :, 0:2] = one
+            high, low = ((0x00, 0x00), (0xFF, 0xFF), (0xCC, 0xF0), (0x33, 0x0F))[r // 2 % 4]   # sc -32, 31, mixed
+            rows[r, :, 2:4], rows[r, :, 4:8] = high, low
+            rows[r, :, 8:] = 0xFF if r % 2 else 0
+        return rows.reshape(16, -1)
     if qtype != Q.Q6_K:
         rows = np.full((16, 2, size), 0xFF, np.uint8)
         rows[..., 0:2] = rows[..., 2:4] = one
@@ -107,7 +116,7 @@ def test_integer_sums_at_their_limits_stay_exact(each_build, qtype):
     the sums' rounding to float32 is the reference's."""
     raw = _extreme_rows(qtype)
     w = torch.from_numpy(dequantize(raw, qtype))
-    assert w.abs().max() >= (31 * 63 if qtype == Q.Q5_K else 15 * 63 if qtype == Q.Q4_K else 32 * 128)
+    assert w.abs().max() >= {Q.Q5_K: 31 * 63, Q.Q4_K: 15 * 63, Q.Q6_K: 32 * 128, Q.IQ4_XS: 127 * 32}[qtype]
     weight = quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), 512))
     signs = torch.ones(4, 512)
     signs[1] = -1.0
