@@ -9,11 +9,15 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
-from kernels import get_ops, quant_amx, quant_linear
+from kernels import cpu_native, get_ops, quant_amx, quant_linear
 from kernels.quant_linear import QuantTensor
 from tests import kquants
-from tests.kernels.test_kquant_linear import SHAPES as K_SHAPES, TYPES as K_TYPES
-from tests.kernels.test_quant_linear import HAS_TOOLCHAIN, SHAPES, TYPES, _q8_0
+from tests.kernels.test_kquant_linear import SHAPES as K_SHAPES, TYPES as ALL_K_TYPES
+from tests.kernels.test_quant_linear import HAS_TOOLCHAIN, SHAPES, TYPES as ALL_TYPES, _q8_0
+
+# The types quant_amx.c widens; the IQ4 types stay on quant_gemm.c (test_the_iq4_types_never_take_the_tiles).
+TYPES, K_TYPES = [t for t in ALL_TYPES if t in quant_amx.TYPES], [t for t in ALL_K_TYPES if t in quant_amx.TYPES]
+IQ4 = [GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS]
 
 pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
 needs_amx = pytest.mark.skipif(not (HAS_TOOLCHAIN and quant_amx.available()), reason="no AMX on this CPU")
@@ -23,7 +27,7 @@ def _weight(qtype, n, k, seed):
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, :32] = 0.0                                   # a block of scale 0
     w[-1, -32:] *= 1000.0                             # a block far from the others
-    raw = kquants.quantize(w, qtype) if qtype in K_TYPES else quantize(w, qtype)
+    raw = kquants.quantize(w, qtype)
     return quant_linear.pack(QuantTensor(int(qtype), torch.from_numpy(raw), k), torch.bfloat16)
 
 
@@ -185,6 +189,28 @@ def test_prepare_measures_bf16_weights_where_there_is_amx():
     else:
         assert bf16.amx_from == quant_amx.from_rows(bf16.qtype, 48, 64)   # measured once, then remembered
         assert bf16.amx_from in quant_amx.ROWS + (None,)
+
+
+@pytest.mark.parametrize("qtype", IQ4, ids=lambda t: t.name)
+def test_the_iq4_types_never_take_the_tiles(qtype, monkeypatch):
+    """quant_amx.c does not widen IQ4's levels: even where AMX is the path and would win from 16 rows, an IQ4
+    weight keeps quant_gemm.c at every row count, and the AMX launcher refuses it (the C side answers -2)."""
+    assert set(IQ4) <= set(ALL_TYPES + ALL_K_TYPES) and not set(IQ4) & set(quant_amx.TYPES)
+    monkeypatch.setattr(quant_amx, "matmul_path", lambda dtype: ("amx", "tested"))
+    monkeypatch.setattr(quant_amx, "from_rows", lambda qtype, n, k: 16)
+    tensor = QuantTensor(int(qtype), torch.from_numpy(kquants.quantize(np.ones((32, 256), np.float32), qtype)), 256)
+    weight = quant_amx.prepare(tensor, torch.bfloat16)
+    assert weight.amx_from is None
+    assert quant_amx.prepare(QuantTensor(int(GGMLQuantizationType.Q4_0), torch.from_numpy(
+        quantize(np.ones((32, 256), np.float32), GGMLQuantizationType.Q4_0)), 256), torch.bfloat16).amx_from == 16
+    with pytest.raises(ValueError, match="does not read"):
+        quant_amx.matmul(torch.randn(64, 256).to(torch.bfloat16), weight)
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    assert torch.equal(quant_amx.linear(x, weight), quant_linear.matmul(x, weight))
+    if quant_amx.available():   # the C launcher's own check, past the Python one
+        out = torch.empty(64, 32, dtype=torch.bfloat16)
+        assert cpu_native.library().matinee_quant_amx(x.data_ptr(), int(qtype), weight.packed.data_ptr(), None,
+                                                      out.data_ptr(), 64, 32, 256, 1) == -2
 
 
 def test_bad_input_is_refused():
