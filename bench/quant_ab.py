@@ -8,7 +8,7 @@ builds must read that layout. Each build is quant_gemm.c alone, compiled as kern
 library. Prints, per type and row count, each build's best and median ms per pass and this tree's time over the
 other's; asserts nothing about speed.
 
-    python -m bench.quant_ab --against REV [--types Q4_K,Q6_K] [--rows 1,4,64] [--repeats 15] [--layers 2]
+    python -m bench.quant_ab --against REV [--types Q4_K,Q6_K] [--rows 1,4,64] [--repeats 15] [--layers 2] [--avx2]
 """
 from __future__ import annotations
 
@@ -34,12 +34,13 @@ from kernels.quant_linear import QuantTensor
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compile_gemm(kernels: Path, out: Path) -> ctypes.CDLL:
-    """quant_gemm.c of the kernels folder `kernels`, built with the library's flags, with its entry declared."""
+def compile_gemm(kernels: Path, out: Path, isa: list[str] = cpu_native.NATIVE) -> ctypes.CDLL:
+    """quant_gemm.c of the kernels folder `kernels`, built with the library's flags for `isa` (this CPU's, or
+    cpu_native.AVX2's), with its entry declared."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("no C compiler (cc or gcc) on PATH")
-    done = subprocess.run([compiler, *cpu_native._FLAGS, *cpu_native.NATIVE, f"-I{kernels}",
+    done = subprocess.run([compiler, *cpu_native._FLAGS, *isa, f"-I{kernels}",
                            str(kernels / "quant_gemm.c"), "-o", str(out), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{kernels / 'quant_gemm.c'} did not compile: {done.stderr.strip()[-500:]}")
@@ -82,6 +83,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=15, help="alternated passes per build")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--avx2", action="store_true", help="both builds for AVX2 + FMA (as a CPU without AVX-512 "
+                        "runs them), not -march=native")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON list at the end")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -89,8 +92,9 @@ def main(argv=None) -> list[dict]:
     shapes = [s for _ in range(args.layers) for s in PROJECTIONS]
     results = []
     with tempfile.TemporaryDirectory(prefix="quant-ab-") as tmp:
-        builds = {args.against: compile_gemm(kernels_at(args.against, Path(tmp)), Path(tmp) / "against.so"),
-                  "tree": compile_gemm(REPO / "kernels", Path(tmp) / "tree.so")}
+        isa = cpu_native.AVX2 if args.avx2 else cpu_native.NATIVE
+        builds = {args.against: compile_gemm(kernels_at(args.against, Path(tmp)), Path(tmp) / "against.so", isa),
+                  "tree": compile_gemm(REPO / "kernels", Path(tmp) / "tree.so", isa)}
         for name in args.types.split(","):
             qtype = Q[name]
             weights = [quant_linear.pack(QuantTensor(int(qtype), quant_linear.random_blocks(qtype, n, k, seed), k),

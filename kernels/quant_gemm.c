@@ -41,6 +41,7 @@
 #include "bf16.h"
 #include "quant_layout.h"
 
+#define PF_ROWS 4
 #define MAX_CHUNK_BYTES (512L << 10) /* int8 rows of x per pass over the weights: within L2 */
 
 #ifdef __AVX512F__
@@ -273,6 +274,22 @@ static void quantize_row_k(const void *x, int x_bf16, long K, int8_t *q, float *
     }
 }
 
+/* Step `it` of a K-quant super-block's 32 (a column of 4-byte lanes each): lines 2 it and 2 it + 1 of the
+ * super-block two ahead, so its scales and high bits come too, not only the nibbles' lines the steps read. For few
+ * rows only, where the step waits for memory: from PF_ROWS + 1 rows on, a group is read from memory by its first
+ * tile and from L2 by every later one, whose prefetches would only take load slots; there the next super-block's
+ * line of the step's own (at_step + gb). */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const uint8_t *at_step, long gb,
+                                                                  int MR, int it) {
+    if (MR > PF_ROWS) {
+        _mm_prefetch((const char *)(at_step + gb), _MM_HINT_T0);
+        return;
+    }
+    const long at = it * 128;
+    if (at < gb) _mm_prefetch((const char *)(blk + 2 * gb + at), _MM_HINT_T0);
+    if (at + 64 < gb) _mm_prefetch((const char *)(blk + 2 * gb + at + 64), _MM_HINT_T0);
+}
+
 static inline int32_t bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -459,7 +476,10 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = qs + (p * 8 + c) * GR * 4 + u * LANES * 4;
-                    if (u == 0) _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                    if (u == 0 && type == Q5_K)   /* and its fifth bits' lines; Q4_K's own were no faster */
+                        prefetch_ahead(blk, at, gb, MR, p * 8 + c);
+                    else if (u == 0)
+                        _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
                     vi raw = LOADI(at);
                     lo[u] = ANDI(raw, low), hi[u] = ANDI(SRLI16(raw, 4), low);
                     if (type == Q5_K) {
@@ -537,7 +557,7 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = ql + (j * 4 + c) * GR * 4 + u * LANES * 4;
-                    if (u == 0) _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                    if (u == 0) prefetch_ahead(blk, at, gb, MR, j * 4 + c);
                     vi nib = LOADI(at);
                     vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + u * LANES * 4);
                     lo[u] = ANDI(nib, low), hi[u] = ANDI(SRLI16(nib, 4), low);

@@ -52,7 +52,7 @@ def test_cpu_bench_times_every_format_over_one_layer(capsys):
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("git") is None or not (ROOT / ".git").exists()
                     or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="needs a C compiler, an AVX2 CPU and the repository's history")
-def test_ab_bench_times_this_tree_against_a_commit(capsys):
+def test_ab_bench_times_this_tree_against_a_commit(capsys, monkeypatch):
     """bench.quant_ab builds quant_gemm.c at a commit and in this tree and times both on the same weights; a commit
     that does not exist is refused in one line."""
     from bench import quant_ab
@@ -62,5 +62,15 @@ def test_ab_bench_times_this_tree_against_a_commit(capsys):
     assert [(r["type"], r["rows"]) for r in rows] == [("Q4_0", 1), ("Q4_0", 3), ("Q4_K", 1), ("Q4_K", 3)]
     assert all(r["HEAD"]["best_ms"] > 0 and r["tree"]["best_ms"] > 0 and r["tree_over_against"] > 0 for r in rows)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == rows
+    widths, compile_gemm = [], quant_ab.compile_gemm
+
+    def recorded(*args):
+        lib = compile_gemm(*args)
+        widths.append(lib.matinee_quant_width())
+        return lib
+    monkeypatch.setattr(quant_ab, "compile_gemm", recorded)
+    avx2 = quant_ab.main(["--against", "HEAD", "--types", "Q6_K", "--rows", "1", "--repeats", "1", "--layers", "1",
+                          "--threads", "1", "--avx2"])
+    assert widths == [256, 256] and avx2[0]["tree"]["best_ms"] > 0   # both builds as an AVX2-only CPU runs them
     with pytest.raises(SystemExit, match="git archive no-such-commit"):
         quant_ab.main(["--against", "no-such-commit"])
