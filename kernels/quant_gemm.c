@@ -527,6 +527,22 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
         for (int u = 0; u < NH; u++) VSTORE(tile + i * GR + (h + u) * LANES, facc[i * NH + u]);
 }
 
+/* dot -= 2^shift * sum(sc[s] * sum(x of s)) over a super-block's signed scales (int8 at scp, GR a scale), by int16
+ * pairs: xp holds per row (a row every `stride` int32s) `pairs` int32s, the x sums of scales 2t and 2t + 1 as their
+ * halves. An offset of the values, taken off once per super-block: Q6_K's 32 (2^5), IQ4_XS's 128 on VNNI (2^7). */
+static inline __attribute__((always_inline)) void less_offset(const int MR, const int NH, vi *dot, const uint8_t *scp,
+                                                              const int32_t *xp, long stride, int pairs, int shift) {
+    vi offset[MR_MAX * HALVES];
+    for (int i = 0; i < MR * NH; i++) offset[i] = SET1I(0);
+    for (int t = 0; t < pairs; t++)
+        for (int u = 0; u < NH; u++) {
+            const vi sc = pair_i8(scp + 2 * t * GR + u * LANES, scp + (2 * t + 1) * GR + u * LANES);
+            for (int i = 0; i < MR; i++)
+                offset[i * NH + u] = DOT_I16(offset[i * NH + u], sc, SET1I(xp[i * stride + t]));
+        }
+    for (int i = 0; i < MR * NH; i++) dot[i] = SUBI(dot[i], SLLI32(offset[i], shift));
+}
+
 /* Q6_K: per 32 values b of a super-block, 4 columns of nibbles (low: value 4c + k, high: 16 + 4c + k) and 2 of
  * high pairs (bits 0-1, 2-3, 4-5, 6-7: columns 2i's low and high value, then 2i + 1's). The values are
  * multiplied unsigned (0..63) and each 16's product by its scale, added up over the super-block in int32;
@@ -544,8 +560,8 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
     for (long s = 0; s < ns; s++) {
         const uint8_t *blk = w + s * gb;
         const uint8_t *scp = blk + 2 * GR + h * LANES, *ql = blk + 18 * GR + h * LANES * 4, *qhp = ql + 128 * GR;
-        vi dot[MR_MAX * HALVES], offset[MR_MAX * HALVES];
-        for (int i = 0; i < MR * NH; i++) dot[i] = offset[i] = SET1I(0);
+        vi dot[MR_MAX * HALVES];
+        for (int i = 0; i < MR * NH; i++) dot[i] = SET1I(0);
         for (int j = 0; j < 8; j++) {
             const int8_t *xb = xq + s * QKK + j * QK;
             vi s0[HALVES], s1[HALVES];
@@ -594,13 +610,7 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                 dot[i] = ADDI(dot[i], ADDI(MULLO(acc0[i], s0[i % NH]), MULLO(acc1[i], s1[i % NH])));
 #endif
         }
-        for (int t = 0; t < 8; t++)
-            for (int u = 0; u < NH; u++) {
-                const vi sc = pair_i8(scp + 2 * t * GR + u * LANES, scp + (2 * t + 1) * GR + u * LANES);
-                for (int i = 0; i < MR; i++)
-                    offset[i * NH + u] = DOT_I16(offset[i * NH + u], sc, SET1I(xp[i * ns * 8 + s * 8 + t]));
-            }
-        for (int i = 0; i < MR * NH; i++) dot[i] = SUBI(dot[i], SLLI32(offset[i], 5));
+        less_offset(MR, NH, dot, scp, xp + s * 8, ns * 8, 8, 5);
         for (int u = 0; u < NH; u++)
             scale_super(MR, NH, u, facc, dot, 0, LOAD_F16(blk + (h + u) * LANES * 2), VZERO(), xd + s, ns);
     }
@@ -660,17 +670,7 @@ static inline __attribute__((always_inline)) void kernel_iq4xs(const int MR, con
             for (int i = 0; i < MR * NH; i++) dot[i] = ADDI(dot[i], MULLO(acc[i], sc[i % NH]));
 #endif
         }
-        if (Q8_BIAS) {
-            vi offset[MR_MAX * HALVES];
-            for (int i = 0; i < MR * NH; i++) offset[i] = SET1I(0);
-            for (int t = 0; t < 4; t++)
-                for (int u = 0; u < NH; u++) {
-                    const vi sp = pair_i8(scp + 2 * t * GR + u * LANES, scp + (2 * t + 1) * GR + u * LANES);
-                    for (int i = 0; i < MR; i++)
-                        offset[i * NH + u] = DOT_I16(offset[i * NH + u], sp, SET1I(xp[i * ns * 4 + s * 4 + t]));
-                }
-            for (int i = 0; i < MR * NH; i++) dot[i] = SUBI(dot[i], SLLI32(offset[i], 7));
-        }
+        if (Q8_BIAS) less_offset(MR, NH, dot, scp, xp + s * 4, ns * 4, 4, 7);   /* 128 = 2^7 */
         for (int u = 0; u < NH; u++)
             scale_super(MR, NH, u, facc, dot, 0, LOAD_F16(blk + (h + u) * LANES * 2), VZERO(), xd + s, ns);
     }
