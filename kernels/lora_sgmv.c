@@ -88,19 +88,28 @@ static inline __attribute__((always_inline)) void
 micro(const int mr, const int nv, const int bf16, const float *x, long x_stride, const char *w, long stride, long K,
       long last, vf acc[MB][NV]) {
     const long el = bf16 ? 2 : 4;
-    vf c[MB][NV];   /* local, its address never taken: registers (acc may alias what the loop reads) */
+    /* local, its address never taken, and every loop over it unrolled (the pragmas: without them gcc 12 kept c on
+     * the stack and stored every accumulator each k, 16 stores a step beside 16 FMAs: 1.7x the time) */
+    vf c[MB][NV];
+#pragma GCC unroll 4
     for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
         for (int v = 0; v < nv; v++) c[i][v] = VZERO();
     for (long k = 0; k < K; k++) {
         const char *row = w + el * k * stride;
         vf wv[NV];
+#pragma GCC unroll 4
         for (int v = 0; v < nv; v++) wv[v] = vload(row + el * VW * v, bf16, v + 1 < nv ? VW : last);
+#pragma GCC unroll 4
         for (int i = 0; i < mr; i++) {
             vf xv = VSET1(x[i * x_stride + k]);
+#pragma GCC unroll 4
             for (int v = 0; v < nv; v++) c[i][v] = VFMA(xv, wv[v], c[i][v]);
         }
     }
+#pragma GCC unroll 4
     for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
         for (int v = 0; v < nv; v++) acc[i][v] = c[i][v];
 }
 
