@@ -170,6 +170,16 @@ static void expand_tile(const float *t, long R, const char *b, int w_bf16, long 
     }
 }
 
+/* A chunk's B (rank rows of up to CHUNK columns, N apart) into L2: with many adapters each slot's B is read by one
+ * tile of a row or two, from memory, as `rank` streams at once; the next tile's chunk is fetched while this one
+ * multiplies, so its B comes in as the current tile's did, one chunk at a time. */
+static void prefetch_chunk(const char *b, int w_bf16, long N, const long *chunk, long rank) {
+    const long el = w_bf16 ? 2 : 4;
+    const char *at = b + el * (chunk[0] * N + chunk[1]);
+    for (long k = 0; k < rank; k++)
+        for (long l = 0; l < el * chunk[2]; l += 64) _mm_prefetch(at + el * k * N + l, _MM_HINT_T1);
+}
+
 /* x [*, K] (row stride x_stride) and out [*, *] (row stride out_stride, the group's N columns from `out`)
  * in float32, or bfloat16 when act_bf16; a [slots, K, R] and b [slots, R, N] in float32, or bfloat16 when
  * w_bf16. segments [n_segments][4]: rows start..end read slot `slot`, whose adapter has rank `rank` (at most
@@ -225,9 +235,13 @@ int matinee_lora_add(const void *x, long x_stride, void *out, long out_stride, i
         /* a tile's chunks one after another: its slot's B rows are read as MB-row streams along the columns */
 #pragma omp for schedule(static) collapse(2)
         for (long i = 0; i < tiles; i++)
-            for (long c = 0; c < chunks; c++)
+            for (long c = 0; c < chunks; c++) {
+                if (i + 1 < tiles && tile[i + 1].slot != tile[i].slot)   /* the next slot's part of this chunk */
+                    prefetch_chunk((const char *)b + tile[i + 1].slot * slot_b, w_bf16, N, chunk + 3 * c,
+                                   tile[i + 1].rank);
                 expand_tile(t, R, (const char *)b + tile[i].slot * slot_b, w_bf16, N, chunk[3 * c],
                             chunk[3 * c + 1], chunk[3 * c + 2], tile + i, row_of, out, out_stride, act_bf16);
+            }
     }
     free(xf);
     free(tile);
