@@ -41,7 +41,7 @@
 #include "bf16.h"
 #include "quant_layout.h"
 
-#define PF_ROWS 4
+#define PF_ROWS 4                    /* Q5_K/Q6_K tiles of up to this many rows prefetch whole super-blocks */
 #define MAX_CHUNK_BYTES (512L << 10) /* int8 rows of x per pass over the weights: within L2 */
 
 #ifdef __AVX512F__
@@ -158,8 +158,8 @@ static inline vi dot_s8(vi acc, vi w, vi x) {
 #define KEEP(v) __asm__("" : "+v"(v))
 #define KEEP_S(f) __asm__("" : "+x"(f))   /* the same for a float */
 
-/* IQ4's 16 levels as the signed weight bytes DOT_S8 takes after Q8_PREP (on VNNI + 128, unsigned), for a SHUF8
- * by nibbles; and their magnitudes, for AVX2's maddubs (a level's sign goes onto x). */
+/* IQ4's 16 levels as the weight bytes DOT_S8 takes, after Q8_PREP (on VNNI + 128, unsigned; on AVX2 signed, their
+ * magnitudes meeting x with their signs), in every 128 bits: a SHUF8 by nibbles gives a column's levels. */
 static const int8_t IQ4_TABLE[16] = IQ4_LEVELS;
 
 static inline vi iq4_table(void) { return Q8_PREP(TABLE16(IQ4_TABLE)); }
