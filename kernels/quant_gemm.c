@@ -274,14 +274,14 @@ static void quantize_row_k(const void *x, int x_bf16, long K, int8_t *q, float *
     }
 }
 
-/* Step `it` of a K-quant super-block's 32 (a column of 4-byte lanes each): lines 2 it and 2 it + 1 of the
- * super-block two ahead, so its scales and high bits come too, not only the nibbles' lines the steps read. For few
- * rows only, where the step waits for memory: from PF_ROWS + 1 rows on, a group is read from memory by its first
- * tile and from L2 by every later one, whose prefetches would only take load slots; there the next super-block's
- * line of the step's own (at_step + gb). */
+/* Step `it` of a K-quant super-block's 32 (a column of 4-byte lanes each) prefetches the next super-block's line of
+ * its own (at_step + gb), or with `whole` lines 2 it and 2 it + 1 of the super-block two ahead, so its scales and
+ * high bits come too. Whole for Q5_K and Q6_K (two streams a super-block) at tiles of up to PF_ROWS rows, where
+ * the step waits for memory: from PF_ROWS + 1 rows on, a group is read from memory by its first tile and from L2
+ * by every later one, whose extra prefetches would only take load slots. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const uint8_t *at_step, long gb,
-                                                                  int MR, int it) {
-    if (MR > PF_ROWS) {
+                                                                  int whole, int it) {
+    if (!whole) {
         _mm_prefetch((const char *)(at_step + gb), _MM_HINT_T0);
         return;
     }
@@ -476,10 +476,8 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = qs + (p * 8 + c) * GR * 4 + u * LANES * 4;
-                    if (u == 0 && type == Q5_K)   /* and its fifth bits' lines; Q4_K's own were no faster */
-                        prefetch_ahead(blk, at, gb, MR, p * 8 + c);
-                    else if (u == 0)
-                        _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                    /* Q5_K's fifth bits too; Q4_K's whole super-block was no faster than its nibbles' lines */
+                    if (u == 0) prefetch_ahead(blk, at, gb, type == Q5_K && MR <= PF_ROWS, p * 8 + c);
                     vi raw = LOADI(at);
                     lo[u] = ANDI(raw, low), hi[u] = ANDI(SRLI16(raw, 4), low);
                     if (type == Q5_K) {
@@ -573,7 +571,7 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = ql + (j * 4 + c) * GR * 4 + u * LANES * 4;
-                    if (u == 0) prefetch_ahead(blk, at, gb, MR, j * 4 + c);
+                    if (u == 0) prefetch_ahead(blk, at, gb, MR <= PF_ROWS, j * 4 + c);
                     vi nib = LOADI(at);
                     vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + u * LANES * 4);
                     lo[u] = ANDI(nib, low), hi[u] = ANDI(SRLI16(nib, 4), low);
@@ -648,7 +646,7 @@ static inline __attribute__((always_inline)) void kernel_iq4xs(const int MR, con
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = qs + (j * 4 + c) * GR * 4 + u * LANES * 4;
-                    if (u == 0) _mm_prefetch((const char *)(at + gb), _MM_HINT_T0);
+                    if (u == 0) prefetch_ahead(blk, at, gb, 0, j * 4 + c);   /* one stream, as Q4_K */
                     const vi raw = LOADI(at);
                     lo[u] = SHUF8(table, ANDI(raw, low)), hi[u] = SHUF8(table, ANDI(SRLI16(raw, 4), low));
                 }
@@ -833,7 +831,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
      * Worked out once per row and block, not once per group, and read by a broadcast from memory. */
     const int32_t offset = type == Q8_0 || type == IQ4_NL ? -Q8_BIAS : type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0;
     /* A K-quant row's x: a scale per super-block (xd), its sums per 16 (xs), and those sums as the int16 pairs
-     * its kernel reads (xo: per super-block Q6_K's 8 pairs of 16s, Q4_K's and Q5_K's 4 pairs of 32s). */
+     * its kernel reads (xo: per super-block Q6_K's 8 pairs of 16s, Q4_K's, Q5_K's and IQ4_XS's 4 pairs of 32s). */
     const long sd = is_k(type) ? K / QKK : nb, so = is_k(type) ? K / QKK * (type == Q6_K ? 8 : 4) : nb;
     long chunk = MAX_CHUNK_BYTES / K;
     if (chunk < MR_MAX) chunk = MR_MAX;
@@ -968,9 +966,12 @@ int matinee_quant_rows(int type, const uint8_t *w, long N, long K, const long *i
                 if (q5) memcpy(&qh, vals + lane * 4, 4), vals += GR * 4;
                 for (int j = 0; j < QK / 2; j++) {   /* byte j: column j low, 16 + j high */
                     const uint8_t byte = vals[(j / 4) * GR * 4 + lane * 4 + j % 4];
+                    if (type == IQ4_NL) {
+                        q[j] = IQ4_TABLE[byte & 15], q[j + QK / 2] = IQ4_TABLE[byte >> 4];
+                        continue;
+                    }
                     q[j] = (float)((byte & 15) | (q5 ? ((qh >> j) & 1) << 4 : 0)) - offset;
                     q[j + QK / 2] = (float)((byte >> 4) | (q5 ? ((qh >> (j + QK / 2)) & 1) << 4 : 0)) - offset;
-                    if (type == IQ4_NL) q[j] = IQ4_TABLE[byte & 15], q[j + QK / 2] = IQ4_TABLE[byte >> 4];
                 }
             }
             for (int c = 0; c < QK; c++) {
