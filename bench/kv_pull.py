@@ -8,6 +8,13 @@ registered in a Redis of the run's own, the pull going over the cluster's sealed
 machines. The holder computes each prompt; the other engine then serves it twice, with a pull and, as a
 fresh request on a fresh prefix (the same prompt under another `cache_salt`), computing it. Greedy: the
 tokens must agree.
+
+With `--gateway`, conversations whose turns a gateway routes to both engines: two engine processes and two
+`matinee serve --role gateway` processes over them, both `--routing round_robin` (so a conversation's turns
+land on the engines in turn), one pulling each turn's prefix from the engine that holds it, the other
+(`--no-prefix-pull`) computing it. Both get the same conversations under a `cache_salt` each (no cache is
+inherited), one turn at a time over HTTP; greedy, so the replies must agree. TTFT is of turns 2 and later,
+whose prompts hold the earlier turns.
 """
 from __future__ import annotations
 
@@ -19,13 +26,14 @@ import sys
 import tempfile
 import time
 
+import aiohttp
 from redis.exceptions import RedisError
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
 from actors.messages.front_end import GetEngineInfo, GetStats, SamplingParams, SubmitRequest
-from bench.cluster import Processes, _free_port
+from bench.cluster import Processes, StreamError, _engines_seen, _free_port, sse_events
 from bench.kv_tier import Timings, percentile
 from runtime import ActorRef, ActorSystem
 from runtime.redis_registry import RedisRegistry
@@ -121,6 +129,117 @@ async def measure(args, system: ActorSystem, holder: ActorRef, puller: ActorRef,
             "pull_bytes_per_reused_token": round(t.tier_bytes_pulled / max(stats.prefix_cache_tier_hit_tokens, 1), 1)}
 
 
+async def run_gateway(args) -> dict:
+    """Conversations through two gateways over the same two engine processes: pulling, and not."""
+    procs = Processes(tempfile.mkdtemp(prefix="bench-kv-pull-"))
+    env = {"MATINEE_CLUSTER_SECRET": SECRET}
+    serve = [sys.executable, "-m", "gateway.cli", "serve", *(["--model", args.model] if args.model else [])]
+    system = ActorSystem("bench-kv-pull", secret=SECRET)
+    registry = None
+    try:
+        redis_url = procs.start_redis()
+        for i in range(2):
+            procs.start(f"engine-{i}", [*serve, "--role", "engine", "--kv-offload-memory", "1GiB", "--dtype",
+                                        args.dtype, "--num-threads", str(args.threads or 1), "--redis-url",
+                                        redis_url, "--listen-port", str(_free_port()), "--engine-id",
+                                        f"engine-{i}", *(["--batch-invariant"] if args.batch_invariant else [])],
+                        env)
+        gateways = {}
+        for name, pull in (("pulled", []), ("computed", ["--no-prefix-pull"])):
+            port = _free_port()
+            procs.start(f"gateway-{name}", [*serve, "--role", "gateway", "--redis-url", redis_url, "--port",
+                                            str(port), "--routing", "round_robin", *pull], env)
+            gateways[name] = f"http://127.0.0.1:{port}"
+        await system.start()
+        registry = RedisRegistry(redis_url, secret=SECRET)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            deadline = time.monotonic() + args.startup_timeout
+            for base in gateways.values():
+                while await _engines_seen(session, base) < 2:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the cluster did not come up in {args.startup_timeout} s ({procs.logdir})")
+                    await asyncio.sleep(1.0)
+            fronts = [system.ref_for(node, path) for node, path in await _engines(registry)]
+            phases = {}
+            for name, base in gateways.items():
+                print(f"bench.kv_pull: conversations, {name}...", file=sys.stderr, flush=True)
+                before = [await f.ask(GetStats(), timeout=30) for f in fronts]
+                phases[name] = await _conversations(session, base, args, f"bench-{name}")
+                after = [await f.ask(GetStats(), timeout=30) for f in fronts]
+                phases[name].update(_moved(before, after))
+        return _compare(args, phases, procs.logdir)
+    finally:
+        if registry is not None:
+            await registry.close()
+        await system.shutdown()
+        procs.stop()
+
+
+async def _conversations(session: aiohttp.ClientSession, base: str, args, salt: str) -> dict:
+    """`args.conversations` conversations of `args.turns` turns, one turn at a time: each prompt is
+    the conversation so far (system prompt, then each turn's user tokens and reply) and a new user turn."""
+    rng = random.Random(args.seed)
+    ttfts, cached, prompt_lens, turns = [], [], [], []
+    for _ in range(args.conversations):
+        prompt = [rng.randrange(4, args.vocab) for _ in range(args.prompt_len)]
+        for turn in range(args.turns):
+            prompt += [rng.randrange(4, args.vocab) for _ in range(args.user)]
+            out = await _turn(session, base, prompt, args.reply, salt)
+            if turn > 0:
+                ttfts.append(out["ttft"])
+                cached.append(out["cached"])
+                prompt_lens.append(len(prompt))
+            turns.append(out["tokens"])
+            prompt += out["tokens"]
+    return {"ttft_p50_s": round(percentile(ttfts, 0.5), 3), "ttft_p90_s": round(percentile(ttfts, 0.9), 3),
+            "cached_tokens": sum(cached), "prompt_tokens": sum(prompt_lens),
+            "shortest_prompt": min(prompt_lens), "replies": turns}
+
+
+async def _turn(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int, salt: str) -> dict:
+    """One streamed completion of token ids: its TTFT, cached prompt tokens, and reply's token ids."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_salt": salt,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, cached, tokens = None, 0, []
+    async with session.post(base + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for ev in sse_events(r):
+            for choice in ev.get("choices") or ():
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                tokens += [int(t.removeprefix("token_id:")) for t in (choice.get("logprobs") or {}).get("tokens", ())]
+            if ev.get("usage"):
+                cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if ttft is None or len(tokens) != max_tokens:
+        raise StreamError(f"a turn came back with {len(tokens)} of {max_tokens} tokens")
+    return {"ttft": ttft, "cached": cached, "tokens": tokens}
+
+
+def _moved(before: list, after: list) -> dict:
+    """The engines' pulls during a phase, summed over both."""
+    def diff(name: str, of=lambda s: s.kv_tier) -> int | float:
+        return sum(getattr(of(a), name) - getattr(of(b), name) for b, a in zip(before, after))
+    return {"pulls": diff("tier_pulls"), "pull_failures": diff("tier_pull_failures"),
+            "pulls_skipped": diff("prefix_pulls_skipped", lambda s: s), "pulled_bytes": diff("tier_bytes_pulled"),
+            "pull_s": round(diff("tier_pull_s"), 3),
+            "tier_hit_tokens": diff("prefix_cache_tier_hit_tokens", lambda s: s)}
+
+
+def _compare(args, phases: dict, logdir: str) -> dict:
+    pulled, computed = phases["pulled"], phases["computed"]
+    same = pulled.pop("replies") == computed.pop("replies")
+    return {"engines": "two processes behind gateways, round robin", "conversations": args.conversations,
+            "turns": args.turns, "prompt_len": args.prompt_len, "user": args.user, "reply": args.reply,
+            "ttft_ratio_p50": round(computed["ttft_p50_s"] / pulled["ttft_p50_s"], 2),
+            "ttft_ratio_p90": round(computed["ttft_p90_s"] / pulled["ttft_p90_s"], 2),
+            "prefill_tokens_computed": {k: v["prompt_tokens"] - v["cached_tokens"] for k, v in phases.items()},
+            "pull_bytes_per_reused_token": round(pulled["pulled_bytes"] / max(pulled["tier_hit_tokens"], 1), 1),
+            "same_tokens": same, "pulled": pulled, "computed": computed, "logs": logdir}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -130,10 +249,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="both engines' (auto is measured at start)")
     p.add_argument("--processes", action="store_true", help="two engine processes, the pull over TCP")
+    p.add_argument("--gateway", action="store_true",
+                   help="conversations through gateways over two engine processes, their turns routed in turn")
+    p.add_argument("--conversations", type=int, default=4, help="--gateway: conversations, one after another")
+    p.add_argument("--turns", type=int, default=4, help="--gateway: turns of each (its system prompt --prompt-len)")
+    p.add_argument("--user", type=int, default=64, help="--gateway: tokens of each user turn")
+    p.add_argument("--reply", type=int, default=16, help="--gateway: tokens of each reply")
+    p.add_argument("--vocab", type=int, default=40000, help="--gateway: prompt token ids are drawn below this")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="--gateway: the engines' --batch-invariant (a pulled prefix then gives the same bits)")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    out = asyncio.run(run_processes(args) if args.processes else run(args))
+    out = asyncio.run(run_gateway(args) if args.gateway else run_processes(args) if args.processes else run(args))
     print(json.dumps(out, indent=None if args.json else 2))
     return out
 

@@ -49,8 +49,13 @@ JOIN_RETRY_S = 5.0
 class PoolConfig:
     # `metadata={"help": ...}` makes a field a `matinee serve` flag (gateway/flags.py).
     routing: str = field(default="kv", metadata={
-        "help": "kv: where the prompt's prefix is cached (the prefix index), weighed against load",
+        "help": "kv: where the prompt's prefix is cached (the prefix index), weighed against load; "
+                "least_loaded: by load alone; round_robin: in turn",
         "choices": ROUTINGS})
+    prefix_pull: bool = field(default=True, metadata={
+        "help": "never have the chosen engine pull a prompt's prefix from another engine that holds more of it "
+                "(in its pool or KV tier): compute it instead (by default, whatever the routing, it pulls when "
+                "the pull is cheaper)", "flag": "no-prefix-pull"})
     max_migrations: int = field(default=3, metadata={   # past it the stream ends with an error
         "help": "how often one request may move to another engine"})
     # A short prompt's few tokens cost one decode step little, where on a prefill engine it would
@@ -340,29 +345,37 @@ class EnginePool:
     async def _choose_among(self, pool: list[_Engine], prompt: list[int], cache_salt: str | None,
                             ballast: bool = False) -> tuple[_Engine | None, ActorRef | None]:
         """The engine, and the KV transfer actor of another that holds more of the prompt's prefix
-        (in its pool or KV tier, of the same KV layout) for it to pull from, if the policy says so.
+        (in its pool or KV tier, of the same KV layout) for it to pull from, if the policy says so and
+        pulls are on.
         A batch line (`ballast`) goes where a line sharing more of its prefix was just sent."""
         if not pool:
             return None, None
-        if self.config.routing == "round_robin":
-            self.router.metrics.record_decision("round_robin", 0, 0)
-            pool.sort(key=lambda e: e.info.engine_id)
-            return pool[next(self._turn) % len(pool)], None
         by_id = {e.info.engine_id: e for e in pool}   # the newest run of an id wins
 
         def loads() -> list[EngineLoad]:
             return [e.load() for e in by_id.values()]
 
-        if self.config.routing == "least_loaded" or self.hasher is None:
-            decision = self.router.policy.choose(loads(), None, 0)
-            self.router.metrics.record_decision("load", 0, 0)
-        else:
+        routing, hashes = self.config.routing, None
+        if self.hasher is not None and (routing == "kv" or self.config.prefix_pull):
             hashes = self.hasher.block_hashes(prompt, cache_salt)
+        if routing == "kv" and hashes is not None:
             decision = await self.router.route(hashes, loads)
             if ballast:
                 decision = self._keep_together(decision, hashes, by_id)
+        else:
+            if routing == "round_robin":
+                pool.sort(key=lambda e: e.info.engine_id)
+                decision = RouteDecision(pool[next(self._turn) % len(pool)].info.engine_id, "round_robin", 0)
+            else:
+                decision = self.router.policy.choose(loads(), None, 0)
+            self.router.metrics.record_decision("round_robin" if routing == "round_robin" else "load", 0, 0)
+            if hashes is not None:   # chosen without the index: it only says whom to pull from
+                matched = await self.router.lookup(hashes)
+                decision = msgspec.structs.replace(decision, pull_from=self.router.policy.pull_source(
+                    loads(), matched, len(hashes), decision.engine_id))
         engine, holder = by_id.get(decision.engine_id), by_id.get(decision.pull_from)
-        if engine is None or holder is None or holder.info.kv_layout != engine.info.kv_layout:
+        if engine is None or holder is None or holder.info.kv_layout != engine.info.kv_layout \
+                or not self.config.prefix_pull:
             return engine, None
         return engine, holder.info.kv_receiver
 

@@ -109,13 +109,15 @@ class RoutingPolicy:
             return RouteDecision(chosen.engine_id, FALLBACK, 0)
         held, reach = _held(matched, chosen.engine_id, num_blocks)
         return RouteDecision(chosen.engine_id, PREFIX if reach > 0 else LOAD, held, reach - held,
-                             self._pull_source(loads, matched, num_blocks, chosen.engine_id, reach))
+                             self.pull_source(loads, matched, num_blocks, chosen.engine_id))
 
-    def _pull_source(self, loads: Sequence[EngineLoad], matched: Mapping[str, int | tuple[int, int]],
-                     num_blocks: int, chosen: str, reach: int) -> str | None:
-        """The engine holding the most of the prompt beyond what `chosen` holds, when that is enough
-        to pull; loaded or not (giving blocks costs it no forward)."""
-        best, best_reach = None, reach + self.config.min_pull_blocks - 1
+    def pull_source(self, loads: Sequence[EngineLoad], matched: Mapping[str, int | tuple[int, int]] | None,
+                    num_blocks: int, chosen: str) -> str | None:
+        """The engine holding the most of the prompt beyond what `chosen` holds (however it was chosen),
+        when that is enough to pull; loaded or not (giving blocks costs it no forward)."""
+        if matched is None:
+            return None
+        best, best_reach = None, _held(matched, chosen, num_blocks)[1] + self.config.min_pull_blocks - 1
         for load in loads:
             other = _held(matched, load.engine_id, num_blocks)[1]
             if load.engine_id != chosen and other > best_reach:

@@ -71,7 +71,7 @@ class ScriptedEngine(Actor):
                         self.running[rid][1] = left
 
 
-async def _cluster(max_migrations: int = 3, router: PrefixRouter | None = None):
+async def _cluster(max_migrations: int = 3, router: PrefixRouter | None = None, **pool_config):
     """Two scripted engines; with a router, routed by prefix, each its own KV receiver (one layout)."""
     registry = InMemoryRegistry()
     system = ActorSystem("pool-test", registry=registry)
@@ -85,8 +85,9 @@ async def _cluster(max_migrations: int = 3, router: PrefixRouter | None = None):
         await system.publish(f"engines/{name}", ref)
         engines[name] = (actor, ref)
     pool = EnginePool(system, registry, router or PrefixRouter(None),
-                      PoolConfig(routing="least_loaded" if router is None else "kv", discovery_interval_s=0.05,
-                                 stats_interval_s=0.05, max_migrations=max_migrations, no_engine_wait_s=2.0))
+                      PoolConfig(**{"routing": "least_loaded" if router is None else "kv", "discovery_interval_s": 0.05,
+                                    "stats_interval_s": 0.05, "max_migrations": max_migrations,
+                                    "no_engine_wait_s": 2.0, **pool_config}))
     await pool.start()
     async with asyncio.timeout(5):
         while len(pool.engines) < 2:
@@ -250,6 +251,35 @@ async def test_a_busy_engine_holding_the_prefix_is_named_for_the_chosen_one_to_p
         pool.submit("p1", prompt, SamplingParams(max_tokens=2), q)
         await _collect(q)
         assert engines["b"][0].served == ["p1"] and engines["b"][0].pulls == [engines["a"][1]]
+    finally:
+        await pool.close()
+        await system.shutdown()
+
+
+@pytest.mark.parametrize("routing", ["kv", "least_loaded", "round_robin"])
+@pytest.mark.parametrize("prefix_pull", [True, False])
+async def test_whatever_chose_the_engine_the_holder_is_named_to_pull_from_unless_pulls_are_off(routing, prefix_pull):
+    """By load or in turn the prompt goes to b although a holds its prefix, and (with pulls on) a is
+    named to pull from; with pulls off no routing names one."""
+    from prefix_store import InMemoryPrefixStore, hash_full_blocks
+
+    store = InMemoryPrefixStore()
+    system, pool, engines = await _cluster(router=PrefixRouter(store, timeout_s=1.0), routing=routing,
+                                           prefix_pull=prefix_pull)
+    try:
+        prompt = list(range(100, 180))   # five full blocks
+        await store.publish_snapshot("a", hash_full_blocks(prompt, 16), 0)
+        await store.publish_snapshot("b", [], 0)
+        waiting = 10 if routing == "kv" else 1   # by prefix only a long queue outweighs five blocks
+        engines["a"][0].stats = msgspec.structs.replace(engines["a"][0].stats, requests_waiting=waiting)
+        await asyncio.sleep(0.2)   # the pool hears a's queue
+        for rid in ("p1", "p2"):   # in turn: a, then b
+            q: asyncio.Queue = asyncio.Queue()
+            pool.submit(rid, prompt, SamplingParams(max_tokens=2), q)
+            await _collect(q)
+        served_b = {"round_robin": ["p2"]}.get(routing, ["p1", "p2"])
+        assert engines["b"][0].served == served_b
+        assert engines["b"][0].pulls == [engines["a"][1] if prefix_pull else None] * len(served_b)
     finally:
         await pool.close()
         await system.shutdown()

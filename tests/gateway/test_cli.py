@@ -24,6 +24,11 @@ def test_defaults_and_flags():
     kw = cli.engine_kwargs(a)
     assert kw["kv_cache_memory"] == 2 << 30 and kw["enable_prefix_caching"] is False
     assert cli.parse_bytes("512MB") == 512 << 20 and cli.parse_bytes("1000") == 1000
+    from gateway import flags
+    from gateway.engine_pool import PoolConfig
+    assert flags.build(PoolConfig, a).prefix_pull is True
+    a = cli.build_parser().parse_args(["serve", "--role", "gateway", "--routing", "least_loaded", "--no-prefix-pull"])
+    assert (flags.build(PoolConfig, a).routing, flags.build(PoolConfig, a).prefix_pull) == ("least_loaded", False)
     a = cli.build_parser().parse_args(["serve", "--speculative-method", "ngram", "--speculative-draft-node", "d1"])
     assert cli.engine_kwargs(a)["speculative"]["draft_node"] == "d1"
 
@@ -138,7 +143,7 @@ FLAGS = """--role --log-level --host --port --api-key --served-model-name --max-
 --speculative-disable-batch-size --speculative-draft-node --redis-url --listen-host --listen-port --advertise
 --engine-id --drain-grace --registry-ttl --metrics-port --kv-transfer-window --kv-transfer-chunk
 --no-kv-transfer-by-layer --index-timeout
---routing --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
+--routing --no-prefix-pull --max-migrations --local-prefill-tokens --api-key-file --allowed-origins --disable-access-log --chat-template
 --tool-call-parser --reasoning-parser --max-tokens-default --max-tokens-limit --max-grammar-chars --grammar-timeout
 """.split()
 FLAGS += ["--kv-cache-dtype", "--decode-burst", "--enforce-eager"]

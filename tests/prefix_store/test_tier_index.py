@@ -89,3 +89,13 @@ def test_an_engine_holding_enough_more_of_the_prompt_is_named_to_pull_from():
     assert (decision.engine_id, decision.pull_from) == ("idle", "busy")    # the load outweighs the prefix
     assert policy.choose([busy, idle], {"busy": (3, 5), "idle": (0, 2)}, 8).pull_from is None   # 3 < 4 more
     assert policy.choose([busy, idle], {"busy": 8, "idle": 0}, 8).pull_from == "busy"
+
+
+
+def test_the_pull_source_of_an_engine_chosen_without_the_index():
+    policy = RoutingPolicy()
+    loads = [EngineLoad("a"), EngineLoad("b"), EngineLoad("c")]
+    assert policy.pull_source(loads, {"a": (2, 8), "b": 5, "c": 0}, 8, "c") == "a"   # the most, tier included
+    assert policy.pull_source(loads, {"a": 8, "b": 0}, 8, "a") is None                 # it holds them itself
+    assert policy.pull_source(loads, {"a": 4, "b": 1}, 8, "b") is None                 # 3 more: not enough
+    assert policy.pull_source(loads, None, 8, "b") is None                             # the index did not answer
