@@ -71,6 +71,16 @@ async def _engines_seen(session: aiohttp.ClientSession, base: str) -> int:
     return 0
 
 
+async def gateways_up(session: aiohttp.ClientSession, bases, timeout_s: float, engines: int = 2) -> None:
+    """Until each gateway at `bases` sees `engines` engines; RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for base in bases:
+        while await _engines_seen(session, base) < engines:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster did not come up in {timeout_s} s; see the logs")
+            await asyncio.sleep(1.0)
+
+
 class StreamError(Exception):
     """An error event inside a stream that began with 200."""
 
@@ -130,12 +140,7 @@ async def _phase(session, base: str, args, seed: int) -> dict:
 async def _run(args, gateways: dict[str, str]) -> dict:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        deadline = time.monotonic() + args.startup_timeout
-        for base in gateways.values():
-            while await _engines_seen(session, base) < 2:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the cluster did not come up; see the logs")
-                await asyncio.sleep(1.0)
+        await gateways_up(session, gateways.values(), args.startup_timeout)
         out = {}
         for i, (routing, base) in enumerate(gateways.items()):
             print(f"bench.cluster: {routing} routing...", file=sys.stderr, flush=True)

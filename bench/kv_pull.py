@@ -33,7 +33,7 @@ from actors.config import EngineConfig
 from actors.engine import start_engine
 from actors.nodes.engine_node import attach_kv_transfer
 from actors.messages.front_end import GetEngineInfo, GetStats, SamplingParams, SubmitRequest
-from bench.cluster import Processes, StreamError, _engines_seen, _free_port, sse_events
+from bench.cluster import Processes, StreamError, _free_port, gateways_up, sse_events
 from bench.kv_tier import Timings, percentile
 from runtime import ActorRef, ActorSystem
 from runtime.redis_registry import RedisRegistry
@@ -154,12 +154,7 @@ async def run_gateway(args) -> dict:
         registry = RedisRegistry(redis_url, secret=SECRET)
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            deadline = time.monotonic() + args.startup_timeout
-            for base in gateways.values():
-                while await _engines_seen(session, base) < 2:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the cluster did not come up in {args.startup_timeout} s ({procs.logdir})")
-                    await asyncio.sleep(1.0)
+            await gateways_up(session, gateways.values(), args.startup_timeout)
             fronts = [system.ref_for(node, path) for node, path in await _engines(registry)]
             phases = {}
             for name, base in gateways.items():
