@@ -1,7 +1,7 @@
 """Multi-turn chat on one engine whose KV pool holds a fraction of the working set: TTFT and prefill
 tokens computed with the KV tier (host memory) against without, side by side in one invocation.
 
-`python -m bench.kv_tier [--conversations 16 --turns 4 --system 256 ...] [--json]`. Every conversation
+`python -m bench.kv_tier [--conversations 16 --turns 4 --system 256 ...] [--tier-dir EMPTY_DIR] [--json]`. Every conversation
 shares one system prompt and re-sends its whole transcript each turn; turns go round the conversations
 (a few at a time), so by a conversation's next turn the pool has evicted most of its blocks. Token ids
 stand in for text (no tokenizer); greedy decoding, so both runs produce the same tokens (checked).
@@ -58,7 +58,8 @@ async def run(args, tier: bool) -> dict:
     working_set = (args.system + args.conversations * (per_conv - args.system)) // 16
     num_blocks = max(int(working_set * args.pool_fraction), per_conv // 16 + 2)
     cfg = EngineConfig(model=args.model, num_threads=args.threads, num_blocks=num_blocks, max_num_seqs=args.concurrency,
-                       kv_offload_memory=args.tier_memory if tier else 0, batch_invariant=args.batch_invariant)
+                       kv_offload_memory=args.tier_memory if tier else 0, batch_invariant=args.batch_invariant,
+                       kv_offload_dir=args.tier_dir if tier else None)
     system = ActorSystem("bench-kv-tier")
     await system.start()
     engine = await start_engine(cfg, system)
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--pool-fraction", type=float, default=0.25, help="the KV pool against the working set")
     p.add_argument("--tier-memory", type=int, default=1 << 30)
+    p.add_argument("--tier-dir", default=None, help="a disk tier too (with --tier-memory 0, the disk alone)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-invariant", action="store_true",

@@ -9,6 +9,7 @@ step costs one round trip whatever its batch size. The manager's events leave on
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from actors.kv.manager import KVCacheManager
@@ -231,7 +232,9 @@ class KVManagerActor(Actor):
                   for h in self.kv.disk_reads(KVRequest(str(admit.seq_id), admit.token_ids, admit.cache_salt,
                                                         admit.read_prefix_cache))]
         if wanted:
-            self.kv.tier.stage(await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted))))
+            started = time.perf_counter()
+            blocks = await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted)))
+            self.kv.tier.stage(blocks, time.perf_counter() - started)   # the step waited for it: reload time
 
     async def _read_ahead_for_share(self, hashes: list[BlockHash]) -> None:
         """The tier's disk blocks a peer's pull wants are read on a thread first, as a step's are: a slow

@@ -150,9 +150,11 @@ class KVTier:
         the disk store's index is the caller's alone meanwhile."""
         return {block_hash: self.disk.get(block_hash) for block_hash in hashes}
 
-    def stage(self, blocks: dict[BlockHash, bytes | None]) -> None:
-        """Blocks `read_disk` read, for this step's `fetch`es; `unstage` drops what they left."""
+    def stage(self, blocks: dict[BlockHash, bytes | None], read_s: float = 0.0) -> None:
+        """Blocks `read_disk` read, for this step's `fetch`es; `unstage` drops what they left. `read_s`: the
+        read's time, when it was for this engine's own reloads (counted in `load_s` as `fetch` counts its own)."""
         self._staged = blocks
+        self.load_s += read_s
 
     def unstage(self) -> None:
         gone = [h for h, block in self._staged.items() if block is None]

@@ -1,7 +1,7 @@
 """A peer's pull served from the KV tier's disk: the read runs on a thread, so the holder's event loop
 keeps answering other actors meanwhile, and the peer gets the block's bytes. The block's file is a
 named pipe, a read that blocks until the test writes it: were the read on the loop, nothing else
-would run until then."""
+would run until then. A step's own disk reads count in the tier's reload time."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from actors.kv import KVCacheConfig
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.tier_disk import DiskTier
 from actors.messages.handoff import KVPull, KVPulled
-from actors.messages.kv import GetKVStats
+from actors.messages.kv import GetKVStats, KVAdmit, KVStep
 from prefix_store import hash_full_blocks
 from runtime import ActorSystem
 from tests.actors.test_kv_tier import BS, IDENTITY, OTHER, PROMPT, Engine, kv_of
@@ -85,3 +85,38 @@ def _expected_bytes(e: Engine, block_hash: bytes) -> bytes:
     finally:
         for t, s in zip(scratch, saved):
             t[0] = s
+
+
+class SlowDisk(DiskTier):
+    """A disk store whose every block read takes `delay` seconds."""
+
+    delay = 0.1
+
+    def get(self, block_hash):
+        import time
+        time.sleep(self.delay)
+        return super().get(block_hash)
+
+
+async def test_a_steps_disk_reads_count_in_the_tiers_reload_time(tmp_path):
+    """The step waits for the blocks it reloads from disk (read ahead on a thread): that wait is reload time,
+    as `matinee_kv_tier_load_seconds_total` says, not only the copy into the pool after it."""
+    e = Engine(num_blocks=5, memory_bytes=0, disk=SlowDisk(str(tmp_path), IDENTITY, 1 << 20))
+    actor = KVManagerActor(KVCacheConfig(num_blocks=5, block_size=BS), e.tier, e.io)
+    e.kv = actor.kv
+    e.run("a", PROMPT)
+    e.run("b", OTHER)                        # PROMPT's two blocks leave the pool: only the disk has them
+    e.tier.disk.flush()
+    system = ActorSystem("reload-time-test")
+    await system.start()
+    try:
+        ref = await system.spawn(actor, name="kv")
+        before = await ref.ask(GetKVStats(), timeout=5)
+        result = await ref.ask(KVStep([], [], [], [KVAdmit(1, PROMPT)], 64), timeout=30)
+        assert result.admitted[0].num_cached_tokens == 8 and result.tier_hit_tokens == 8
+        after = await ref.ask(GetKVStats(), timeout=5)
+        assert after.tier_hits_disk - before.tier_hits_disk == 2
+        assert after.tier_load_s - before.tier_load_s >= 2 * SlowDisk.delay
+    finally:
+        await system.shutdown()
+        e.tier.close()
