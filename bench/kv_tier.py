@@ -97,6 +97,8 @@ async def run(args, tier: bool) -> dict:
             "tier_hit_tokens": after.prefix_cache_tier_hit_tokens,
             "tier_loaded_bytes": tier_stats.tier_bytes_loaded if tier_stats else 0,
             "tier_load_s": round(tier_stats.tier_load_s, 3) if tier_stats else 0.0,
+            "tier_hits_disk": tier_stats.tier_hits_disk if tier_stats else 0,
+            "tier_hits_read_ahead": tier_stats.tier_hits_read_ahead if tier_stats else 0,
             "outputs": outputs}
 
 

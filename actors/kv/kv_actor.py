@@ -17,8 +17,8 @@ from actors.kv.structs import KVCacheConfig, KVRequest
 from actors.kv.tier import KVTier
 from actors.messages.handoff import KVPull, KVPulled
 from actors.messages.kv import (
-    DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmitted, KVConfirm, KVEvents, KVEventsWaiting, KVFree,
-    KVHeldRun, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep, KVStepResult, KVTierPut,
+    DrainKVEvents, GetKVSnapshot, GetKVStats, KVAdmit, KVAdmitted, KVConfirm, KVEvents, KVEventsWaiting, KVFree,
+    KVHeldRun, KVReadAhead, KVReserve, KVReserved, KVSnapshot, KVStats, KVStep, KVStepResult, KVTierPut,
     SubscribeKVEvents,
 )
 from prefix_store.events import KVEvent
@@ -140,7 +140,7 @@ def kv_stats(kv: KVCacheManager) -> KVStats:
                    tier.bytes_saved, tier.bytes_loaded, tier.load_s, tier.save_s,
                    disk.write_failures + disk.dropped if disk is not None else 0,
                    disk.discarded if disk is not None else 0, tier.bytes_pulled, tier.pulls, tier.pull_failures,
-                   tier.pull_s)
+                   tier.pull_s, tier.hits_warm)
 
 
 def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
@@ -148,6 +148,13 @@ def _free(kv: KVCacheManager, seq_ids: list[int]) -> None:
         seq_id = str(seq_id)
         if kv.has_seq(seq_id):  # a sequence aborted before it ever got blocks holds none
             kv.free(seq_id)
+
+
+class _Warmed:
+    """The disk blocks a KVReadAhead read, back on the actor's loop (a tell to itself)."""
+
+    def __init__(self, blocks: dict[BlockHash, bytes | None]):
+        self.blocks = blocks
 
 
 class KVManagerActor(Actor):
@@ -158,11 +165,15 @@ class KVManagerActor(Actor):
         self.blocks = blocks
         self.kv = KVCacheManager(config, tier)
         self._subscribers: list[ActorRef] = []
+        self._warming: set[BlockHash] = set()   # being read for a KVReadAhead
+        self._readers: set[asyncio.Task] = set()
 
     async def on_stop(self) -> None:
         """At shutdown and on a restart: what the pool caches goes to a disk tier too, and its writer
         finishes what is queued (a restarted process finds it all) and goes on; the engine closes the
         tier once every actor stopped."""
+        for task in self._readers:
+            task.cancel()
         if self.kv.tier is not None and self.kv.tier.disk is not None:
             self.kv.save_cached_to_tier()
             await asyncio.to_thread(self.kv.tier.disk.flush)
@@ -206,6 +217,14 @@ class KVManagerActor(Actor):
                     if self.kv.tier is not None:
                         self.kv.tier.unstage()
                     self._events_recorded(before)
+            case KVReadAhead(admit=admit):
+                self._read_while_waiting(admit)
+                return None
+            case _Warmed(blocks=blocks):
+                self._warming.difference_update(blocks)
+                if self.kv.tier is not None:   # not those a step read meanwhile: the pool has them
+                    self.kv.tier.warm({h: b for h, b in blocks.items() if not self.kv.in_pool(h)})
+                return None
             case KVTierPut(block_hashes=hashes, blocks=blocks, seconds=seconds, failed=failed):
                 before = self.kv.next_event_seq
                 if self.kv.tier is not None:
@@ -235,6 +254,26 @@ class KVManagerActor(Actor):
             started = time.perf_counter()
             blocks = await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted)))
             self.kv.tier.stage(blocks, time.perf_counter() - started)   # the step waited for it: reload time
+
+    def _read_while_waiting(self, admit: KVAdmit) -> None:
+        """A waiting request's disk blocks, read on a thread while this actor goes on (`DiskTier.peek`
+        changes nothing the actor's transactions use) and handed to the tier when read."""
+        wanted = [h for h in self.kv.disk_reads(KVRequest(str(admit.seq_id), admit.token_ids, admit.cache_salt,
+                                                          admit.read_prefix_cache)) if h not in self._warming]
+        if not wanted:
+            return
+        self._warming.update(wanted)
+        disk, me = self.kv.tier.disk, self.context.self_ref
+
+        async def read() -> None:
+            blocks: dict[BlockHash, bytes | None] = dict.fromkeys(wanted)
+            try:
+                blocks = await asyncio.to_thread(lambda: {h: disk.peek(h) for h in wanted})
+            finally:
+                me.tell(_Warmed(blocks))
+        task = asyncio.get_running_loop().create_task(read())
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
 
     async def _read_ahead_for_share(self, hashes: list[BlockHash]) -> None:
         """The tier's disk blocks a peer's pull wants are read on a thread first, as a step's are: a slow

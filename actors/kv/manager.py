@@ -74,6 +74,9 @@ class KVCacheManager:
         hashes, max_hit, block_ids = self._pool_run(request)
         return self.tier.on_disk_only(hashes[len(block_ids):max_hit])
 
+    def in_pool(self, block_hash: BlockHash) -> bool:
+        return self._pool.lookup(block_hash) is not None
+
     def held_run(self, hashes: list[BlockHash]) -> int:
         """Leading blocks of `hashes` this engine serves without computing: the pool's, then the tier's."""
         n = 0

@@ -51,6 +51,11 @@ class KVTier:
         self._memory: OrderedDict[BlockHash, bytes] = OrderedDict()   # least recently used first
         self.events: EventLog | None = None   # the KV manager's, once it takes the tier
         self._staged: dict[BlockHash, bytes | None] = {}   # read from disk ahead of a step (None: damaged)
+        # Read from disk while the block's request waited (`warm`), oldest first; at most the disk's
+        # queue's bytes (its writes' bound), the oldest dropped past it.
+        self._warm: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self.warm_bytes = 0
+        self.hits_warm = 0   # of hits_disk, blocks that were read before their step
         self.hits_memory = self.hits_disk = 0   # blocks copied back, by where they were found
         self.bytes_saved = self.bytes_loaded = self.bytes_pulled = 0
         self.save_s = self.load_s = self.pull_s = 0.0
@@ -60,7 +65,8 @@ class KVTier:
         return block_hash in self._memory or (self.disk is not None and block_hash in self.disk)
 
     def in_memory(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._memory
+        """Held without a read from disk: in the memory LRU, or read ahead (`warm`)."""
+        return block_hash in self._memory or block_hash in self._warm
 
     @property
     def memory_used(self) -> int:
@@ -121,8 +127,11 @@ class KVTier:
             block = self._memory.get(block_hash)
             if block is not None:
                 self._memory.move_to_end(block_hash)
-            elif block_hash in self._staged or (self.disk is not None and block_hash in self.disk):
-                block = self._staged.pop(block_hash) if block_hash in self._staged else self.disk.get(block_hash)
+            elif block_hash in self._staged or block_hash in self._warm or (self.disk is not None
+                                                                              and block_hash in self.disk):
+                block = self._staged.pop(block_hash) if block_hash in self._staged else self._unwarm(block_hash)
+                if block is None:
+                    block = self.disk.get(block_hash)
                 if block is None:   # a damaged file, deleted: the block left the tier
                     gone.append(block_hash)
                     break
@@ -136,12 +145,12 @@ class KVTier:
         return found, from_disk
 
     def on_disk_only(self, hashes: list[BlockHash]) -> list[BlockHash]:
-        """Of the leading blocks of `hashes` the tier holds, those that only the disk has."""
+        """Of the leading blocks of `hashes` the tier holds, those that only the disk has (none read ahead)."""
         wanted = []
         for block_hash in hashes:
             if block_hash not in self:
                 break
-            if block_hash not in self._memory:
+            if not self.in_memory(block_hash):
                 wanted.append(block_hash)
         return wanted
 
@@ -149,6 +158,26 @@ class KVTier:
         """Read blocks from disk (None: damaged, deleted). For a thread, while the KV manager waits:
         the disk store's index is the caller's alone meanwhile."""
         return {block_hash: self.disk.get(block_hash) for block_hash in hashes}
+
+    def warm(self, blocks: dict[BlockHash, bytes | None]) -> None:
+        """Blocks `DiskTier.peek` read on a thread while their request waited, so that its step takes them
+        without waiting for the disk: those the disk still holds and memory does not (None: unread)."""
+        limit = self.disk.max_pending_bytes if self.disk is not None else 0
+        for block_hash, block in blocks.items():
+            if block is None or block_hash in self._memory or block_hash in self._warm \
+                    or self.disk is None or block_hash not in self.disk:
+                continue
+            self._warm[block_hash] = block
+            self.warm_bytes += len(block)
+            while self.warm_bytes > limit:
+                self.warm_bytes -= len(self._warm.popitem(last=False)[1])
+
+    def _unwarm(self, block_hash: BlockHash) -> bytes | None:
+        block = self._warm.pop(block_hash, None)
+        if block is not None:
+            self.warm_bytes -= len(block)
+            self.hits_warm += 1
+        return block
 
     def stage(self, blocks: dict[BlockHash, bytes | None], read_s: float = 0.0) -> None:
         """Blocks `read_disk` read, for this step's `fetch`es; `unstage` drops what they left. `read_s`: the
@@ -175,6 +204,8 @@ class KVTier:
         """Forget everything (the weights changed): memory and disk. Nothing is announced: the pool's
         `cleared` event clears the index's view of both."""
         self._memory.clear()
+        self._warm.clear()
+        self.warm_bytes = 0
         if self.disk is not None:
             self.disk.clear()
 

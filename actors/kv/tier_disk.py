@@ -99,22 +99,32 @@ class DiskTier:
         if block_hash not in self._files:
             return None
         self._files.move_to_end(block_hash)
+        data, unreadable = self._load(block_hash)
+        if unreadable:
+            self._forget(block_hash)
+        if unreadable == "damaged":
+            self.discarded += 1
+            self._unlink(block_hash)
+        return data
+
+    def peek(self, block_hash: BlockHash) -> bytes | None:
+        """The block's bytes as `get` reads them, for a thread while the caller goes on: it changes nothing
+        (no order, no deletion), and a file gone or damaged meanwhile reads as None."""
+        return self._load(block_hash)[0]
+
+    def _load(self, block_hash: BlockHash) -> tuple[bytes | None, str | None]:
+        """(the block's bytes, from the writer's queue or its file; None and "gone" or "damaged" when unreadable)."""
         with self._lock:
             data = self._pending.get(block_hash)
         if data is not None:
-            return data
+            return data, None
         try:
             with open(self._file(block_hash), "rb") as f:
                 raw = f.read()
         except OSError:
-            self._forget(block_hash)
-            return None
+            return None, "gone"
         data = _unpack(raw, block_hash)
-        if data is None:
-            self.discarded += 1
-            self._forget(block_hash)
-            self._unlink(block_hash)
-        return data
+        return data, None if data is not None else "damaged"
 
     def take_lost(self) -> list[BlockHash]:
         """Blocks whose write failed since the last call: no longer held."""

@@ -95,6 +95,13 @@ class GetKVStats(msgspec.Struct, tag=True):
     pass
 
 
+class KVReadAhead(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """A request came in: read the tier blocks its admission will take from disk while it waits (on a
+    thread, the KV manager going on meanwhile), so that its step does not wait for the disk. A tell."""
+
+    admit: KVAdmit
+
+
 class KVStats(msgspec.Struct, tag=True):
     num_blocks: int
     num_free_blocks: int
@@ -116,6 +123,7 @@ class KVStats(msgspec.Struct, tag=True):
     tier_pulls: int = 0               # pulls from peer engines, and of those the ones that failed (timed
     tier_pull_failures: int = 0       # out, or the peer was gone: the prompt was computed)
     tier_pull_s: float = 0.0          # cumulative time of the pulls
+    tier_hits_read_ahead: int = 0     # of tier_hits_disk, blocks read while their request waited (no step waited)
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):

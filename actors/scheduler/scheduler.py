@@ -95,11 +95,14 @@ class Scheduler:
 
     # --- requests in and out ---------------------------------------------------------------------
 
-    def add(self, msg: SubmitRequest) -> None:
-        """A new request waits to be admitted; one that cannot run ends at once (see RequestTable.add)."""
+    def add(self, msg: SubmitRequest) -> KVAdmit | None:
+        """A new request waits to be admitted; one that cannot run ends at once (see RequestTable.add).
+        Returns the admission it waits for, for the KV manager to read its tier blocks ahead."""
         leader = self.requests.add(msg)
-        if leader is not None:
-            bisect.insort(self.waiting, leader, key=_key)
+        if leader is None:
+            return None
+        bisect.insort(self.waiting, leader, key=_key)
+        return self._admit_msg(leader)
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """End a request (or one of its samples) now, as its client asked; its blocks go back at once."""

@@ -32,7 +32,7 @@ from actors.messages.handoff import (
     HandoffStart, HandoffRelease, HandoffReserve, HandoffSend, HandoffSendAhead, HandoffWithdraw, HandoffSent,
     HandoffSendLayers, HandoffDone, HandoffOffer, PrefixPullTimed,
 )
-from actors.messages.kv import GetKVStats, KVConfirm, KVReserved
+from actors.messages.kv import GetKVStats, KVConfirm, KVReadAhead, KVReserved
 from actors.messages.step import StepPlan, StepProgress, StepResult
 from actors.scheduler.config import SchedulerConfig
 from actors.scheduler.counters import HandoffCounters, stats_fields
@@ -103,7 +103,9 @@ class SchedulerActor(Actor):
                         self.transfer.tell(msg)
                     return None
                 try:
-                    self.scheduler.add(msg)
+                    admit = self.scheduler.add(msg)
+                    if admit is not None and admit.read_prefix_cache:   # its tier blocks off disk while it waits
+                        self.kv.tell(KVReadAhead(admit))
                 except ValueError as e:
                     self.context.log.warning("request refused", request_id=msg.request_id, error=str(e))
                 self._pull_brake()

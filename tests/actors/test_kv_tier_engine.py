@@ -7,7 +7,7 @@ import pytest
 
 from actors.config import EngineConfig
 from actors.engine import start_engine
-from actors.messages.front_end import GetStats, SubmitRequest
+from actors.messages.front_end import GetStats, SamplingParams, SubmitRequest
 from runtime import ActorSystem
 from tests.actors.test_engine import Sink
 from tests.actors.test_llm_parity import GREEDY, hf_greedy, prompts
@@ -68,3 +68,33 @@ async def test_two_tenants_never_share_a_block_through_the_tier(engine, tiny_mod
     await run(eng, sink, ref, "evict3", batch[1])
     tokens, cached = await run(eng, sink, ref, "a2", batch[0], salt="tenant-a")
     assert tokens == expected and cached > 0
+
+
+async def test_a_waiting_prompts_disk_blocks_are_read_before_its_step(tiny_model_dir, tmp_path):
+    """With the tier on disk alone, a prompt that waits behind another request has its blocks read while it
+    waits (the scheduler tells the KV manager as it arrives): its step copies them back without a read, and
+    the tokens are those it computed."""
+    system = ActorSystem("tier-read-ahead-test")
+    await system.start()
+    cfg = EngineConfig(model=tiny_model_dir("qwen2"), dtype="float32", num_threads=1, block_size=16,
+                       num_blocks=12, max_num_batched_tokens=64, max_num_seqs=1, kv_offload_memory=0,
+                       kv_offload_dir=str(tmp_path / "tier"))
+    eng = await start_engine(cfg, system)
+    try:
+        sink = Sink()
+        ref = await system.spawn(sink, name="sink")
+        batch = prompts(5, LENS)
+        expected, _ = await run(eng, sink, ref, "first", batch[0])
+        for i in (1, 2):
+            await run(eng, sink, ref, f"evict{i}", batch[i])   # the first prompt's blocks: on disk alone
+        before = await eng.scheduler.ask(GetStats())
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        eng.scheduler.tell(SubmitRequest("ahead", batch[1][:40], long, ref))   # the one slot, for a while
+        tokens, cached = await run(eng, sink, ref, "again", batch[0])
+        assert tokens == expected and cached == (LENS[0] - 1) // 16 * 16
+        tier = (await eng.scheduler.ask(GetStats())).kv_tier
+        assert tier.tier_hits_disk - before.kv_tier.tier_hits_disk == cached // 16
+        assert tier.tier_hits_read_ahead - before.kv_tier.tier_hits_read_ahead == cached // 16
+    finally:
+        await eng.stop()
+        await system.shutdown()

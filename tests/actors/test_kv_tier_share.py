@@ -1,18 +1,21 @@
 """A peer's pull served from the KV tier's disk: the read runs on a thread, so the holder's event loop
 keeps answering other actors meanwhile, and the peer gets the block's bytes. The block's file is a
 named pipe, a read that blocks until the test writes it: were the read on the loop, nothing else
-would run until then. A step's own disk reads count in the tier's reload time."""
+would run until then. A step's own disk reads count in the tier's reload time; a waiting request's are
+read ahead of its step, which then does not wait for the disk."""
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
 
+import torch
+
 from actors.kv import KVCacheConfig
 from actors.kv.kv_actor import KVManagerActor
 from actors.kv.tier_disk import DiskTier
 from actors.messages.handoff import KVPull, KVPulled
-from actors.messages.kv import GetKVStats, KVAdmit, KVStep
+from actors.messages.kv import GetKVStats, KVAdmit, KVReadAhead, KVStep
 from prefix_store import hash_full_blocks
 from runtime import ActorSystem
 from tests.actors.test_kv_tier import BS, IDENTITY, OTHER, PROMPT, Engine, kv_of
@@ -87,6 +90,17 @@ def _expected_bytes(e: Engine, block_hash: bytes) -> bytes:
             t[0] = s
 
 
+def _prompt_on_disk_alone(disk: DiskTier) -> tuple[Engine, KVManagerActor]:
+    """A KV actor over a disk-only tier where PROMPT's two blocks left the pool: only the disk has them."""
+    e = Engine(num_blocks=5, memory_bytes=0, disk=disk)
+    actor = KVManagerActor(KVCacheConfig(num_blocks=5, block_size=BS), e.tier, e.io)
+    e.kv = actor.kv
+    e.run("a", PROMPT)
+    e.run("b", OTHER)
+    e.tier.disk.flush()
+    return e, actor
+
+
 class SlowDisk(DiskTier):
     """A disk store whose every block read takes `delay` seconds."""
 
@@ -101,12 +115,7 @@ class SlowDisk(DiskTier):
 async def test_a_steps_disk_reads_count_in_the_tiers_reload_time(tmp_path):
     """The step waits for the blocks it reloads from disk (read ahead on a thread): that wait is reload time,
     as `matinee_kv_tier_load_seconds_total` says, not only the copy into the pool after it."""
-    e = Engine(num_blocks=5, memory_bytes=0, disk=SlowDisk(str(tmp_path), IDENTITY, 1 << 20))
-    actor = KVManagerActor(KVCacheConfig(num_blocks=5, block_size=BS), e.tier, e.io)
-    e.kv = actor.kv
-    e.run("a", PROMPT)
-    e.run("b", OTHER)                        # PROMPT's two blocks leave the pool: only the disk has them
-    e.tier.disk.flush()
+    e, actor = _prompt_on_disk_alone(SlowDisk(str(tmp_path), IDENTITY, 1 << 20))
     system = ActorSystem("reload-time-test")
     await system.start()
     try:
@@ -117,6 +126,54 @@ async def test_a_steps_disk_reads_count_in_the_tiers_reload_time(tmp_path):
         after = await ref.ask(GetKVStats(), timeout=5)
         assert after.tier_hits_disk - before.tier_hits_disk == 2
         assert after.tier_load_s - before.tier_load_s >= 2 * SlowDisk.delay
+    finally:
+        await system.shutdown()
+        e.tier.close()
+
+
+class CountingDisk(SlowDisk):
+    """SlowDisk that counts the reads a step makes (`get`) apart from those read ahead (`peek`)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.gets = self.peeks = 0
+
+    def get(self, block_hash):
+        self.gets += 1
+        return super().get(block_hash)
+
+    def peek(self, block_hash):
+        import time
+        self.peeks += 1
+        time.sleep(self.delay)
+        return super().peek(block_hash)
+
+
+async def test_a_waiting_requests_disk_blocks_are_read_ahead_and_its_step_does_not_wait(tmp_path):
+    """KVReadAhead reads a request's disk blocks on a thread while the actor answers others; its step then
+    takes them without a read of its own, and they hold the KV computed for them."""
+    disk = CountingDisk(str(tmp_path), IDENTITY, 1 << 20)
+    e, actor = _prompt_on_disk_alone(disk)
+    system = ActorSystem("read-ahead-test")
+    await system.start()
+    try:
+        ref = await system.spawn(actor, name="kv")
+        ref.tell(KVReadAhead(KVAdmit(1, PROMPT)))
+        t0 = asyncio.get_running_loop().time()
+        await ref.ask(GetKVStats(), timeout=5)   # answered while the blocks are being read
+        assert asyncio.get_running_loop().time() - t0 < 2 * SlowDisk.delay
+        async with asyncio.timeout(10):
+            while e.tier.warm_bytes < 2 * e.io.bytes_per_block:
+                await asyncio.sleep(0.02)
+        assert (disk.peeks, disk.gets) == (2, 0)
+        result = await ref.ask(KVStep([], [], [], [KVAdmit(1, PROMPT)], 64), timeout=30)
+        assert disk.gets == 0 and result.admitted[0].num_cached_tokens == 8
+        table = result.admitted[0].block_table
+        for i, block_hash in enumerate(hash_full_blocks(PROMPT, BS)):
+            for layer in e.io.tensors:
+                assert torch.equal(layer[table[i]], kv_of(block_hash))
+        stats = await ref.ask(GetKVStats(), timeout=5)
+        assert (stats.tier_hits_disk, stats.tier_hits_read_ahead) == (2, 2) and e.tier.warm_bytes == 0
     finally:
         await system.shutdown()
         e.tier.close()
