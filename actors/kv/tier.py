@@ -234,7 +234,10 @@ class KVTier:
     def _announce(self, came: list[BlockHash], gone: list[BlockHash]) -> None:
         """The index hears of the blocks `came` (new to the tier) that are still in it, and of those
         `gone` (left memory or disk) that were in it before and are in neither now: every stored
-        event is matched by one removal."""
+        event is matched by one removal. A block read ahead that left the disk goes too."""
+        for block_hash in gone:
+            if block_hash in self._warm and block_hash not in self:
+                self.warm_bytes -= len(self._warm.pop(block_hash))
         if self.events is None:
             return
         new = set(came)

@@ -180,3 +180,27 @@ def test_a_directory_that_cannot_hold_the_tier_is_a_clear_error(tmp_path):
     (tmp_path / "blocks").write_text("not a directory")
     with pytest.raises(ValueError, match="cannot be used"):
         DiskTier(str(tmp_path), IDENTITY, 1 << 20)
+
+
+def test_a_block_read_ahead_leaves_with_its_file_and_is_taken_once():
+    """Blocks read ahead of their step (`warm`) are taken by the fetch instead of the disk, once; one whose
+    file the disk store drops meanwhile is dropped with it, and none outlives `clear`."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as path:
+        e = Engine(num_blocks=5, memory_bytes=0, disk=DiskTier(path, IDENTITY, 1 << 20))
+        e.run("a", PROMPT)
+        e.run("b", OTHER)
+        e.tier.disk.flush()
+        first, second = hash_full_blocks(PROMPT, BS)[:2]
+        e.tier.warm({first: e.tier.disk.peek(first), second: e.tier.disk.peek(second), b"absent" * 6: None})
+        assert e.tier.warm_bytes == 2 * e.io.bytes_per_block and e.tier.in_memory(first)
+        assert e.kv.disk_reads(KVRequest("x", PROMPT)) == []          # nothing left for a step to read
+        e.tier.disk._forget(second)                                  # the store drops the second block's file
+        e.tier._announce([], [second])
+        assert e.tier.warm_bytes == e.io.bytes_per_block and not e.tier.in_memory(second)
+        blocks, from_disk = e.tier.fetch([first])
+        assert from_disk == 1 and e.tier.hits_warm == 1 and e.tier.warm_bytes == 0
+        e.tier.warm({first: e.tier.disk.peek(first)})
+        e.tier.clear()
+        assert e.tier.warm_bytes == 0 and not e.tier.in_memory(first)
+        e.tier.close()
