@@ -23,11 +23,12 @@ from actors.messages.kv import (
 )
 from prefix_store.events import KVEvent
 from prefix_store.hashing import BlockHash
-from runtime import Actor, ActorRef
+from runtime import Actor, ActorRef, get_logger
 
 if TYPE_CHECKING:
     from actors.worker.kv_blocks import KVBlockIO   # torch: only where an engine runs
 
+log = get_logger(component="kv-manager")
 
 # A block copied back from the tier costs the step a memory copy, not a forward: its tokens take an
 # eighth of the budget computing them would (counted like a short prefill chunk of the step).
@@ -165,14 +166,13 @@ class KVManagerActor(Actor):
         self.blocks = blocks
         self.kv = KVCacheManager(config, tier)
         self._subscribers: list[ActorRef] = []
-        self._warming: set[BlockHash] = set()   # being read for a KVReadAhead
-        self._readers: set[asyncio.Task] = set()
+        self._warming: dict[BlockHash, asyncio.Task] = {}   # being read for a KVReadAhead, by which read
 
     async def on_stop(self) -> None:
         """At shutdown and on a restart: what the pool caches goes to a disk tier too, and its writer
         finishes what is queued (a restarted process finds it all) and goes on; the engine closes the
         tier once every actor stopped."""
-        for task in self._readers:
+        for task in set(self._warming.values()):
             task.cancel()
         if self.kv.tier is not None and self.kv.tier.disk is not None:
             self.kv.save_cached_to_tier()
@@ -221,9 +221,7 @@ class KVManagerActor(Actor):
                 self._read_while_waiting(admit)
                 return None
             case _Warmed(blocks=blocks):
-                self._warming.difference_update(blocks)
-                if self.kv.tier is not None:   # not those a step read meanwhile: the pool has them
-                    self.kv.tier.warm({h: b for h, b in blocks.items() if not self.kv.in_pool(h)})
+                self._warm(blocks)
                 return None
             case KVTierPut(block_hashes=hashes, blocks=blocks, seconds=seconds, failed=failed):
                 before = self.kv.next_event_seq
@@ -246,10 +244,16 @@ class KVManagerActor(Actor):
 
     async def _read_ahead(self, msg: KVStep) -> None:
         """Tier blocks the step's admissions will want from disk are read on a thread first: the
-        event loop (and, in one process, the gateway's streams) never waits on the disk."""
-        wanted = [h for admit in msg.admits
-                  for h in self.kv.disk_reads(KVRequest(str(admit.seq_id), admit.token_ids, admit.cache_salt,
-                                                        admit.read_prefix_cache))]
+        event loop (and, in one process, the gateway's streams) never waits on the disk. Those a
+        request's read-ahead is reading already are waited for, not read again."""
+        requests = [KVRequest(str(a.seq_id), a.token_ids, a.cache_salt, a.read_prefix_cache) for a in msg.admits]
+        reading = {self._warming[h] for r in requests for h in self.kv.disk_reads(r) if h in self._warming}
+        started = time.perf_counter()
+        for task in reading:
+            self._warm(await asyncio.shield(task))
+        if reading:
+            self.kv.tier.load_s += time.perf_counter() - started   # the step waited for them: reload time
+        wanted = [h for r in requests for h in self.kv.disk_reads(r)]
         if wanted:
             started = time.perf_counter()
             blocks = await asyncio.to_thread(self.kv.tier.read_disk, list(dict.fromkeys(wanted)))
@@ -262,18 +266,25 @@ class KVManagerActor(Actor):
                                                           admit.read_prefix_cache)) if h not in self._warming]
         if not wanted:
             return
-        self._warming.update(wanted)
         disk, me = self.kv.tier.disk, self.context.self_ref
 
-        async def read() -> None:
-            blocks: dict[BlockHash, bytes | None] = dict.fromkeys(wanted)
+        async def read() -> dict[BlockHash, bytes | None]:
             try:
                 blocks = await asyncio.to_thread(lambda: {h: disk.peek(h) for h in wanted})
-            finally:
-                me.tell(_Warmed(blocks))
+            except Exception:   # a read-ahead that fails costs only the step's own read
+                log.exception("a KV tier read-ahead failed")
+                blocks = dict.fromkeys(wanted)
+            me.tell(_Warmed(blocks))
+            return blocks
         task = asyncio.get_running_loop().create_task(read())
-        self._readers.add(task)
-        task.add_done_callback(self._readers.discard)
+        self._warming.update(dict.fromkeys(wanted, task))
+
+    def _warm(self, blocks: dict[BlockHash, bytes | None]) -> None:
+        """A read-ahead's blocks into the tier, but those a step took from disk meanwhile (the pool has them)."""
+        for block_hash in blocks:
+            self._warming.pop(block_hash, None)
+        if self.kv.tier is not None:
+            self.kv.tier.warm({h: b for h, b in blocks.items() if not self.kv.in_pool(h)})
 
     async def _read_ahead_for_share(self, hashes: list[BlockHash]) -> None:
         """The tier's disk blocks a peer's pull wants are read on a thread first, as a step's are: a slow

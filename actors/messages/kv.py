@@ -123,7 +123,7 @@ class KVStats(msgspec.Struct, tag=True):
     tier_pulls: int = 0               # pulls from peer engines, and of those the ones that failed (timed
     tier_pull_failures: int = 0       # out, or the peer was gone: the prompt was computed)
     tier_pull_s: float = 0.0          # cumulative time of the pulls
-    tier_hits_read_ahead: int = 0     # of tier_hits_disk, blocks read while their request waited (no step waited)
+    tier_hits_read_ahead: int = 0     # of tier_hits_disk, blocks read ahead from their request's arrival
 
 
 class DrainKVEvents(msgspec.Struct, tag=True):

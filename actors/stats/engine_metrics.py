@@ -84,8 +84,8 @@ SERIES = (
     *(Series(f"matinee_kv_tier_{name}", kind, text, _tier(field)) for name, kind, text, field in (
         ("hit_blocks_memory", "counter", "KV blocks copied back from the tier's host memory.", "tier_hits_memory"),
         ("hit_blocks_disk", "counter", "KV blocks copied back from the tier's disk store.", "tier_hits_disk"),
-        ("hit_blocks_disk_read_ahead", "counter", "Of those from disk, blocks read while their request waited, so "
-         "that no step waited for the disk.", "tier_hits_read_ahead"),
+        ("hit_blocks_disk_read_ahead", "counter", "Of those from disk, blocks read ahead from their request's "
+         "arrival (its step waits for no more than what is left of that read).", "tier_hits_read_ahead"),
         ("saved_bytes", "counter", "KV bytes copied out of the pool into the tier on eviction.", "tier_bytes_saved"),
         ("loaded_bytes", "counter", "KV bytes copied back from the tier into the pool.", "tier_bytes_loaded"),
         ("pulled_bytes", "counter", "KV bytes pulled from peer engines into the tier.", "tier_bytes_pulled"),

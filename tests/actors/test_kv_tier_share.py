@@ -177,3 +177,22 @@ async def test_a_waiting_requests_disk_blocks_are_read_ahead_and_its_step_does_n
     finally:
         await system.shutdown()
         e.tier.close()
+
+
+async def test_a_step_waits_for_its_requests_read_ahead_instead_of_reading_again(tmp_path):
+    """Admitted while its read-ahead is still reading, a request's step takes those reads when they end:
+    each block is read from disk once."""
+    disk = CountingDisk(str(tmp_path), IDENTITY, 1 << 20)
+    e, actor = _prompt_on_disk_alone(disk)
+    system = ActorSystem("read-ahead-wait-test")
+    await system.start()
+    try:
+        ref = await system.spawn(actor, name="kv")
+        ref.tell(KVReadAhead(KVAdmit(1, PROMPT)))
+        result = await ref.ask(KVStep([], [], [], [KVAdmit(1, PROMPT)], 64), timeout=30)
+        assert result.admitted[0].num_cached_tokens == 8 and (disk.peeks, disk.gets) == (2, 0)
+        stats = await ref.ask(GetKVStats(), timeout=5)
+        assert (stats.tier_hits_disk, stats.tier_hits_read_ahead) == (2, 2)
+    finally:
+        await system.shutdown()
+        e.tier.close()
