@@ -6,6 +6,7 @@ read ahead of its step, which then does not wait for the disk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -90,15 +91,23 @@ def _expected_bytes(e: Engine, block_hash: bytes) -> bytes:
             t[0] = s
 
 
-def _prompt_on_disk_alone(disk: DiskTier) -> tuple[Engine, KVManagerActor]:
-    """A KV actor over a disk-only tier where PROMPT's two blocks left the pool: only the disk has them."""
+@contextlib.asynccontextmanager
+async def prompt_on_disk_alone(disk: DiskTier):
+    """(the Engine, its KV actor's ref) over a disk-only tier where PROMPT's two blocks left the pool: only
+    the disk has them."""
     e = Engine(num_blocks=5, memory_bytes=0, disk=disk)
     actor = KVManagerActor(KVCacheConfig(num_blocks=5, block_size=BS), e.tier, e.io)
     e.kv = actor.kv
     e.run("a", PROMPT)
     e.run("b", OTHER)
     e.tier.disk.flush()
-    return e, actor
+    system = ActorSystem("disk-alone-test")
+    await system.start()
+    try:
+        yield e, await system.spawn(actor, name="kv")
+    finally:
+        await system.shutdown()
+        e.tier.close()
 
 
 class SlowDisk(DiskTier):
@@ -115,20 +124,13 @@ class SlowDisk(DiskTier):
 async def test_a_steps_disk_reads_count_in_the_tiers_reload_time(tmp_path):
     """The step waits for the blocks it reloads from disk (read ahead on a thread): that wait is reload time,
     as `matinee_kv_tier_load_seconds_total` says, not only the copy into the pool after it."""
-    e, actor = _prompt_on_disk_alone(SlowDisk(str(tmp_path), IDENTITY, 1 << 20))
-    system = ActorSystem("reload-time-test")
-    await system.start()
-    try:
-        ref = await system.spawn(actor, name="kv")
+    async with prompt_on_disk_alone(SlowDisk(str(tmp_path), IDENTITY, 1 << 20)) as (e, ref):
         before = await ref.ask(GetKVStats(), timeout=5)
         result = await ref.ask(KVStep([], [], [], [KVAdmit(1, PROMPT)], 64), timeout=30)
         assert result.admitted[0].num_cached_tokens == 8 and result.tier_hit_tokens == 8
         after = await ref.ask(GetKVStats(), timeout=5)
         assert after.tier_hits_disk - before.tier_hits_disk == 2
         assert after.tier_load_s - before.tier_load_s >= 2 * SlowDisk.delay
-    finally:
-        await system.shutdown()
-        e.tier.close()
 
 
 class CountingDisk(SlowDisk):
@@ -153,11 +155,7 @@ async def test_a_waiting_requests_disk_blocks_are_read_ahead_and_its_step_does_n
     """KVReadAhead reads a request's disk blocks on a thread while the actor answers others; its step then
     takes them without a read of its own, and they hold the KV computed for them."""
     disk = CountingDisk(str(tmp_path), IDENTITY, 1 << 20)
-    e, actor = _prompt_on_disk_alone(disk)
-    system = ActorSystem("read-ahead-test")
-    await system.start()
-    try:
-        ref = await system.spawn(actor, name="kv")
+    async with prompt_on_disk_alone(disk) as (e, ref):
         ref.tell(KVReadAhead(KVAdmit(1, PROMPT)))
         t0 = asyncio.get_running_loop().time()
         await ref.ask(GetKVStats(), timeout=5)   # answered while the blocks are being read
@@ -174,25 +172,15 @@ async def test_a_waiting_requests_disk_blocks_are_read_ahead_and_its_step_does_n
                 assert torch.equal(layer[table[i]], kv_of(block_hash))
         stats = await ref.ask(GetKVStats(), timeout=5)
         assert (stats.tier_hits_disk, stats.tier_hits_read_ahead) == (2, 2) and e.tier.warm_bytes == 0
-    finally:
-        await system.shutdown()
-        e.tier.close()
 
 
 async def test_a_step_waits_for_its_requests_read_ahead_instead_of_reading_again(tmp_path):
     """Admitted while its read-ahead is still reading, a request's step takes those reads when they end:
     each block is read from disk once."""
     disk = CountingDisk(str(tmp_path), IDENTITY, 1 << 20)
-    e, actor = _prompt_on_disk_alone(disk)
-    system = ActorSystem("read-ahead-wait-test")
-    await system.start()
-    try:
-        ref = await system.spawn(actor, name="kv")
+    async with prompt_on_disk_alone(disk) as (e, ref):
         ref.tell(KVReadAhead(KVAdmit(1, PROMPT)))
         result = await ref.ask(KVStep([], [], [], [KVAdmit(1, PROMPT)], 64), timeout=30)
         assert result.admitted[0].num_cached_tokens == 8 and (disk.peeks, disk.gets) == (2, 0)
         stats = await ref.ask(GetKVStats(), timeout=5)
         assert (stats.tier_hits_disk, stats.tier_hits_read_ahead) == (2, 2)
-    finally:
-        await system.shutdown()
-        e.tier.close()
