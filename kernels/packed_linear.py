@@ -30,7 +30,10 @@ DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes layout() measures
 SAMPLE_ROWS, REPEATS = 8192, 5
 MARGIN = 1.1
 TORCH_FROM_ROWS = 64   # with both layouts kept: few rows read the packed one, more go to torch
-AMX_ROWS = (16, 32, 64, 128, PREFILL_ROWS)   # the row counts at which AMX is weighed against the packed kernel
+# The row counts at which AMX is weighed against the packed kernel: from 8 rows, and on some shapes 4, the tiles
+# reading every row at once beat it (quant_amx.c's few-row path; a 1B's down projection at 8 rows 1.35 ms against
+# 1.67 from memory on a Xeon).
+AMX_ROWS = (4, 8, 16, 32, 64, 128, PREFILL_ROWS)
 
 
 class PackedWeight:

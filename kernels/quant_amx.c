@@ -8,7 +8,9 @@
  * x's read where they lie); the next two groups are widened while the first pair of x's tiles multiplies,
  * and each 32 x 32 block of products goes to y while the next block multiplies. x taller than half an L2
  * goes in parts; a thread whose widened groups fit KEEP_BYTES widens them in the first part only.
- * The weight is widened once per call, never kept past it: the model holds only the packed bytes.
+ * The weight is widened once per call, never kept past it: the model holds only the packed bytes. x of at most
+ * three tiles (a decode step's batch) takes all of them against each pair of groups at once instead, the
+ * weight widened a block at a time into L1 (multiply_few).
  *
  * A value is widened as quant_linear.dequantize computes it in float32 (d * q, plus m for Q4_1 and Q5_1,
  * rounded apart), then rounded to the nearest even bf16, as torch rounds: the product is x times exactly
@@ -221,22 +223,34 @@ typedef struct {
     uint16_t *t0, *t1;
 } Widening;
 
-/* Groups g and g + 1 of w, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
-static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
+/* Groups g and g + 1 of w, to be widened (w1 NULL past the last group). */
+static Widening pair_of(int type, const uint8_t *w, long gb, long nb, long groups, long g) {
     const long stride = (is_k(type) ? nb / 8 : nb) * gb;   /* a group's bytes */
-    Widening pair = {type, gb, w + g * stride, g + 1 < groups || type == BF16P ? w + (g + 1) * stride : NULL, tiles,
-                     tiles + nb * 16 * 32};
+    return (Widening){type, gb, w + g * stride, g + 1 < groups || type == BF16P ? w + (g + 1) * stride : NULL, NULL,
+                      NULL};
+}
+
+/* The same, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
+static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
+    Widening pair = pair_of(type, w, gb, nb, groups, g);
+    pair.t0 = tiles;
+    pair.t1 = tiles + nb * 16 * 32;
     if (!pair.w1) memset(pair.t1, 0, (size_t)nb * 16 * 64);
     return pair;
 }
 
-static void widen(const Widening *next, long b) {
-    if (next->type == BF16P) {   /* both groups from one block of the packed layout, zero columns past N */
-        widen_bf16_pair((const uint16_t *)next->w0 + b * 32 * 32, next->t0 + b * 16 * 32, next->t1 + b * 16 * 32);
+/* Block b of the pair's two groups -> B tiles at t0 and t1 (t1 untouched past the last group). */
+static void widen_to(const Widening *pair, long b, uint16_t *t0, uint16_t *t1) {
+    if (pair->type == BF16P) {   /* both groups from one block of the packed layout, zero columns past N */
+        widen_bf16_pair((const uint16_t *)pair->w0 + b * 32 * 32, t0, t1);
         return;
     }
-    widen_group_block(next->type, next->w0, next->gb, b, next->t0 + b * 16 * 32);
-    if (next->w1) widen_group_block(next->type, next->w1, next->gb, b, next->t1 + b * 16 * 32);
+    widen_group_block(pair->type, pair->w0, pair->gb, b, t0);
+    if (pair->w1) widen_group_block(pair->type, pair->w1, pair->gb, b, t1);
+}
+
+static void widen(const Widening *next, long b) {
+    widen_to(next, b, next->t0 + b * 16 * 32, next->t1 + b * 16 * 32);
 }
 
 /* A 32 x 32 block of float32 products (row stride 32) on its way to y: rows x cols of it, + bias, rounded to
@@ -380,6 +394,126 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
     }
 }
 
+/* Few rows (a decode step's batch): all of x's tiles (mt of 16 rows, at most FEW_TILES) against one pair of
+ * groups at once, so the weight is read and widened exactly once, a block at a time into a ring of two in L1
+ * (block b + 1 widened while block b's products run), and nothing larger than x stays in cache. The tiles
+ * paths above widen a whole pair ahead into a buffer of K x 128 bytes and read it again for each pair of x's
+ * tiles: at 48 rows of a 1B model's down projection (K = 8192) that buffer, x and its copy passed L2, and
+ * the weight streamed at 12 GB/s where one row read it at 28. Six accumulators, one A and one B tile: an x
+ * tile is loaded again for the second group (the last one loaded serves both). */
+#define FEW_TILES 3
+
+static inline __attribute__((always_inline)) void few_block(int mt, const uint16_t *a, long stride,
+                                                            const uint16_t *b0, const uint16_t *b1) {
+    const long tile = 16 * stride / 2;   /* values from one tile of x to the next */
+    _tile_loadd(7, b0, 64);
+    _tile_loadd(6, a, stride);
+    _tile_dpbf16ps(0, 6, 7);
+    if (mt > 1) {
+        _tile_loadd(6, a + tile, stride);
+        _tile_dpbf16ps(2, 6, 7);
+    }
+    if (mt > 2) {
+        _tile_loadd(6, a + 2 * tile, stride);
+        _tile_dpbf16ps(4, 6, 7);
+    }
+    _tile_loadd(7, b1, 64);
+    if (mt > 2) _tile_dpbf16ps(5, 6, 7);
+    if (mt > 1) {
+        if (mt > 2) _tile_loadd(6, a + tile, stride);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(6, a, stride);
+    }
+    _tile_dpbf16ps(1, 6, 7);
+}
+
+/* One pair of groups (g, g + 1) by x's mt tiles (x: 16 mt rows, `stride` bytes apart) -> out [16 mt][32]. */
+static inline __attribute__((always_inline)) void few_pair(int mt, const Call *c, const uint16_t *x, long stride,
+                                                           long g, uint16_t *ring, float *out) {
+    const long nb = c->nb;
+    const Widening pair = pair_of(c->type, c->w, c->gb, nb, c->groups, g);
+    if (!pair.w1) {   /* past the last group: its tiles stay zero */
+        memset(ring + 512, 0, 1024);
+        memset(ring + 1536, 0, 1024);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    if (mt > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    if (mt > 2) {
+        _tile_zero(4);
+        _tile_zero(5);
+    }
+    widen_to(&pair, 0, ring, ring + 512);
+    for (long b = 0; b < nb; b++) {
+        const uint16_t *t = ring + (b & 1) * 1024;
+        few_block(mt, x + b * 32, stride, t, t + 512);
+        uint16_t *next = ring + ((b + 1) & 1) * 1024;
+        if (b + 1 < nb) widen_to(&pair, b + 1, next, next + 512);
+    }
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+    if (mt > 1) {
+        _tile_stored(2, out + 512, 128);
+        _tile_stored(3, out + 512 + 16, 128);
+    }
+    if (mt > 2) {
+        _tile_stored(4, out + 1024, 128);
+        _tile_stored(5, out + 1024 + 16, 128);
+    }
+}
+
+static void multiply_few(const Call *c, const uint16_t *x, long stride, long first, long last, uint16_t *ring,
+                         float *out) {
+    const long mt = (c->M + 15) / 16;
+    for (long p = first; p < last; p++) {
+        const long g = 2 * p;
+        if (mt == 1) few_pair(1, c, x, stride, g, ring, out);
+        else if (mt == 2) few_pair(2, c, x, stride, g, ring, out);
+        else few_pair(3, c, x, stride, g, ring, out);
+        const int cols = c->N - g * GR < 2 * GR ? (int)(c->N - g * GR) : 2 * GR;
+        const Emission e = {out, (int)c->M, cols, c->stream, c->bias ? c->bias + g * GR : 0, c->y + g * GR, c->N};
+        emit(&e, 0, (int)c->M);
+    }
+}
+
+/* x of at most FEW_TILES tiles: read in place where its rows are whole tiles on 64-byte lines, else from a
+ * copy padded with zero rows. */
+static int few_rows(const Call *c, int threads) {
+    const long M = c->M, K = c->K, mt = (M + 15) / 16;
+    uint16_t *copy = NULL;
+    const uint16_t *x = c->x;
+    if (M % 16 || ((uintptr_t)x & 63)) {
+        if (!(copy = aligned_alloc(64, (size_t)mt * 16 * K * 2))) return -1;
+        memcpy(copy, x, (size_t)M * K * 2);
+        memset(copy + M * K, 0, (size_t)(mt * 16 - M) * K * 2);
+        x = copy;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const long first = c->pairs * omp_get_thread_num() / omp_get_num_threads();
+        const long last = c->pairs * (omp_get_thread_num() + 1) / omp_get_num_threads();
+        uint16_t *ring = aligned_alloc(64, 4 * 1024);
+        float *out = aligned_alloc(64, (size_t)FEW_TILES * 16 * 32 * sizeof(float));
+        if (!ring || !out) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (first < last) {
+            configure_tiles();
+            multiply_few(c, x, 2 * K, first, last, ring, out);
+            _tile_release();
+        }
+        if (c->stream) _mm_sfence();
+        free(ring);
+        free(out);
+    }
+    free(copy);
+    return failed ? -1 : 0;
+}
+
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
     /* IQ4_XS and IQ4_NL are not widened here (quant_gemm.c multiplies them at every row count). */
@@ -397,6 +531,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     const long nb = K / QK, groups = (N + GR - 1) / GR;
     Call c = {x, type, M * N * 2 > STREAM_BYTES, w, bias, y, M, N, K, nb, groups, type == BF16P ? 16 * QK * 2 : group_bytes(type),
               (groups + 1) / 2, ((M + parts - 1) / parts + 31) / 32 * 32, NULL};
+    if (M <= FEW_TILES * 16) return few_rows(&c, threads);
     /* x's tiles are read where they lie (a copy cost more than it saved below COPY_PAIRS: o 576 x 576 at 512
      * rows 1.4x faster without) */
     uint16_t *tail = NULL;

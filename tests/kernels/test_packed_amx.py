@@ -20,7 +20,7 @@ def _product(x, packed, bias=None):
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 16, 17, 45, 70])
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 45, 48, 70])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (33, 96), (100, 352), (40, 1536)])   # N off the 32-column blocks
 def test_the_product_is_x_times_the_weight(m, n, k):
     gen = torch.Generator().manual_seed(m * 7 + n + k)

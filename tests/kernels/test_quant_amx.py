@@ -36,7 +36,8 @@ CASES = [(t, n, k) for t in TYPES for n, k in SHAPES + [(33, 1536)]] + [(t, n, k
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 16, 17, 45, 70])   # partial tiles of x, an odd count of tiles
+# up to 48 rows the few-row path (in place, or copied where x is not whole tiles); partial tiles, an odd count
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 45, 48, 70])
 @pytest.mark.parametrize("qtype,n,k", CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_the_product_is_x_times_the_weight_rounded_to_bf16(qtype, m, n, k, poisoned_empty):
     weight = _weight(qtype, n, k, m * 1000 + n + k)
