@@ -46,6 +46,9 @@
 #define KEEP_BYTES (1L << 20)               /* a thread's widened pairs up to this size serve every part (2 MB:
                                                the same) */
 #endif
+#define KC_BLOCKS 64                        /* K in chunks of at most this many blocks (2048 values): a pair's
+                                               widened chunk and x's rows of it share L2 (K = 8192 whole: 2.4x
+                                               slower at 256 rows) */
 #ifndef COPY_PAIRS
 #define COPY_PAIRS 32                       /* a thread with this many pairs of groups copies x's tiles */
 #endif
@@ -221,21 +224,26 @@ typedef struct {
     long gb;   /* a block's bytes (a super-block's for a K-quant) */
     const uint8_t *w0, *w1;
     uint16_t *t0, *t1;
+    long b0, blocks;   /* tile b (< blocks) holds block b0 + b: a chunk of K */
 } Widening;
 
 /* Groups g and g + 1 of w, to be widened (w1 NULL past the last group). */
 static Widening pair_of(int type, const uint8_t *w, long gb, long nb, long groups, long g) {
     const long stride = (is_k(type) ? nb / 8 : nb) * gb;   /* a group's bytes */
     return (Widening){type, gb, w + g * stride, g + 1 < groups || type == BF16P ? w + (g + 1) * stride : NULL, NULL,
-                      NULL};
+                      NULL, 0, nb};
 }
 
-/* The same, to be widened into `tiles` (the second group's nb * 1 KB after the first's). */
-static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, uint16_t *tiles) {
+/* The same, blocks [b0, b0 + kb) of them to be widened into `tiles` (the second group's kb * 1 KB after the
+ * first's). */
+static Widening pair_at(int type, const uint8_t *w, long gb, long nb, long groups, long g, long b0, long kb,
+                        uint16_t *tiles) {
     Widening pair = pair_of(type, w, gb, nb, groups, g);
     pair.t0 = tiles;
-    pair.t1 = tiles + nb * 16 * 32;
-    if (!pair.w1) memset(pair.t1, 0, (size_t)nb * 16 * 64);
+    pair.t1 = tiles + kb * 16 * 32;
+    pair.b0 = b0;
+    pair.blocks = kb;
+    if (!pair.w1) memset(pair.t1, 0, (size_t)kb * 16 * 64);
     return pair;
 }
 
@@ -250,7 +258,7 @@ static void widen_to(const Widening *pair, long b, uint16_t *t0, uint16_t *t1) {
 }
 
 static void widen(const Widening *next, long b) {
-    widen_to(next, b, next->t0 + b * 16 * 32, next->t1 + b * 16 * 32);
+    widen_to(next, next->b0 + b, next->t0 + b * 16 * 32, next->t1 + b * 16 * 32);
 }
 
 /* A 32 x 32 block of float32 products (row stride 32) on its way to y: rows x cols of it, + bias, rounded to
@@ -282,59 +290,67 @@ static void emit(const Emission *e, int from, int to) {
 }
 
 /* Where a pair of 16-row tiles of x is read: block b of tile i at a[i] + b * step, its rows `stride` bytes
- * apart; with `copy`, stored there too as it is loaded (tile i's block b at copy + (i * nb + b) * 512 values),
- * for the thread's later pairs of groups to read 1 KB at a time. */
+ * apart; with `copy`, stored there too as it is loaded (tile i's block b at copy[i] + b * 512 values), for the
+ * thread's later pairs of groups to read 1 KB at a time. */
 typedef struct {
     const uint16_t *a[2];
     long stride, step;
-    uint16_t *copy;
+    uint16_t *copy[2];
 } XTiles;
 
 /* Rows 16t.. of x as they lie (x in place, or `tail`: rows past the last whole 32, with zeros after them). */
 static XTiles in_place(const uint16_t *x, const uint16_t *tail, long M, long K, long t) {
     const uint16_t *a0 = t * 16 + 32 <= M ? x + t * 16 * K : tail;
-    return (XTiles){{a0, a0 + 16 * K}, 2 * K, 32, NULL};
+    return (XTiles){{a0, a0 + 16 * K}, 2 * K, 32, {NULL, NULL}};
 }
 
 /* The same tiles in a thread's copy (`copy`'s layout): each 1 KB block contiguous. */
 static XTiles in_copy(const uint16_t *mine, long K, long t) {
     const uint16_t *a0 = mine + t * 16 * K;
-    return (XTiles){{a0, a0 + 16 * K}, 64, 16 * 32, NULL};
+    return (XTiles){{a0, a0 + 16 * K}, 64, 16 * 32, {NULL, NULL}};
 }
 
-/* Two 16-row tiles of x times two widened groups (nb B tiles each at w0 and w1) -> out[32][32] float32: C tile
- * 2i + j is x tile i times group j.
+/* Two 16-row tiles of x times two widened groups (nb B tiles each at w0 and w1: blocks b0.. of K) -> out[32][32]
+ * float32: C tile 2i + j is x tile i times group j, plus `init` where not NULL (the sums of K's chunks before).
  * The vector units work while the tile unit multiplies, a share after each block's products are issued:
  * with `next`, block b of the next pair is widened (at 32 rows the widening took as long as the products
  * and more); with `done`, the block multiplied before this one goes to y. (Read back right after its tile
  * stores, a block's floats stalled the emission: 17% of a 2048-row call.) */
-static void multiply(const XTiles *x, const uint16_t *w0, const uint16_t *w1, long nb, float *out,
-                     const Widening *next, const Emission *done) {
+static void multiply(const XTiles *x, const uint16_t *w0, const uint16_t *w1, long nb, long b0, const float *init,
+                     float *out, const Widening *next, const Emission *done) {
     const int share = (int)((32 + nb - 1) / nb);   /* rows of `done` emitted a block */
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (init) {
+        _tile_loadd(0, init, 128);
+        _tile_loadd(1, init + 16, 128);
+        _tile_loadd(2, init + 512, 128);
+        _tile_loadd(3, init + 512 + 16, 128);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (long b = 0; b < nb; b++) {
         /* each product as soon as its two tiles are in (all four loads first: 6% slower at 512 rows). x's tiles
          * are loaded with the hint that they are not reused soon: each passes once while the widened groups
          * (2 x 18 KB at K = 576) are read again for every pair of x's tiles, and a plain load let x's lines
          * push them out of L1 (7.5 -> 5.6 ns a product at K = 576). */
-        _tile_stream_loadd(4, x->a[0] + b * x->step, x->stride);
+        _tile_stream_loadd(4, x->a[0] + (b0 + b) * x->step, x->stride);
         _tile_loadd(6, w0 + b * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, w1 + b * 16 * 32, 64);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_stream_loadd(5, x->a[1] + b * x->step, x->stride);
+        _tile_stream_loadd(5, x->a[1] + (b0 + b) * x->step, x->stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        if (x->copy) {
-            _tile_stored(4, x->copy + b * 16 * 32, 64);
-            _tile_stored(5, x->copy + (nb + b) * 16 * 32, 64);
+        if (x->copy[0]) {
+            _tile_stored(4, x->copy[0] + (b0 + b) * 16 * 32, 64);
+            _tile_stored(5, x->copy[1] + (b0 + b) * 16 * 32, 64);
         }
-        if (next) widen(next, b);
+        if (next && b < next->blocks) widen(next, b);
         if (done) emit(done, (int)b * share, (int)(b + 1) * share);
     }
+    for (long b = nb; next && b < next->blocks; b++) widen(next, b);   /* a next chunk longer than this one */
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
     _tile_stored(2, out + 512, 128);
@@ -349,47 +365,70 @@ typedef struct {
     const float *bias;
     uint16_t *y;
     long M, N, K, nb, groups, gb, pairs, rows;   /* rows: of x in each part but the last (a multiple of 32) */
+    long kc;                /* blocks of K in a chunk (all of them up to KC_BLOCKS) */
     const uint16_t *tail;   /* the rows past the last whole 32, zeros after them: no tile reads past x */
 } Call;
 
-/* One thread's pairs of groups [first, last) and its buffers. `wbuf` holds two pairs' B tiles, pair p + 1
- * widened into one while p multiplies in the other, or with `keep` every pair's, widened in the first part
- * only. `mine`: x's tiles as the first pair loads them, for the later ones (COPY_PAIRS). */
+/* One thread's pairs of groups [first, last) and its buffers. A unit is one pair's chunk of K; a part goes
+ * through them chunk by chunk, every pair of a chunk before the next chunk (so x's chunk stays in L2 for all
+ * the pairs). `wbuf` holds two units' B tiles, unit u + 1 widened into one while u multiplies in the other,
+ * or with `keep` every unit's, widened in the first part only. `mine`: x's tiles as the first pair loads them,
+ * for the later ones (COPY_PAIRS). `sums`: each pair's float32 sums of the chunks so far, for each pair of x's
+ * tiles (with more than one chunk). */
 typedef struct {
     long first, last;
     int keep, flip;
     uint16_t *wbuf, *mine;
     float *out;       /* one block multiplied, one emitted */
+    float *sums;
     Emission done;    /* the block multiplied last, emitted while the next one multiplies */
 } Share;
 
-/* Where pair p's B tiles are in the thread's buffer. */
-static uint16_t *slot(const Share *s, long nb, long p) {
-    return s->wbuf + (s->keep ? p - s->first : (p - s->first) % 2) * 2 * nb * 16 * 32;
+/* Where unit u's B tiles are in the thread's buffer. */
+static uint16_t *slot(const Share *s, long kc, long u) {
+    return s->wbuf + (s->keep ? u : u % 2) * 2 * kc * 16 * 32;
+}
+
+/* Unit u of a thread's share: its pair of groups and its chunk of K, widened into its slot. */
+static Widening unit_at(const Call *c, const Share *s, long u) {
+    const long pairs = s->last - s->first, q = u / pairs, b0 = q * c->kc;
+    return pair_at(c->type, c->w, c->gb, c->nb, c->groups, 2 * (s->first + u % pairs), b0,
+                   c->nb - b0 < c->kc ? c->nb - b0 : c->kc, slot(s, c->kc, u));
 }
 
 /* Rows [r, r + m) of x by the thread's pairs, into y. Out of line: inlined into the parallel region, the
  * same loops ran 3-4% slower at 512 rows. */
 __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, long r, long m) {
-    const long nb = c->nb, K = c->K, N = c->N, tiles = (m + 15) / 16;
+    const long nb = c->nb, kc = c->kc, K = c->K, N = c->N, tiles = (m + 15) / 16;
+    const long pairs = s->last - s->first, chunks = (nb + kc - 1) / kc, units = pairs * chunks;
     const uint16_t *x = c->x + r * K;
     const int widened = s->keep && r > 0;
-    Widening now = pair_at(c->type, c->w, c->gb, nb, c->groups, 2 * s->first, slot(s, nb, s->first)), next = now;
+    Widening now = unit_at(c, s, 0), next = now;
     if (!widened)
-        for (long b = 0; b < nb; b++) widen(&now, b);
-    for (long p = s->first; p < s->last; p++) {
-        const long g = 2 * p;
-        const uint16_t *w0 = slot(s, nb, p), *w1 = w0 + nb * 16 * 32;
-        const int more = !widened && p + 1 < s->last;
-        if (more) next = pair_at(c->type, c->w, c->gb, nb, c->groups, g + 2, slot(s, nb, p + 1));
+        for (long b = 0; b < now.blocks; b++) widen(&now, b);
+    for (long u = 0; u < units; u++) {
+        const long p = s->first + u % pairs, q = u / pairs, g = 2 * p, b0 = q * kc, kb = nb - b0 < kc ? nb - b0 : kc;
+        const uint16_t *w0 = slot(s, kc, u), *w1 = w0 + kb * 16 * 32;
+        const int more = !widened && u + 1 < units, last_chunk = q == chunks - 1;
+        if (more) next = unit_at(c, s, u + 1);
         const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
-        for (long t = 0; t < tiles; t += 2, s->flip ^= 1) {
+        for (long t = 0; t < tiles; t += 2) {
             XTiles a = s->mine && p > s->first ? in_copy(s->mine, K, t) : in_place(x, c->tail, m, K, t);
-            if (s->mine && p == s->first) a.copy = s->mine + t * 16 * K;
-            float *out = s->out + s->flip * 1024;
-            multiply(&a, w0, w1, nb, out, t == 0 && more ? &next : NULL, s->done.rows ? &s->done : NULL);
-            s->done = (Emission){out, m - t * 16 < 32 ? (int)(m - t * 16) : 32, cols, c->stream,
-                                 c->bias ? c->bias + g * GR : 0, c->y + (r + t * 16) * N + g * GR, N};
+            if (s->mine && p == s->first) {
+                a.copy[0] = s->mine + t * 16 * K;
+                a.copy[1] = a.copy[0] + 16 * K;
+            }
+            float *sums = chunks > 1 ? s->sums + ((p - s->first) * (c->rows / 32) + t / 2) * 1024 : NULL;
+            float *out = last_chunk ? s->out + s->flip * 1024 : sums;
+            multiply(&a, w0, w1, kb, b0, q > 0 ? sums : NULL, out, t == 0 && more ? &next : NULL,
+                     s->done.rows ? &s->done : NULL);
+            if (last_chunk) {
+                s->done = (Emission){out, m - t * 16 < 32 ? (int)(m - t * 16) : 32, cols, c->stream,
+                                     c->bias ? c->bias + g * GR : 0, c->y + (r + t * 16) * N + g * GR, N};
+                s->flip ^= 1;
+            } else {
+                s->done.rows = 0;   /* emitted during this chunk's products */
+            }
         }
     }
 }
@@ -523,14 +562,14 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     if ((is_k(type) && K % QKK) || K % QK) return -2;
     if (!amx_permitted()) return -4;
     if (M <= 0) return 0;
-    /* Every pair of groups reads all of x's tiles: past L2 they come from memory each time (2048 x 576 rows
-     * cost 1.8x four times 512). So x goes in parts of at most X_BYTES, in whole pairs of tiles (a last tile
-     * pair of 5 rows costs a full one). */
-    const long most = X_BYTES / (2 * K) / 32 * 32 > 32 ? X_BYTES / (2 * K) / 32 * 32 : 32;
-    const long parts = (M + most - 1) / most, whole = M / 32 * 32;
-    const long nb = K / QK, groups = (N + GR - 1) / GR;
+    /* Every pair of groups reads all of x's tiles of a chunk of K: past L2 they come from memory each time (2048
+     * x 576 rows cost 1.8x four times 512). So x goes in parts of at most X_BYTES a chunk, in whole pairs of
+     * tiles (a last tile pair of 5 rows costs a full one); each part widens the weight again. */
+    const long nb = K / QK, groups = (N + GR - 1) / GR, kc = nb < KC_BLOCKS ? nb : KC_BLOCKS;
+    const long most = X_BYTES / (2 * kc * QK) / 32 * 32 > 32 ? X_BYTES / (2 * kc * QK) / 32 * 32 : 32;
+    const long parts = (M + most - 1) / most, whole = M / 32 * 32, chunks = (nb + kc - 1) / kc;
     Call c = {x, type, M * N * 2 > STREAM_BYTES, w, bias, y, M, N, K, nb, groups, type == BF16P ? 16 * QK * 2 : group_bytes(type),
-              (groups + 1) / 2, ((M + parts - 1) / parts + 31) / 32 * 32, NULL};
+              (groups + 1) / 2, ((M + parts - 1) / parts + 31) / 32 * 32, kc, NULL};
     if (M <= FEW_TILES * 16) return few_rows(&c, threads);
     /* x's tiles are read where they lie (a copy cost more than it saved below COPY_PAIRS: o 576 x 576 at 512
      * rows 1.4x faster without) */
@@ -546,16 +585,17 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
     {
         const long first = c.pairs * omp_get_thread_num() / omp_get_num_threads();
         const long last = c.pairs * (omp_get_thread_num() + 1) / omp_get_num_threads();
-        const size_t pair_bytes = (size_t)2 * nb * 16 * 64;
-        Share s = {first, last, parts > 1 && (size_t)(last - first) * pair_bytes <= KEEP_BYTES, 0};
-        s.wbuf = aligned_alloc(64, (s.keep ? (size_t)(last - first) : 2) * pair_bytes);
+        const size_t unit_bytes = (size_t)2 * kc * 16 * 64, units = (size_t)(last - first) * chunks;
+        Share s = {first, last, parts > 1 && units * unit_bytes <= KEEP_BYTES, 0};
+        s.wbuf = aligned_alloc(64, (s.keep ? units : 2) * unit_bytes);
         s.out = aligned_alloc(64, 2 * 32 * 32 * sizeof(float));
+        if (chunks > 1) s.sums = aligned_alloc(64, (size_t)(last - first) * (c.rows / 32) * 1024 * sizeof(float));
         /* in place, a tile's 16 rows are 2K bytes apart: its loads 5% slower than of 1 KB in a row. And rows of
          * x off 64 bytes (decode_layers.c's scratch lies 16 bytes past them) cross two lines a tile row: read in
          * place, 0.85x the repacking kernel's speed at 512 rows; so only the first pair reads those there. */
         const int copying = last - first >= COPY_PAIRS || (last - first > 1 && ((uintptr_t)x & 63));
         if (copying) s.mine = aligned_alloc(64, (size_t)c.rows * K * 2);
-        const int ready = s.wbuf && s.out && (s.mine || !copying);
+        const int ready = s.wbuf && s.out && (s.mine || !copying) && (s.sums || chunks == 1);
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -569,6 +609,7 @@ int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float
         free(s.wbuf);
         free(s.out);
         free(s.mine);
+        free(s.sums);
     }
     free(tail);
     return failed ? -1 : 0;

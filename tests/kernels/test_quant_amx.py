@@ -110,6 +110,21 @@ def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
 
 
 @needs_amx
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [232, 2072])   # 2072: a thread copies x's tiles
+def test_k_in_chunks_sums_as_k_whole(qtype, n):
+    """K past one chunk (4352: 136 blocks, chunks of 64, 64 and 8): every pair's sums go through the chunks, kept
+    in float32 between them, with several parts of x and a tail of rows; every row comes out as in the few-row
+    path (K whole, no chunks), bit for bit, and within the rounding of the exact product."""
+    weight = _weight(qtype, n, 4352, 17)
+    gen = torch.Generator().manual_seed(17)
+    x, bias = torch.randn(600, 4352, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
+    whole = quant_amx.matmul(x, weight, bias)
+    _assert_within_rounding(whole, x, weight, bias)
+    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 40], weight, bias) for r in range(0, 600, 40)]))
+
+
+@needs_amx
 @pytest.mark.parametrize("n", [40, 232, 2072])   # one pair of groups, a few a thread, a copy of x's tiles anyway
 def test_x_off_the_cache_lines_comes_out_the_same(n):
     """x 16 bytes past a cache line (as a scratch from malloc lies), tall enough for parts: every bit as the same
