@@ -111,7 +111,7 @@ def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
 
 @needs_amx
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [232, 2072])   # 2072: a thread copies x's tiles
+@pytest.mark.parametrize("n", [40, 232, 2072])   # 40: every chunk widened once, kept for the parts; 2072: a copy of x
 def test_k_in_chunks_sums_as_k_whole(qtype, n):
     """K past one chunk (4352: 136 blocks, chunks of 64, 64 and 8): every pair's sums go through the chunks, kept
     in float32 between them, with several parts of x and a tail of rows; every row comes out as in the few-row
