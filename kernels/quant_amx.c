@@ -1,5 +1,5 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x and a packed GGUF weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
- * K-quants Q4_K, Q5_K, Q6_K; quant_layout.h, kquant.py), on AMX's bf16 tiles.
+/* y[M, N] = x[M, K] @ W[N, K]^T for bf16 x and a packed GGUF weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the
+ * K-quants Q4_K, Q5_K, Q6_K, IQ4_XS; quant_layout.h, kquant.py), on AMX's bf16 tiles.
  *
  * quant_gemm.c's int8 products run on VNNI: right where a step reads each weight byte once for a few rows.
  * From a few dozen rows on, the arithmetic dominates, and AMX multiplies 16 x 16 x 32 bf16 per instruction.
@@ -68,10 +68,36 @@ static inline void pair_row(__m512 even, __m512 odd, uint16_t *row) {
  * fma(q, d, -8d). A nibble is not shifted down: masked where it lies, q * 2^s converts exactly and meets d
  * * 2^-s (exact too), so a column costs a mask, a conversion and an fma. (A float16 scale of inf or NaN,
  * which no quantizer writes, may come out as NaN where dequantize gives inf.) */
+/* IQ4's 16 levels (IQ4_LEVELS) as float32: a lane's nibble at bits 0-3 picks its level in one permute, which
+ * reads only those bits of each lane. */
+static inline __m512 iq4_levels(void) {
+    static const int8_t levels[16] = IQ4_LEVELS;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)levels)));
+}
+
+/* Four columns of IQ4 nibbles (byte k of each lane: column 4c + k low, 16 + 4c + k high) times each row's scale
+ * -> B tile rows 2c, 2c + 1 (low) and 8 + 2c, 9 + 2c (high): scale * level, rounded once, as dequantize's. */
+static inline void widen_iq4(__m512i raw, __m512 scale, __m512 levels, int c, uint16_t *tile) {
+    __m512 lo[4], hi[4];
+    for (int k = 0; k < 4; k++) {
+        lo[k] = _mm512_mul_ps(scale, _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * k), levels));
+        hi[k] = _mm512_mul_ps(scale, _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * k + 4), levels));
+    }
+    pair_row(lo[0], lo[1], tile + (2 * c) * 32);
+    pair_row(lo[2], lo[3], tile + (2 * c + 1) * 32);
+    pair_row(hi[0], hi[1], tile + (8 + 2 * c) * 32);
+    pair_row(hi[2], hi[3], tile + (8 + 2 * c + 1) * 32);
+}
+
 static void widen_block(int type, const uint8_t *blk, uint16_t *tile) {
     const int has_min = type == Q4_1 || type == Q5_1;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     const uint8_t *qs = blk + (has_min ? 4 * GR : 2 * GR);
+    if (type == IQ4_NL) {   /* Q4_0's nibbles, each a level: d * level */
+        const __m512 levels = iq4_levels();
+        for (int c = 0; c < 4; c++) widen_iq4(_mm512_loadu_si512((const void *)(qs + c * GR * 4)), d, levels, c, tile);
+        return;
+    }
     if (type == Q8_0) {   /* vector v: columns 4v..4v+3, one signed byte each, moved to the top of the lane */
         const __m512 d24 = _mm512_mul_ps(d, _mm512_set1_ps(0x1p-24f));
         for (int v = 0; v < 8; v++) {
@@ -210,9 +236,21 @@ static void widen_bf16_pair(const uint16_t *blk, uint16_t *t0, uint16_t *t1) {
     }
 }
 
+/* Sub-block j (values 32j..32j + 31) of an IQ4_XS super-block of 16 rows -> its B tile: (d * sc) * level, d * sc
+ * exact (11 and 7 bits), as kquant.dequantize_raw's. Vector c of the sub-block: bytes 4c + k, as IQ4_NL's. */
+static void widen_iq4xs(const uint8_t *g, int j, uint16_t *tile) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
+    const __m512 scale = _mm512_mul_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(g + 2 * GR + j * GR)))));
+    const __m512 levels = iq4_levels();
+    const uint8_t *qs = g + 10 * GR + j * 4 * GR * 4;
+    for (int c = 0; c < 4; c++) widen_iq4(_mm512_loadu_si512((const void *)(qs + c * GR * 4)), scale, levels, c, tile);
+}
+
 /* Block b of a group (16 rows of the whole of K) -> its B tile; gb: a block's bytes, a super-block's for a K-quant. */
 static void widen_group_block(int type, const uint8_t *group, long gb, long b, uint16_t *tile) {
     if (type == Q6_K) widen_q6k(group + b / 8 * gb, (int)(b % 8), tile);
+    else if (type == IQ4_XS) widen_iq4xs(group + b / 8 * gb, (int)(b % 8), tile);
     else if (is_k(type)) widen_k45(type, group + b / 8 * gb, (int)(b % 8), tile);
     else widen_block(type, group + b * gb, tile);
 }
@@ -555,9 +593,8 @@ static int few_rows(const Call *c, int threads) {
 
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads) {
-    /* IQ4_XS and IQ4_NL are not widened here (quant_gemm.c multiplies them at every row count). */
-    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != Q4_K && type != Q5_K &&
-        type != Q6_K && type != BF16P)
+    if (type != Q8_0 && type != Q4_0 && type != Q4_1 && type != Q5_0 && type != Q5_1 && type != IQ4_NL && type != Q4_K &&
+        type != Q5_K && type != Q6_K && type != IQ4_XS && type != BF16P)
         return -2;
     if ((is_k(type) && K % QKK) || K % QK) return -2;
     if (!amx_permitted()) return -4;

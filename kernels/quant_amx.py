@@ -17,9 +17,9 @@ import torch
 from kernels import cpu_native, kquant, quant_linear
 from kernels.quant_linear import QuantStack, QuantTensor, QuantWeight
 
-# The types quant_amx.c widens; the IQ4 types (kvalues_iq4nl nibbles) stay on quant_gemm.c at every row count.
+# The types quant_amx.c widens (IQ4's nibbles through a permute of their 16 levels).
 TYPES = (quant_linear.Q8_0, quant_linear.Q4_0, quant_linear.Q4_1, quant_linear.Q5_0, quant_linear.Q5_1,
-         kquant.Q4_K, kquant.Q5_K, kquant.Q6_K)
+         quant_linear.IQ4_NL, kquant.Q4_K, kquant.Q5_K, kquant.Q6_K, kquant.IQ4_XS)
 ROWS = (8, 16, 24, 32, 64, 128, 256, 512)   # the row counts measured (24: the int8 kernel's time grows with the rows
 # and AMX's does not below 32; on a Xeon, SmolLM2's gate_up at 24 rows took 0.115 ms on int8 against 0.092 on AMX)
 MARGIN = 1.1                         # AMX must win by 10%: noise never flips the choice

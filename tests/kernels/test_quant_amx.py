@@ -15,7 +15,7 @@ from tests import kquants
 from tests.kernels.test_kquant_linear import SHAPES as K_SHAPES, TYPES as ALL_K_TYPES
 from tests.kernels.test_quant_linear import HAS_TOOLCHAIN, SHAPES, TYPES as ALL_TYPES, _q8_0
 
-# The types quant_amx.c widens; the IQ4 types stay on quant_gemm.c (test_the_iq4_types_never_take_the_tiles).
+# The types quant_amx.c widens: every type quant_gemm.c reads.
 TYPES, K_TYPES = [t for t in ALL_TYPES if t in quant_amx.TYPES], [t for t in ALL_K_TYPES if t in quant_amx.TYPES]
 IQ4 = [GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS]
 
@@ -208,25 +208,26 @@ def test_prepare_measures_bf16_weights_where_there_is_amx():
 
 
 @pytest.mark.parametrize("qtype", IQ4, ids=lambda t: t.name)
-def test_the_iq4_types_never_take_the_tiles(qtype, monkeypatch):
-    """quant_amx.c does not widen IQ4's levels: even where AMX is the path and would win from 16 rows, an IQ4
-    weight keeps quant_gemm.c at every row count, and the AMX launcher refuses it (the C side answers -2)."""
-    assert set(IQ4) <= set(ALL_TYPES + ALL_K_TYPES) and not set(IQ4) & set(quant_amx.TYPES)
+def test_the_iq4_types_take_the_tiles_from_the_measured_rows(qtype, monkeypatch):
+    """IQ4's levels are widened too: where AMX is the path and wins from 16 rows, an IQ4 weight takes the tiles
+    from there and quant_gemm.c below; a type outside TYPES is refused by both launchers (the C side: -2)."""
+    assert set(IQ4) <= set(quant_amx.TYPES)
     monkeypatch.setattr(quant_amx, "matmul_path", lambda dtype: ("amx", "tested"))
     monkeypatch.setattr(quant_amx, "from_rows", lambda qtype, n, k: 16)
     tensor = QuantTensor(int(qtype), torch.from_numpy(kquants.quantize(np.ones((32, 256), np.float32), qtype)), 256)
     weight = quant_amx.prepare(tensor, torch.bfloat16)
-    assert weight.amx_from is None
-    assert quant_amx.prepare(QuantTensor(int(GGMLQuantizationType.Q4_0), torch.from_numpy(
-        quantize(np.ones((32, 256), np.float32), GGMLQuantizationType.Q4_0)), 256), torch.bfloat16).amx_from == 16
-    with pytest.raises(ValueError, match="does not read"):
-        quant_amx.matmul(torch.randn(64, 256).to(torch.bfloat16), weight)
+    assert weight.amx_from == 16
+    few = torch.randn(8, 256).to(torch.bfloat16)
+    assert torch.equal(quant_amx.linear(few, weight), quant_linear.matmul(few, weight))
     x = torch.randn(64, 256).to(torch.bfloat16)
-    assert torch.equal(quant_amx.linear(x, weight), quant_linear.matmul(x, weight))
-    if quant_amx.available():   # the C launcher's own check, past the Python one
+    if quant_amx.available():
+        assert torch.equal(quant_amx.linear(x, weight), quant_amx.matmul(x, weight))
         out = torch.empty(64, 32, dtype=torch.bfloat16)
-        assert cpu_native.library().matinee_quant_amx(x.data_ptr(), int(qtype), weight.packed.data_ptr(), None,
+        assert cpu_native.library().matinee_quant_amx(x.data_ptr(), 99, weight.packed.data_ptr(), None,
                                                       out.data_ptr(), 64, 32, 256, 1) == -2
+    monkeypatch.setattr(quant_amx, "TYPES", ())
+    with pytest.raises(ValueError, match="does not read"):
+        quant_amx.matmul(x, weight)
 
 
 def test_bad_input_is_refused():
