@@ -422,6 +422,17 @@ typedef struct {
     Emission done;    /* the block multiplied last, emitted while the next one multiplies */
 } Share;
 
+/* Rows [row, row + rows) of the products of groups g, g + 1 (at `out`, row stride 32), on their way to y. */
+static Emission pair_emission(const Call *c, const float *out, long row, int rows, long g) {
+    const int cols = c->N - g * GR < 2 * GR ? (int)(c->N - g * GR) : 2 * GR;
+    return (Emission){out, rows, cols, c->stream, c->bias ? c->bias + g * GR : 0, c->y + row * c->N + g * GR, c->N};
+}
+
+/* Blocks in chunk q of K (the last may be short). */
+static long chunk_blocks(const Call *c, long q) {
+    return c->nb - q * c->kc < c->kc ? c->nb - q * c->kc : c->kc;
+}
+
 /* Where unit u's B tiles are in the thread's buffer. */
 static uint16_t *slot(const Share *s, long kc, long u) {
     return s->wbuf + (s->keep ? u : u % 2) * 2 * kc * 16 * 32;
@@ -429,15 +440,15 @@ static uint16_t *slot(const Share *s, long kc, long u) {
 
 /* Unit u of a thread's share: its pair of groups and its chunk of K, widened into its slot. */
 static Widening unit_at(const Call *c, const Share *s, long u) {
-    const long pairs = s->last - s->first, q = u / pairs, b0 = q * c->kc;
-    return pair_at(c->type, c->w, c->gb, c->nb, c->groups, 2 * (s->first + u % pairs), b0,
-                   c->nb - b0 < c->kc ? c->nb - b0 : c->kc, slot(s, c->kc, u));
+    const long pairs = s->last - s->first, q = u / pairs;
+    return pair_at(c->type, c->w, c->gb, c->nb, c->groups, 2 * (s->first + u % pairs), q * c->kc, chunk_blocks(c, q),
+                   slot(s, c->kc, u));
 }
 
 /* Rows [r, r + m) of x by the thread's pairs, into y. Out of line: inlined into the parallel region, the
  * same loops ran 3-4% slower at 512 rows. */
 __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, long r, long m) {
-    const long nb = c->nb, kc = c->kc, K = c->K, N = c->N, tiles = (m + 15) / 16;
+    const long nb = c->nb, kc = c->kc, K = c->K, tiles = (m + 15) / 16;
     const long pairs = s->last - s->first, chunks = (nb + kc - 1) / kc, units = pairs * chunks;
     const uint16_t *x = c->x + r * K;
     const int widened = s->keep && r > 0;
@@ -445,11 +456,10 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
     if (!widened)
         for (long b = 0; b < now.blocks; b++) widen(&now, b);
     for (long u = 0; u < units; u++) {
-        const long p = s->first + u % pairs, q = u / pairs, g = 2 * p, b0 = q * kc, kb = nb - b0 < kc ? nb - b0 : kc;
+        const long p = s->first + u % pairs, q = u / pairs, g = 2 * p, b0 = q * kc, kb = chunk_blocks(c, q);
         const uint16_t *w0 = slot(s, kc, u), *w1 = w0 + kb * 16 * 32;
         const int more = !widened && u + 1 < units, last_chunk = q == chunks - 1;
         if (more) next = unit_at(c, s, u + 1);
-        const int cols = N - g * GR < 2 * GR ? (int)(N - g * GR) : 2 * GR;
         for (long t = 0; t < tiles; t += 2) {
             XTiles a = s->mine && p > s->first ? in_copy(s->mine, K, t) : in_place(x, c->tail, m, K, t);
             if (s->mine && p == s->first) {
@@ -461,8 +471,7 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
             multiply(&a, w0, w1, kb, b0, q > 0 ? sums : NULL, out, t == 0 && more ? &next : NULL,
                      s->done.rows ? &s->done : NULL);
             if (last_chunk) {
-                s->done = (Emission){out, m - t * 16 < 32 ? (int)(m - t * 16) : 32, cols, c->stream,
-                                     c->bias ? c->bias + g * GR : 0, c->y + (r + t * 16) * N + g * GR, N};
+                s->done = pair_emission(c, out, r + t * 16, m - t * 16 < 32 ? (int)(m - t * 16) : 32, g);
                 s->flip ^= 1;
             } else {
                 s->done.rows = 0;   /* emitted during this chunk's products */
@@ -550,8 +559,7 @@ static void multiply_few(const Call *c, const uint16_t *x, long stride, long fir
         if (mt == 1) few_pair(1, c, x, stride, g, ring, out);
         else if (mt == 2) few_pair(2, c, x, stride, g, ring, out);
         else few_pair(3, c, x, stride, g, ring, out);
-        const int cols = c->N - g * GR < 2 * GR ? (int)(c->N - g * GR) : 2 * GR;
-        const Emission e = {out, (int)c->M, cols, c->stream, c->bias ? c->bias + g * GR : 0, c->y + g * GR, c->N};
+        const Emission e = pair_emission(c, out, 0, (int)c->M, g);
         emit(&e, 0, (int)c->M);
     }
 }

@@ -84,6 +84,18 @@ def test_rows_past_one_part_come_out_as_each_part_alone():
     assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 100], weight) for r in range(0, 700, 100)]))
 
 
+def _tall_product(qtype, n, k, m, chunk, seed):
+    """m rows of x times an n x k weight with a bias, in one call: within the rounding of the exact product, and
+    bit for bit the rows computed `chunk` at a time. Returns the weight, x, the bias and the product."""
+    weight = _weight(qtype, n, k, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x, bias = torch.randn(m, k, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
+    whole = quant_amx.matmul(x, weight, bias)
+    _assert_within_rounding(whole, x, weight, bias)
+    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + chunk], weight, bias) for r in range(0, m, chunk)]))
+    return weight, x, bias, whole
+
+
 @needs_amx
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                                    GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
@@ -93,12 +105,7 @@ def test_a_rows_output_does_not_depend_on_where_it_lies(qtype, n):
     groups, the last half full), with a bias: every row comes out as it does alone, in a chunk of 45, and on one
     thread, bit for bit; so no tile, part, thread's share, copy of x or block emitted during the next one's
     products mixes rows or columns."""
-    weight = _weight(qtype, n, 1536, 11)
-    gen = torch.Generator().manual_seed(11)
-    x, bias = torch.randn(1001, 1536, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
-    whole = quant_amx.matmul(x, weight, bias)
-    _assert_within_rounding(whole, x, weight, bias)
-    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 45], weight, bias) for r in range(0, 1001, 45)]))
+    weight, x, bias, whole = _tall_product(qtype, n, 1536, 1001, 45, 11)
     for r in (0, 15, 16, 31, 32, 333, 640, 1000):
         assert torch.equal(whole[r:r + 1], quant_amx.matmul(x[r:r + 1], weight, bias))
     threads = torch.get_num_threads()
@@ -116,12 +123,7 @@ def test_k_in_chunks_sums_as_k_whole(qtype, n):
     """K past one chunk (4352: 136 blocks, chunks of 64, 64 and 8): every pair's sums go through the chunks, kept
     in float32 between them, with several parts of x and a tail of rows; every row comes out as in the few-row
     path (K whole, no chunks), bit for bit, and within the rounding of the exact product."""
-    weight = _weight(qtype, n, 4352, 17)
-    gen = torch.Generator().manual_seed(17)
-    x, bias = torch.randn(600, 4352, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
-    whole = quant_amx.matmul(x, weight, bias)
-    _assert_within_rounding(whole, x, weight, bias)
-    assert torch.equal(whole, torch.cat([quant_amx.matmul(x[r:r + 40], weight, bias) for r in range(0, 600, 40)]))
+    _tall_product(qtype, n, 4352, 600, 40, 17)
 
 
 @needs_amx
