@@ -2,12 +2,14 @@
 tree's with its prefetches into L1 and into L2 (the level paged_attention_cpu.py measures per machine).
 
 SmolLM2-135M's geometry (9 query heads, 3 KV heads, head_dim 64, block size 16) over 30 distinct
-layer caches, so each call reads its K/V from memory as a decode step does, not from cache. Prints
+layer caches, or with `--geometry llama-1b` the 1B Llama shape's (32 query heads, 8 KV heads, 16 layers),
+so each call reads its K/V from memory as a decode step does, not from cache. Prints
 ms per 30-layer step (best of 5) and the K+V read rate at the faster level; asserts nothing about speed.
 `--prefill`: fresh prompts of 256 and 512 tokens through the prefill kernel instead, with its GFLOP/s (the
 causal half of QK^T and PV).
 
-    python -m bench.attention_cpu [--threads 2] [--q-len 1] [--prefill]
+    python -m bench.attention_cpu [--threads 2] [--q-len 1] [--prefill] [--geometry llama-1b]
+                                  [--batches 1,8,32] [--contexts 500,2000]
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from kernels import cpu_native
 
 SOURCE = Path(cpu_native.__file__).with_name("paged_attention_cpu.c")
-LAYERS, HQ, HK, D, BLOCK = 30, 9, 3, 64, 16
+GEOMETRIES = {"smollm2": (30, 9, 3), "llama-1b": (16, 32, 8)}   # layers, query heads, KV heads
+LAYERS, HQ, HK = GEOMETRIES["smollm2"]
+D, BLOCK = 64, 16
 
 
 def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
@@ -69,7 +73,12 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--prefill", action="store_true", help="fresh prompts through the prefill kernel")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2")
+    parser.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
+    parser.add_argument("--contexts", default="500,2000", help="context lengths, comma-separated")
     args = parser.parse_args()
+    global LAYERS, HQ, HK
+    LAYERS, HQ, HK = GEOMETRIES[args.geometry]
     with tempfile.TemporaryDirectory() as tmp:
         old = build(subprocess.run(["git", "show", "HEAD:kernels/paged_attention_cpu.c"], capture_output=True,
                                    text=True, check=True, cwd=SOURCE.parent).stdout, Path(tmp), "old")
@@ -82,8 +91,8 @@ def main():
         print(f"{'dtype':8} {'batch':>5} {'ctx':>5} {'old ms':>8} {'new L1':>8} {'new L2':>8} {'speedup':>7} "
               f"{'new GB/s':>8}")
         for dtype in (torch.float32, torch.bfloat16):
-            for batch in (1, 8, 32):
-                for ctx in (500, 2000):
+            for batch in map(int, args.batches.split(",")):
+                for ctx in map(int, args.contexts.split(",")):
                     t_old, o_old = step_ms(old, dtype, batch, ctx, args.q_len, args.threads)
                     t_new, diff = {}, 0.0
                     for level in (1, 2):

@@ -227,10 +227,11 @@ static inline void scores(const float *const *qs, const bf16 *const *qb, int m, 
 }
 
 /* For the m <= 4 rows r of one KV head: o[r][D] = o[r][D] * c[r] + sum over k < n of w[r][k] * cache[value[k], +D),
- * k in order: each value loaded once for the rows, the rows' running sums in registers. (All of D = 64 in
- * one pass, 16 chains side by side under AVX-512, measured no faster than 2 W columns at a time.) */
-static inline void weighted_sums(float *restrict o, const float *w, long w_stride, const float *c, int m, long n,
-                                 const void *cache, const long *value, long D, int kind) {
+ * k in order, row r's weight for key k at w[r * w_stride + k * w_step]: each value loaded once for the rows,
+ * the rows' running sums in registers. (All of D = 64 in one pass, 16 chains side by side under AVX-512,
+ * measured no faster than 2 W columns at a time.) */
+static inline void weighted_sums(float *restrict o, const float *w, long w_stride, long w_step, const float *c, int m,
+                                 long n, const void *cache, const long *value, long D, int kind) {
     const float *w0 = w, *w1 = w + w_stride, *w2 = w + 2 * w_stride, *w3 = w + 3 * w_stride;
     float *o0 = o, *o1 = o + D, *o2 = o + 2 * D, *o3 = o + 3 * D;
     vec c0 = vset1(c[0]), c1 = vset1(m > 1 ? c[1] : 0.f), c2 = vset1(m > 2 ? c[2] : 0.f), c3 = vset1(m > 3 ? c[3] : 0.f);
@@ -242,12 +243,12 @@ static inline void weighted_sums(float *restrict o, const float *w, long w_strid
         if (m > 2) a2 = vmul(vloadf(o2 + d), c2), b2 = vmul(vloadf(o2 + d + W), c2);
         if (m > 3) a3 = vmul(vloadf(o3 + d), c3), b3 = vmul(vloadf(o3 + d + W), c3);
         for (long k = 0; k < n; k++) {
-            long v = value[k] + d;
-            vec lo = vload(cache, v, kind), hi = vload(cache, v + W, kind), wk = vset1(w0[k]);
+            long v = value[k] + d, kw = k * w_step;
+            vec lo = vload(cache, v, kind), hi = vload(cache, v + W, kind), wk = vset1(w0[kw]);
             a0 = vfma(wk, lo, a0), b0 = vfma(wk, hi, b0);
-            if (m > 1) wk = vset1(w1[k]), a1 = vfma(wk, lo, a1), b1 = vfma(wk, hi, b1);
-            if (m > 2) wk = vset1(w2[k]), a2 = vfma(wk, lo, a2), b2 = vfma(wk, hi, b2);
-            if (m > 3) wk = vset1(w3[k]), a3 = vfma(wk, lo, a3), b3 = vfma(wk, hi, b3);
+            if (m > 1) wk = vset1(w1[kw]), a1 = vfma(wk, lo, a1), b1 = vfma(wk, hi, b1);
+            if (m > 2) wk = vset1(w2[kw]), a2 = vfma(wk, lo, a2), b2 = vfma(wk, hi, b2);
+            if (m > 3) wk = vset1(w3[kw]), a3 = vfma(wk, lo, a3), b3 = vfma(wk, hi, b3);
         }
         vstoref(o0 + d, a0), vstoref(o0 + d + W, b0);
         if (m > 1) vstoref(o1 + d, a1), vstoref(o1 + d + W, b1);
@@ -261,12 +262,12 @@ static inline void weighted_sums(float *restrict o, const float *w, long w_strid
         for (; e + 8 <= D; e += 8) {
             __m256 a = _mm256_mul_ps(_mm256_loadu_ps(or + e), _mm256_set1_ps(c[r]));
             for (long k = 0; k < n; k++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k]), load8(cache, value[k] + e, kind), a);
+                a = _mm256_fmadd_ps(_mm256_set1_ps(wr[k * w_step]), load8(cache, value[k] + e, kind), a);
             _mm256_storeu_ps(or + e, a);
         }
         for (; e < D; e++) {
             float a = or[e] * c[r];
-            for (long k = 0; k < n; k++) a = fmaf(wr[k], load1(cache, value[k] + e, kind), a);
+            for (long k = 0; k < n; k++) a = fmaf(wr[k * w_step], load1(cache, value[k] + e, kind), a);
             or[e] = a;
         }
     }
@@ -302,6 +303,80 @@ static inline float running_softmax(float *s, long n, float *max, float *sum) {
     *sum = *sum * c + hsum(fold(total));
     return c;
 }
+
+#ifdef AMX_BF16
+/* ---- A bf16 cache's scores on AMX's tiles (D a multiple of 32, at most 16 query heads per KV head) ----
+ *
+ * A step's scores for one KV head are one product, S^T = K Q^T: its KC = 16 keys, as they lie in the cache,
+ * are the A tile's rows, and the group's query rows the B tile's columns. A bf16 row's consecutive pairs are
+ * its 32-bit elements, so the B tile is the rows' 32-bit words transposed, once per item. The C tile holds
+ * a key per row and a query head per column: the running softmax takes four heads at a time, a head per
+ * float of each 128-bit lane, four keys per vector, with no transpose. (The AVX-512 BF16 scores spent as
+ * much on reducing their sums across lanes as on their products: at 4 query heads a KV head, the 1B Llama
+ * shape, they made 12 multiply-adds a cycle.) */
+
+/* Query rows q[0, m) of D bf16 each, as the B tiles of their scores: qp[p][16] holds the pair p (values 2p,
+ * 2p + 1) of each row, a row a column, columns past m zero; the tile for values [d, d + 32) is at qp + d * 8. */
+static inline void query_pairs(uint32_t *qp, const bf16 *q, long m, long D) {
+    memset(qp, 0, sizeof(uint32_t) * 8 * D);
+    for (long c = 0; c < m; c++)
+        for (long p = 0; p < D / 2; p++) qp[p * 16 + c] = ((const uint32_t *)(q + c * D))[p];
+}
+
+/* st[16][16]: the scores of 16 keys (rows of D bf16, `stride` bytes apart from k) against the query rows of qp. */
+static inline void tile_scores(const bf16 *k, long stride, const uint32_t *qp, long D, float *st) {
+    _tile_zero(0);
+    for (long d = 0; d < D; d += 32) {
+        _tile_loadd(1, k + d, stride);
+        _tile_loadd(2, qp + d * 8, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, st, 64);
+}
+
+/* Lane l of vector v holds key 4v + l / 4 (and query head l % 4 of the four). */
+static const float KEY_OF_LANE[64] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5,
+                                      6, 6, 6, 6, 7, 7, 7, 7, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11,
+                                      12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+
+/* running_softmax for the m <= 4 rows of columns [0, m) of st (a step's tile_scores, from its first column of
+ * the four), times scale, keys past n ignored: w[4 k + r] gets row r's weight for key k, max[r] and sum[r]
+ * take the step in, and c[r] is the factor its earlier sums shrink by. The same steps as running_softmax, a
+ * row per lane of a 128-bit quarter. */
+static inline void running_softmax4(const float *st, long n, float scale, float *max, float *sum, float *w, float *c,
+                                    int m) {
+    const __mmask8 rows = (__mmask8)((1 << m) - 1);
+    const vec limit = vset1((float)(n - 1));
+    vec x[4], top = vset1(-INFINITY);
+    for (int v = 0; v < 4; v++) {
+        const float *k = st + 4 * v * 16;
+        vec a = _mm512_castps128_ps512(_mm_loadu_ps(k));
+        a = _mm512_insertf32x4(a, _mm_loadu_ps(k + 16), 1);
+        a = _mm512_insertf32x4(a, _mm_loadu_ps(k + 32), 2);
+        a = _mm512_insertf32x4(a, _mm_loadu_ps(k + 48), 3);
+        x[v] = vwhere_le(vloadf(KEY_OF_LANE + 16 * v), limit, vmul(a, vset1(scale)), vset1(-INFINITY));
+        top = vmax(top, x[v]);
+    }
+    top = vmax(top, _mm512_shuffle_f32x4(top, top, _MM_SHUFFLE(1, 0, 3, 2)));
+    top = vmax(top, _mm512_shuffle_f32x4(top, top, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m128 old = _mm_maskz_loadu_ps(rows, max), step = _mm512_castps512_ps128(top);
+    __mmask8 grew = _mm_cmp_ps_mask(step, old, _CMP_GT_OQ), first = _mm_cmp_ps_mask(old, _mm_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    __m128 now = _mm_mask_mov_ps(old, grew, step);
+    __m128 shrink = _mm512_castps512_ps128(exp16(_mm512_zextps128_ps512(_mm_sub_ps(old, now))));
+    __m128 f = _mm_mask_mov_ps(_mm_set1_ps(1.f), grew, _mm_mask_mov_ps(shrink, first, _mm_setzero_ps()));
+    vec top4 = _mm512_broadcast_f32x4(now), total = vzero();
+    for (int v = 0; v < 4; v++) {
+        vec e = vwhere_le(vloadf(KEY_OF_LANE + 16 * v), limit, vexp(vsub(x[v], top4)), vzero());
+        vstoref(w + 16 * v, e);
+        total = vadd(total, e);
+    }
+    total = vadd(total, _mm512_shuffle_f32x4(total, total, _MM_SHUFFLE(1, 0, 3, 2)));
+    total = vadd(total, _mm512_shuffle_f32x4(total, total, _MM_SHUFFLE(2, 3, 0, 1)));
+    _mm_mask_storeu_ps(max, rows, now);
+    _mm_mask_storeu_ps(sum, rows, _mm_add_ps(_mm_mul_ps(_mm_maskz_loadu_ps(rows, sum), f), _mm512_castps512_ps128(total)));
+    _mm_storeu_ps(c, f);
+}
+#endif
 
 /* The metadata the kernel follows blindly, checked once per call (a few hundred integers, against
  * ~30 small torch ops per layer when the launcher checked them): 0 when consistent, -2 when the
@@ -389,11 +464,24 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     long past = pb->seq_lens[b] - q_len + i0, span = past + n, rows = n * Hq;
     long end = part != NULL && k1 < span ? k1 : span;   /* the keys this call walks: [k0, end) */
     const int *table = pb->block_tables + b * pb->table_width;
+#ifdef AMX_BF16
+    const int tiles = kind == BF16 && D % 32 == 0 && group <= 16 && amx_permitted();
+#else
+    const int tiles = 0;
+#endif
     /* Scratch: the slots, each row's running max and sum, a row group's scores, and for bf16 q and out,
-     * the rows widened and their sums. */
-    long *slot = malloc(sizeof(long) * span + sizeof(float) * (2 * rows + group * KC + (act_bf16 ? 2 * rows * D : 0)));
+     * the rows widened and their sums; on the tiles, each (token, KV head)'s query pairs, a step's scores
+     * and weights, and its keys where they do not lie a slot apart. */
+    long pairs = tiles ? n * (h1 - h0) * 8 * D : 0;
+    long *slot = malloc(sizeof(long) * span + sizeof(float) * (2 * rows + group * KC + (act_bf16 ? 2 * rows * D : 0)) +
+                        (tiles ? sizeof(float) * (pairs + 16 * 16 + 4 * KC + 8 * D) : 0));
     if (slot == NULL) return -1;
     float *run_max = (float *)(slot + span), *run_sum = run_max + rows, *s = run_sum + rows;
+#ifdef AMX_BF16
+    float *st = s + group * KC + (act_bf16 ? 2 * rows * D : 0), *wt = st + 16 * 16;
+    uint32_t *qp = (uint32_t *)(wt + 4 * KC);
+    bf16 *gathered = (bf16 *)(qp + pairs);
+#endif
     /* Slot t's row (every KV head) starts at slot[t] in either cache: the table is walked a block
      * at a time, with no division per token. */
     for (long t0 = k0 / block_size * block_size, t = t0; t0 < end; t0 += block_size) {
@@ -416,6 +504,15 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
     }
     for (long i = 0; i < n; i++) memset(acc + (i * Hq + h0 * group) * D, 0, sizeof(float) * heads);
     for (long r = 0; r < rows; r++) run_max[r] = -INFINITY, run_sum[r] = 0.f;
+#ifdef AMX_BF16
+    if (tiles) {
+        for (long i = 0; i < n; i++)
+            for (long h = h0; h < h1; h++)
+                query_pairs(qp + (i * (h1 - h0) + h - h0) * 8 * D, (const bf16 *)pb->q + row0 + (i * Hq + h * group) * D,
+                            group, D);
+        configure_tiles();
+    }
+#endif
     long fetched = k0;
     for (long t0 = k0; t0 < end; t0 += KC) {
         long t1 = t0 + KC < end ? t0 + KC : end;
@@ -430,6 +527,8 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
             blocks[j] = table[bi];
             if (t0 + j + 1 < t1 && ++bo == block_size) bi++, bo = 0;
         }
+        int apart = 1;   /* the step's keys a slot apart, as a tile loads them */
+        for (int j = 1; j < KC; j++) apart &= slots[j] == slots[0] + j * slot_stride;
         long i_first = t0 > past ? t0 - past : 0;   /* the first token that sees key t0 */
         for (long i = i_first; i < n; i++) {
             long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
@@ -443,7 +542,18 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                     if (kind >= I8) vmult[j] = pb->v_scales[blocks[j] * pb->Hk + h];
                 }
                 long r0 = i * Hq + h * group;
-                for (long g0 = 0; g0 < group; g0 += ROWS) {
+#ifdef AMX_BF16
+                if (tiles) {
+                    const bf16 *k = (const bf16 *)pb->k_cache + at[0];
+                    if (!apart) {
+                        for (int j = 0; j < KC; j++) memcpy(gathered + j * D, (const bf16 *)pb->k_cache + at[j], sizeof(bf16) * D);
+                        k = gathered;
+                    }
+                    tile_scores(k, apart ? slot_stride * sizeof(bf16) : D * sizeof(bf16),
+                                qp + (i * (h1 - h0) + h - h0) * 8 * D, D, st);
+                }
+#endif
+                for (long g0 = 0; g0 < group && !tiles; g0 += ROWS) {
                     int m = group - g0 < ROWS ? (int)(group - g0) : ROWS;
                     const float *qs[ROWS];
                     const bf16 *qb[ROWS];
@@ -454,7 +564,14 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                 if (i == i_first && fetched < ahead)
                     next = prefetch(pb->v_cache, slot, fetched, ahead, block_size, end, h * D, D, kind);
                 float c[4];
-                for (long g0 = 0; g0 < group; g0 += 4) {
+#ifdef AMX_BF16
+                for (long g0 = 0; g0 < group && tiles; g0 += 4) {
+                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
+                    running_softmax4(st + g0, seen, pb->scale, run_max + r0 + g0, run_sum + r0 + g0, wt, c, m);
+                    weighted_sums(acc + (r0 + g0) * D, wt, 1, 4, c, m, seen, pb->v_cache, at, D, kind);
+                }
+#endif
+                for (long g0 = 0; g0 < group && !tiles; g0 += 4) {
                     int m = group - g0 < 4 ? (int)(group - g0) : 4;
                     for (int x = 0; x < m; x++) {
                         long r = r0 + g0 + x;
@@ -463,12 +580,15 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                         if (kind >= I8)   /* each weight times its value's scale */
                             for (long j = 0; j < seen; j++) w[j] *= vmult[j];
                     }
-                    weighted_sums(acc + (r0 + g0) * D, s + g0 * KC, KC, c, m, seen, pb->v_cache, at, D, kind);
+                    weighted_sums(acc + (r0 + g0) * D, s + g0 * KC, KC, 1, c, m, seen, pb->v_cache, at, D, kind);
                 }
             }
         }
         fetched = next;
     }
+#ifdef AMX_BF16
+    if (tiles) _tile_release();
+#endif
     if (part != NULL) {   /* a part of the context: its sums unscaled, with each row's max and sum, for merge() */
         for (long i = 0; i < n; i++)
             for (long r = i * Hq + h0 * group; r < i * Hq + h1 * group; r++)

@@ -64,6 +64,17 @@ def test_bf16_matches_oracle(poisoned_empty, block_size, heads, head_dim):
                                       dtype=torch.bfloat16, seed=block_size))
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("heads", [(32, 8), (12, 2), (32, 2), (34, 2)], ids=["gqa4", "gqa6", "gqa16", "gqa17"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_groups_of_any_width_match_oracle(poisoned_empty, block_size, heads, head_dim):
+    """Where AMX is, a bf16 cache's scores take its tiles for groups of up to 16 query heads, four heads
+    per softmax (6: a set of four and one of two), the keys loaded in place where a step's 16 fill one block
+    and gathered where not (blocks of 5, a sequence's last step); 17 stays on the vector kernel."""
+    _assert_matches_oracle(make_batch(MIXED, *heads, head_dim=head_dim, block_size=block_size,
+                                      dtype=torch.bfloat16, seed=head_dim + block_size))
+
+
 def test_bf16_and_float32_run_the_kernels(monkeypatch):
     """Each dtype reaches its own kernel through the launcher, not the reference."""
     batch = make_batch(MIXED, 9, 3, head_dim=64, block_size=16)
