@@ -11,7 +11,8 @@
  * fp8 e4m3 cache with a float32 scale per block and KV head: kv_quant.py). All compute in float32
  * registers; bf16 -> f32 is a shift, f32 -> bf16 rounds to nearest even with integer ops, int8 widens
  * and converts, e4m3 is two masks, a shift and a multiply (e4m3.h), so AVX2 and FMA are all they need;
- * with AVX-512 the loops run 16 lanes wide, and with AVX-512 BF16 the bf16 scores take dpbf16. A key's
+ * with AVX-512 the loops run 16 lanes wide, and with AVX-512 BF16 the bf16 scores take dpbf16 (with AMX, its
+ * tiles: a step's 16 keys against a KV head's query rows in one product, the softmax four rows at once). A key's
  * scale multiplies its scores, a value's its softmax weights, so the loops over D read the codes alone.
  *
  * Decode reads each cached byte once, so the kernel is bound by how many cache lines a core has in
