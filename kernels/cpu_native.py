@@ -354,6 +354,15 @@ def best_ms(runs: dict, repeats: int) -> dict[str, float]:
     return {name: round(t * 1e3, 4) for name, t in best.items()}
 
 
+def best_ms_at_rows(rows, runs_at, repeats: int) -> dict[str, float]:
+    """best_ms of every run at every row count at once, `{name}_{rows}`: runs_at(rows) gives a row count's runs
+    (name -> a call). Each round passes through all of them, so other work that takes the cores for part of a
+    probe slows some rounds of every entry rather than every round of a few. (Timed a row count at a time, an
+    engine's start once kept 5-13 ms for calls of 0.1-0.7 ms at a run of row counts, and the shape's choice
+    with them.)"""
+    return best_ms({f"{name}_{r}": run for r in rows for name, run in runs_at(r).items()}, repeats)
+
+
 def projection(x: torch.Tensor, weight, bias: torch.Tensor | None, lib, what: str, scratch: str, launch) -> torch.Tensor:
     """x[M, K] (bf16 or float32 CPU rows) @ weight.T (+ bias) -> [M, N] in x's dtype, through a kernel of
     this library that reads a weight prepared at load (`weight` has out_features and in_features).

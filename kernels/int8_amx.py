@@ -77,9 +77,8 @@ def _measure(n: int, k: int, linear) -> dict[str, float]:
     q = torch.randint(-127, 128, (min(n, SAMPLE_ROWS), k), generator=gen, dtype=torch.int8)
     other = Int8Weight(q, torch.rand(q.shape[0], generator=gen) / 127, q.sum(dim=1, dtype=torch.int32).contiguous())
     amx = replace(other, amx_from=1)
-    ms = {}
-    for rows in ROWS:
+
+    def runs_at(rows):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        runs = {OTHER: lambda: linear(x, other), "amx": lambda: linear(x, amx)}
-        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
-    return ms
+        return {OTHER: lambda: linear(x, other), "amx": lambda: linear(x, amx)}
+    return cpu_native.best_ms_at_rows(ROWS, runs_at, REPEATS)

@@ -200,13 +200,12 @@ def _measure_amx(n: int, k: int, dot: bool) -> dict[str, float]:
     weight = torch.randn(min(n, SAMPLE_ROWS), k, generator=gen).to(torch.bfloat16)
     packed = pack(weight)
     packed.dot = dot
-    ms = {}
-    for rows in AMX_ROWS:
+
+    def runs_at(rows):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        runs = {"kernel": lambda: matmul(x, packed), "amx": lambda: quant_amx.product(x, packed, quant_amx.BF16P),
+        return {"kernel": lambda: matmul(x, packed), "amx": lambda: quant_amx.product(x, packed, quant_amx.BF16P),
                 "torch": lambda: cpu_gemm.linear(x, weight)}
-        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
-    return ms
+    return cpu_native.best_ms_at_rows(AMX_ROWS, runs_at, REPEATS)
 
 
 def _dot_faster(ms: dict[str, float]) -> bool:
@@ -231,14 +230,14 @@ def _measure(n: int, k: int) -> dict[str, float]:
     dotted = PackedWeight(packed.packed, packed.out_features, packed.in_features)   # the same bytes, the dot path
     dotted.dot = True
     has_dot = bool(cpu_native.library().matinee_packed_dot())
-    ms = {}
-    for rows in (DECODE_ROWS, PREFILL_ROWS):
+
+    def runs_at(rows):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         runs = {"kernel": lambda: matmul(x, packed), "torch": lambda: cpu_gemm.linear(x, weight)}
         if has_dot:
             runs["dot"] = lambda: matmul(x, dotted)
-        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
-    return ms
+        return runs
+    return cpu_native.best_ms_at_rows((DECODE_ROWS, PREFILL_ROWS), runs_at, REPEATS)
 
 
 def _log(n: int, k: int, ms: dict[str, float], dot: bool, faster: list[int]) -> None:

@@ -166,9 +166,8 @@ def _measure(qtype: int, n: int, k: int) -> dict[str, float]:
     this type."""
     weight = _random_weight(qtype, min(n, SAMPLE_ROWS), k)
     gen = torch.Generator().manual_seed(1)
-    ms = {}
-    for rows in ROWS:
+
+    def runs_at(rows):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        runs = {"int8": lambda: quant_linear.matmul(x, weight), "amx": lambda: matmul(x, weight)}
-        ms |= {f"{name}_{rows}": t for name, t in cpu_native.best_ms(runs, REPEATS).items()}
-    return ms
+        return {"int8": lambda: quant_linear.matmul(x, weight), "amx": lambda: matmul(x, weight)}
+    return cpu_native.best_ms_at_rows(ROWS, runs_at, REPEATS)

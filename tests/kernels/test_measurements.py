@@ -115,3 +115,22 @@ def test_a_measurement_may_take_another_inside_it(monkeypatch, lib):
     t.start()
     t.join(10)
     assert out == {"outer": 1.0}   # not stuck on its own lock
+
+
+def test_a_burst_of_other_work_spoils_rounds_not_row_counts():
+    """Other work that takes the cores for a stretch of a probe (here: a round's worth of calls, 5 ms each)
+    slows one round of every row count's runs, and each keeps its best from the other rounds; timed a row
+    count at a time, the same stretch would have slowed every round of one row count."""
+    calls = []
+
+    def run():
+        calls.append(None)
+        if 8 <= len(calls) < 16:   # the second round of eight runs (after the warm-up one)
+            time.sleep(0.005)
+
+    def runs_at(rows):
+        return {"amx": run, "int8": run}
+
+    ms = cpu_native.best_ms_at_rows((8, 16, 32, 64), runs_at, 3)
+    assert sorted(ms) == sorted(f"{name}_{rows}" for rows in (8, 16, 32, 64) for name in ("amx", "int8"))
+    assert len(calls) == 4 * 8 and max(ms.values()) < 1.0
