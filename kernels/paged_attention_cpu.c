@@ -528,8 +528,10 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
             blocks[j] = table[bi];
             if (t0 + j + 1 < t1 && ++bo == block_size) bi++, bo = 0;
         }
-        int apart = 1;   /* the step's keys a slot apart, as a tile loads them */
-        for (int j = 1; j < KC; j++) apart &= slots[j] == slots[0] + j * slot_stride;
+#ifdef AMX_BF16
+        int apart = tiles;   /* on the tiles: the step's keys a slot apart, as a tile loads them */
+        for (int j = 1; j < KC && apart; j++) apart = slots[j] == slots[0] + j * slot_stride;
+#endif
         long i_first = t0 > past ? t0 - past : 0;   /* the first token that sees key t0 */
         for (long i = i_first; i < n; i++) {
             long seen = (past + i + 1 < t1 ? past + i + 1 : t1) - t0;
@@ -565,23 +567,25 @@ static inline __attribute__((always_inline)) int attend(const Problem *pb, long 
                 if (i == i_first && fetched < ahead)
                     next = prefetch(pb->v_cache, slot, fetched, ahead, block_size, end, h * D, D, kind);
                 float c[4];
+                for (long g0 = 0; g0 < group; g0 += 4) {
+                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
+                    /* row x's weight for key j: w[x * w_stride + j * w_step] */
+                    const float *w = s + g0 * KC;
+                    long w_stride = KC, w_step = 1;
 #ifdef AMX_BF16
-                for (long g0 = 0; g0 < group && tiles; g0 += 4) {
-                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
-                    running_softmax4(st + g0, seen, pb->scale, run_max + r0 + g0, run_sum + r0 + g0, wt, c, m);
-                    weighted_sums(acc + (r0 + g0) * D, wt, 1, 4, c, m, seen, pb->v_cache, at, D, kind);
-                }
+                    if (tiles) {
+                        running_softmax4(st + g0, seen, pb->scale, run_max + r0 + g0, run_sum + r0 + g0, wt, c, m);
+                        w = wt, w_stride = 1, w_step = 4;
+                    } else
 #endif
-                for (long g0 = 0; g0 < group && !tiles; g0 += 4) {
-                    int m = group - g0 < 4 ? (int)(group - g0) : 4;
-                    for (int x = 0; x < m; x++) {
-                        long r = r0 + g0 + x;
-                        float *w = s + (g0 + x) * KC;
-                        c[x] = running_softmax(w, seen, run_max + r, run_sum + r);
-                        if (kind >= I8)   /* each weight times its value's scale */
-                            for (long j = 0; j < seen; j++) w[j] *= vmult[j];
-                    }
-                    weighted_sums(acc + (r0 + g0) * D, s + g0 * KC, KC, 1, c, m, seen, pb->v_cache, at, D, kind);
+                        for (int x = 0; x < m; x++) {
+                            long r = r0 + g0 + x;
+                            float *wx = s + (g0 + x) * KC;
+                            c[x] = running_softmax(wx, seen, run_max + r, run_sum + r);
+                            if (kind >= I8)   /* each weight times its value's scale */
+                                for (long j = 0; j < seen; j++) wx[j] *= vmult[j];
+                        }
+                    weighted_sums(acc + (r0 + g0) * D, w, w_stride, w_step, c, m, seen, pb->v_cache, at, D, kind);
                 }
             }
         }

@@ -204,12 +204,12 @@ static void widen_k45(int type, const uint8_t *g, int j, uint16_t *tile) {
  * Q8_0's). Assembled a lane at a time, 16 values an op, this took three times Q4_K's time per value. */
 static void widen_q6k(const uint8_t *g, int b, uint16_t *tile) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)g));
-    __m512 s[2], s24[2], off[2];   /* the scales of columns 0-15 and 16-31 */
+    __m512 s24[2], off[2];   /* for columns 0-15 and 16-31: the scale times 2^-24, and times -32 */
     for (int x = 0; x < 2; x++) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)(g + 2 * GR + (2 * b + x) * GR));
-        s[x] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-        s24[x] = _mm512_mul_ps(s[x], _mm512_set1_ps(0x1p-24f));
-        off[x] = _mm512_mul_ps(s[x], _mm512_set1_ps(-32.f));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        s24[x] = _mm512_mul_ps(scale, _mm512_set1_ps(0x1p-24f));
+        off[x] = _mm512_mul_ps(scale, _mm512_set1_ps(-32.f));
     }
     const uint8_t *ql = g + 18 * GR + b * 4 * GR * 4, *qh = g + 18 * GR + 128 * GR + b * 2 * GR * 4;
     const __m512i nibble = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x30);
