@@ -34,6 +34,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -793,6 +794,195 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 #endif
 }
 
+#ifndef __AVX512F__
+/* ---- AVX2, many rows of x through a K-quant (Q4_K, Q5_K, Q6_K): the tokens in the lanes ----
+ *
+ * The kernels above put 8 weight rows in a vector's lanes and broadcast 4 bytes of one row of x per product: a
+ * maddubs costs a broadcast, an int16 add and its share of the nibbles' unpacking, ~3.4 vector ops on a core's 4
+ * pipes. Here the lanes are 8 tokens: x is laid out once per call as [step of 4 values][8 tokens][4], a group's
+ * super-blocks are unpacked once to unsigned bytes [step][16 rows][4], and a product takes its 8 tokens' x
+ * straight from memory against one broadcast of a weight row's 4 bytes, shared by TL_T vectors of tokens. The
+ * integer sums per scale unit, per super-block and its float32 step are the kernels' own, in the same order:
+ * the two paths agree bit for bit. */
+#define TL_T 3          /* vectors of 8 tokens per pass */
+#define TL_NR 2         /* weight rows per pass */
+#define TL_MIN_ROWS 16  /* a chunk's rows from which the tokens take the lanes */
+#define TL_STEPS (QKK / 4)
+
+/* A group's ns super-blocks unpacked: the values v [ns][64 steps][16 rows][4] (Q4_K 0..15, Q5_K 0..31, Q6_K
+ * 0..63); the scale of each unit (Q4_K and Q5_K 8 of 32 values, Q6_K 16 of 16) in both int16 halves, sc [ns][units]
+ * [16]; pairs [ns][P][16], Q4_K's and Q5_K's minimums 2t, 2t + 1 (P 4), Q6_K's scales 2t, 2t + 1 (P 8), as int16
+ * halves; d and dmin [ns][16]. */
+typedef struct {
+    uint8_t *v;
+    int32_t *sc, *pairs;
+    float *d, *dmin;
+} unpacked;
+
+static inline int tl_units(int type) { return type == Q6_K ? 16 : 8; }
+static inline int tl_pairs(int type) { return type == Q6_K ? 8 : 4; }
+
+#define VSTOREI(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+
+static void tl_store(int32_t *to, vi lo, vi hi) { VSTOREI(to, lo), VSTOREI(to + LANES, hi); }
+
+static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
+    const long gb = group_bytes(type);
+    const vi low = SET1B(0x0f), bit4 = SET1B(0x10), pair = SET1B(0x30);
+    const int units = tl_units(type), np = tl_pairs(type);
+    for (long s = 0; s < ns; s++) {
+        const uint8_t *blk = g + s * gb;
+        uint8_t *v = u->v + s * TL_STEPS * GR * 4;
+        int32_t *sc = u->sc + s * units * GR, *pr = u->pairs + s * np * GR;
+        for (int half = 0; half < 2; half++) {
+            _mm256_storeu_ps(u->d + s * GR + half * LANES, LOAD_F16(blk + half * LANES * 2));
+            if (type != Q6_K) _mm256_storeu_ps(u->dmin + s * GR + half * LANES, LOAD_F16(blk + 2 * GR + half * LANES * 2));
+        }
+        if (type == Q6_K) {
+            const uint8_t *scp = blk + 2 * GR, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
+            for (int j = 0; j < units; j++) tl_store(sc + j * GR, scale_i8(scp + j * GR), scale_i8(scp + j * GR + LANES));
+            for (int t = 0; t < np; t++)
+                tl_store(pr + t * GR, pair_i8(scp + 2 * t * GR, scp + (2 * t + 1) * GR),
+                         pair_i8(scp + 2 * t * GR + LANES, scp + (2 * t + 1) * GR + LANES));
+            for (int j = 0; j < 8; j++)
+                for (int c = 0; c < 4; c++)
+                    for (int half = 0; half < 2; half++) {
+                        const vi nib = LOADI(ql + (j * 4 + c) * GR * 4 + half * 32);
+                        const vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + half * 32);
+                        vi lo = ANDI(nib, low), hi = ANDI(SRLI16(nib, 4), low);
+                        if (c & 1) {
+                            lo = ORI(lo, ANDI(hb, pair)), hi = ORI(hi, ANDI(SRLI16(hb, 2), pair));
+                        } else {
+                            lo = ORI(lo, ANDI(SLLI16(hb, 4), pair)), hi = ORI(hi, ANDI(SLLI16(hb, 2), pair));
+                        }
+                        VSTOREI(v + (8 * j + c) * GR * 4 + half * 32, lo);
+                        VSTOREI(v + (8 * j + 4 + c) * GR * 4 + half * 32, hi);
+                    }
+            continue;
+        }
+        const uint8_t *scp = blk + 4 * GR, *mnp = blk + 12 * GR, *qs = blk + 20 * GR, *qh = qs + 128 * GR;
+        for (int j = 0; j < units; j++) tl_store(sc + j * GR, scale_u8(scp + j * GR), scale_u8(scp + j * GR + LANES));
+        for (int t = 0; t < np; t++)
+            tl_store(pr + t * GR, pair_u8(mnp + 2 * t * GR, mnp + (2 * t + 1) * GR),
+                     pair_u8(mnp + 2 * t * GR + LANES, mnp + (2 * t + 1) * GR + LANES));
+        for (int p = 0; p < 4; p++)
+            for (int c = 0; c < 8; c++)
+                for (int half = 0; half < 2; half++) {
+                    const vi raw = LOADI(qs + (p * 8 + c) * GR * 4 + half * 32);
+                    vi lo = ANDI(raw, low), hi = ANDI(SRLI16(raw, 4), low);
+                    if (type == Q5_K) {
+                        const vi hb = SRL16(LOADI(qh + c * GR * 4 + half * 32), 2 * p);
+                        lo = ORI(lo, ANDI(SLLI16(hb, 4), bit4)), hi = ORI(hi, ANDI(SLLI16(hb, 3), bit4));
+                    }
+                    VSTOREI(v + (16 * p + c) * GR * 4 + half * 32, lo);
+                    VSTOREI(v + (16 * p + 8 + c) * GR * 4 + half * 32, hi);
+                }
+    }
+}
+
+/* Rows n0, n0 + TL_NR of super-block s against T vectors of 8 tokens: xt the tokens' x ([step][8][4], a vector's
+ * steps `xstride` bytes after the last's), xd and xp their scales [ns][8] and pair sums [ns][P][8] (a vector's
+ * `dstride` and `pstride` after the last's); facc [16][TL_T] vectors of float32 sums, as scale_super adds them. */
+static inline __attribute__((always_inline)) void tl_pass(const int type, const int T, const unpacked *u, long s,
+                                                          int n0, const int8_t *xt, long xstride, const float *xd,
+                                                          long dstride, const int32_t *xp, long pstride, vf *facc) {
+    const int units = tl_units(type), np = tl_pairs(type), per = TL_STEPS / units;
+    /* int16 pair sums a widening holds: 8 of 2 * 15 * 127 (Q4_K), 4 of 2 * 31 * 127, 2 of 2 * 63 * 127 */
+    const int run = type == Q4_K ? 8 : type == Q5_K ? 4 : 2;
+    const uint8_t *v = u->v + s * TL_STEPS * GR * 4 + n0 * 4;
+    const int8_t *x = xt + s * TL_STEPS * 32;
+    vi dot[TL_NR * TL_T], part[TL_NR * TL_T];
+    for (int i = 0; i < TL_NR * T; i++) dot[i] = SET1I(0);
+    for (int q0 = 0; q0 < TL_STEPS; q0 += run) {
+        for (int i = 0; i < TL_NR * T; i++) part[i] = SET1I(0);
+        for (int q = q0; q < q0 + run; q++) {
+            vi wr[TL_NR];
+            for (int r = 0; r < TL_NR; r++) wr[r] = SET1I(bcast4((const int8_t *)v + q * GR * 4 + r * 4));
+            for (int t = 0; t < T; t++) {
+                const vi xv = LOADI(x + t * xstride + q * 32);
+                for (int r = 0; r < TL_NR; r++) part[r * T + t] = ADD16(part[r * T + t], PAIRS16(wr[r], xv));
+            }
+            for (int i = 0; i < TL_NR * T; i++) KEEP(part[i]);   /* a step's sums added as they come, not regrouped */
+        }
+        const int32_t *sc = u->sc + (s * units + q0 / per) * GR + n0;
+        for (int r = 0; r < TL_NR; r++) {
+            const vi scale = SET1I(sc[r]);
+            for (int t = 0; t < T; t++) dot[r * T + t] = ADDI(dot[r * T + t], MADD16(part[r * T + t], scale));
+        }
+    }
+    vi less[TL_NR * TL_T];   /* Q4_K and Q5_K: sum(m * sum(x)); Q6_K: sum(sc * sum(x)), its offset of 32 */
+    for (int i = 0; i < TL_NR * T; i++) less[i] = SET1I(0);
+    for (int t2 = 0; t2 < np; t2++)
+        for (int r = 0; r < TL_NR; r++) {
+            const vi m = SET1I(u->pairs[(s * np + t2) * GR + n0 + r]);
+            for (int t = 0; t < T; t++)
+                less[r * T + t] = DOT_I16(less[r * T + t], m, LOADI(xp + t * pstride + (s * np + t2) * LANES));
+        }
+    for (int r = 0; r < TL_NR; r++) {
+        const vf dw = VSET1(u->d[s * GR + n0 + r]), mw = VSET1(type == Q6_K ? 0.0f : u->dmin[s * GR + n0 + r]);
+        for (int t = 0; t < T; t++) {
+            const vf dx = _mm256_loadu_ps(xd + t * dstride + s * LANES);
+            vf *f = facc + (n0 + r) * TL_T + t;
+            vi d = dot[r * T + t];
+            if (type == Q6_K) d = SUBI(d, SLLI32(less[r * T + t], 5));
+            vf a = VMUL(CVT(d), VMUL(dw, dx));
+            KEEP(a);
+            *f = VADD(*f, a);
+            if (type != Q6_K) {
+                vf b = VMUL(CVT(less[r * T + t]), VMUL(mw, dx));
+                KEEP(b);
+                *f = VSUB(*f, b);
+            }
+        }
+    }
+}
+
+/* Every pass of one group over `rows` tokens (ceil(rows / 8) vectors of xt, xd, xp, laid out as tl_pass reads
+ * them), their sums emitted into y as the row kernels' tiles are. */
+static inline __attribute__((always_inline)) void tl_group(const int type, const unpacked *u, long ns,
+                                                           const int8_t *xt, const float *xd, const int32_t *xp,
+                                                           long rows, long K, int cols, const float *bias, void *y,
+                                                           int y_bf16, long N) {
+    const long vecs = (rows + LANES - 1) / LANES, xstride = K * LANES, dstride = ns * LANES;
+    const long pstride = ns * tl_pairs(type) * LANES;
+    const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (long t0 = 0; t0 < vecs; t0 += TL_T) {
+        const int T = vecs - t0 < TL_T ? (int)(vecs - t0) : TL_T;
+        const int8_t *x = xt + t0 * xstride;
+        const float *d = xd + t0 * dstride;
+        const int32_t *p = xp + t0 * pstride;
+        vf facc[GR * TL_T];
+        for (int i = 0; i < GR * TL_T; i++) facc[i] = VZERO();
+        for (long s = 0; s < ns; s++)
+            for (int n0 = 0; n0 < GR; n0 += TL_NR) {
+                if (T == TL_T)
+                    tl_pass(type, TL_T, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+                else if (T == 2)
+                    tl_pass(type, 2, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+                else
+                    tl_pass(type, 1, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+            }
+        for (int t = 0; t < T; t++) {
+            float sums[GR * LANES], tile[LANES * GR];   /* [row][token] to the tile's [token][row] */
+            for (int n = 0; n < GR; n++) VSTORE(sums + n * LANES, facc[n * TL_T + t]);
+            for (int k = 0; k < LANES; k++)
+                for (int n = 0; n < GR; n++) tile[k * GR + n] = sums[n * LANES + k];
+            const long m = (t0 + t) * LANES;
+            emit(tile, rows - m < LANES ? (int)(rows - m) : LANES, cols, bias, (char *)y + m * N * elem, y_bf16, N);
+        }
+    }
+}
+
+#define TL_GROUP(T)                                                                                              \
+    static void tl_group_##T(const unpacked *u, long ns, const int8_t *xt, const float *xd, const int32_t *xp,   \
+                             long rows, long K, int cols, const float *bias, void *y, int y_bf16, long N) {      \
+        tl_group(T, u, ns, xt, xd, xp, rows, K, cols, bias, y, y_bf16, N);                                      \
+    }
+TL_GROUP(12)
+TL_GROUP(13)
+TL_GROUP(14)
+#endif
+
 /* n pairs of sums: the sum of `span` sums16 as a pair's low int16 half, the next `span`'s as its high one
  * (|a sum of 32| <= 32 * 127 fits). */
 static void sum_pairs(const int32_t *sums16, int span, long n, int32_t *pairs) {
@@ -838,6 +1028,24 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     const long gb = (is_k(type) ? K / QKK : nb) * group_bytes(type);   /* one group's whole stream */
     const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
     const long mr_max = is_k(type) ? MR_K : MR_MAX;
+#ifndef __AVX512F__
+    /* The tokens in the lanes (tl_group) for a K-quant's chunks of at least TL_MIN_ROWS rows: x laid out again,
+     * [vector of 8 tokens][step][8][4], its scales and pair sums [vector][super-block]([pair])[8]. */
+    const int lanes = (type == Q4_K || type == Q5_K || type == Q6_K) && (M < chunk ? M : chunk) >= TL_MIN_ROWS;
+    if (lanes) chunk = chunk / LANES * LANES;   /* whole vectors of tokens */
+    const long vecs = lanes ? (M + LANES - 1) / LANES : 0, np = type == Q6_K ? 8 : 4, units = type == Q6_K ? 16 : 8;
+    const long ns = K / QKK, ubytes = ns * (TL_STEPS * GR * 4 + (units + np) * GR * 4 + 2 * GR * 4);
+    int8_t *xt = lanes ? aligned_alloc(64, vecs * K * LANES) : 0;
+    float *xdt = lanes ? malloc(sizeof(float) * vecs * sd * LANES) : 0;
+    int32_t *xpt = lanes ? malloc(sizeof(int32_t) * vecs * so * LANES) : 0;
+    uint8_t *ubuf = lanes ? aligned_alloc(64, (threads > 1 ? threads : 1) * ubytes) : 0;   /* a group unpacked a thread */
+    if (lanes && (!xt || !xdt || !xpt || !ubuf)) {
+        free(xt), free(xdt), free(xpt), free(ubuf), free(xq), free(xd), free(xs), free(xo), free(xm);
+        return -1;
+    }
+#else
+    const int lanes = 0;
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
@@ -851,7 +1059,38 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
             quantize_row(row, x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
             for (long b = m * nb; b < (m + 1) * nb; b++) xo[b] = offset * xs[b], xm[b] = xd[b] * (float)xs[b];
         }
-        for (long m0 = 0; m0 < M; m0 += chunk) {
+#ifndef __AVX512F__
+        if (lanes) {
+#pragma omp for schedule(static)
+            for (long v = 0; v < vecs; v++)
+                for (int k = 0; k < LANES; k++) {
+                    const long m = v * LANES + k, in = m < M;
+                    const int32_t *from = (const int32_t *)(xq + m * K);
+                    int32_t *to = (int32_t *)(xt + v * K * LANES) + k;
+                    for (long q = 0; q < K / 4; q++) to[q * LANES] = in ? from[q] : 0;
+                    for (long s = 0; s < sd; s++) xdt[(v * sd + s) * LANES + k] = in ? xd[m * sd + s] : 0.0f;
+                    for (long t = 0; t < so; t++) xpt[(v * so + t) * LANES + k] = in ? xo[m * so + t] : 0;
+                }
+            unpacked u;
+            u.v = ubuf + omp_get_thread_num() * ubytes;
+            u.sc = (int32_t *)(u.v + ns * TL_STEPS * GR * 4), u.pairs = u.sc + ns * units * GR;
+            u.d = (float *)(u.pairs + ns * np * GR), u.dmin = u.d + ns * GR;
+            for (long m0 = 0; m0 < M; m0 += chunk) {
+                const long rows = M - m0 < chunk ? M - m0 : chunk, v0 = m0 / LANES;
+#pragma omp for schedule(static) nowait
+                for (long g = 0; g < groups; g++) {
+                    const int cols = N - g * GR < GR ? (int)(N - g * GR) : GR;
+                    unpack_group(type, w + g * gb, ns, &u);
+                    void (*run)(const unpacked *, long, const int8_t *, const float *, const int32_t *, long, long,
+                                int, const float *, void *, int, long) =
+                        type == Q4_K ? tl_group_12 : type == Q5_K ? tl_group_13 : tl_group_14;
+                    run(&u, ns, xt + v0 * K * LANES, xdt + v0 * sd * LANES, xpt + v0 * so * LANES, rows, K, cols,
+                        bias ? bias + g * GR : 0, (char *)y + (m0 * N + g * GR) * elem, y_bf16, N);
+                }
+            }
+        }
+#endif
+        for (long m0 = 0; !lanes && m0 < M; m0 += chunk) {
             long rows = M - m0 < chunk ? M - m0 : chunk;
 #pragma omp for schedule(static) nowait
             for (long g = 0; g < groups; g++) {
@@ -868,6 +1107,9 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
             }
         }
     }
+#ifndef __AVX512F__
+    free(xt), free(xdt), free(xpt), free(ubuf);
+#endif
     free(xq), free(xd), free(xs), free(xo), free(xm);
     return 0;
 }

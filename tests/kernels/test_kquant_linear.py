@@ -109,11 +109,13 @@ def _extreme_rows(qtype) -> np.ndarray:
     return rows.reshape(16, -1)
 
 
+@pytest.mark.parametrize("rows", [4, 40])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_integer_sums_at_their_limits_stay_exact(each_build, qtype):
+def test_integer_sums_at_their_limits_stay_exact(each_build, qtype, rows):
     """Every x at +-amax (127 quantized) against the largest values and scales: a super-block's int32 sum reaches
     Q5_K's 256 * 31 * 127 * 63 (2^26) and Q6_K's unsigned part 256 * 63 * 127 * 128 (2^28); nothing wraps, and
-    the sums' rounding to float32 is the reference's."""
+    the sums' rounding to float32 is the reference's. At 40 rows AVX2 puts the tokens in the lanes, whose int16
+    pair sums run to 8 x 2 * 15 * 127 (Q4_K), 4 x 2 * 31 * 127 (Q5_K) and 2 x 2 * 63 * 127 (Q6_K)."""
     raw = _extreme_rows(qtype)
     w = torch.from_numpy(dequantize(raw, qtype))
     assert w.abs().max() >= {Q.Q5_K: 31 * 63, Q.Q4_K: 15 * 63, Q.Q6_K: 32 * 128, Q.IQ4_XS: 127 * 32}[qtype]
@@ -122,6 +124,7 @@ def test_integer_sums_at_their_limits_stay_exact(each_build, qtype):
     signs[1] = -1.0
     signs[2, 32:64] = signs[2, 256 + 16:256 + 48] = -1.0            # a sub-block of each sign
     signs[3, 1::2] = -1.0
+    signs = signs.repeat(rows // 4, 1)
     got = quant_linear.matmul(signs, weight)
     assert torch.equal(got, quant_linear.reference_matmul(signs, weight))
     exact = signs.double() @ w.double().T                             # x quantizes exactly: 127 * (1 / 127)
