@@ -211,7 +211,30 @@ DEFINE_WRITE_KV(matinee_write_kv_f32, float)
 DEFINE_WRITE_KV(matinee_write_kv_bf16, uint16_t)
 DEFINE_WRITE_KV_QUANT(matinee_write_kv_quant_f32, float, f32_load)
 DEFINE_WRITE_KV_QUANT(matinee_write_kv_quant_bf16, uint16_t, bf16_load)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* Without AVX-512's masks gcc does not if-convert fast_exp's clamps, and the loop above ran one float at a time:
+ * 4% of a 1B model's prefill on a Zen 3. Here 8 at a time through exp8 (the same polynomial, clamped alike; a NaN
+ * stays NaN through the division). */
+#include "vexp.h"
+
+void matinee_silu_and_mul_f32(const float *x, float *out, long rows, long I, int threads) {
+    PARALLEL_SILU_ROWS(threads, rows)
+    for (long t = 0; t < rows; t++) {
+        const float *a = x + t * 2 * I, *b = a + I;
+        float *o = out + t * I;
+        long i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 v = _mm256_loadu_ps(a + i);
+            const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), v), _mm256_set1_ps(88.3f)));
+            const __m256 s = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(b + i)));
+        }
+        for (; i < I; i++) o[i] = a[i] / (1.f + fast_exp(-a[i])) * b[i];
+    }
+}
+#else
 DEFINE_SILU_AND_MUL(matinee_silu_and_mul_f32, float, f32_load, f32_round)
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* The bf16 RMSNorm 16 lanes at a time, rounding by the hardware (vcvtneps2bf16) where every lane is a

@@ -110,13 +110,17 @@ def test_other_dtypes_take_the_reference():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,half", [(1, 1), (3, 7), (2, 1536), (70, 33)])
-def test_silu_and_mul_matches_the_reference(dtype, rows, half, poisoned_empty):
+def test_silu_and_mul_matches_the_reference(each_build, dtype, rows, half, poisoned_empty):
     gen = torch.Generator().manual_seed(rows + half)
     x = (torch.randn(rows, 2 * half, generator=gen) * 6).to(dtype)
     x[0, 0] = -100.0       # e^100 overflows a float: silu must still be -0
     _close(cpu_layer_ops.silu_and_mul(x), activation.silu_and_mul(x))
 
 
-def test_silu_and_mul_keeps_nan():
+def test_silu_and_mul_keeps_nan(each_build):
     x = torch.tensor([[float("nan"), 1.0, 2.0, 3.0]])
     assert cpu_layer_ops.silu_and_mul(x)[0, 0].isnan()
+    wide = torch.ones(1, 2 * 19)                   # lanes of 8 (and 16), then the rest one by one
+    wide[0, 5] = wide[0, 17] = float("nan")
+    got = cpu_layer_ops.silu_and_mul(wide)[0]
+    assert got[5].isnan() and got[17].isnan() and not got[[0, 16, 18]].isnan().any()
