@@ -444,6 +444,29 @@ static inline __attribute__((always_inline)) void scale_super(const int MR, cons
     }
 }
 
+/* A Q4_K or Q5_K vector of 4-byte columns (raw) as the values of sub-blocks 2p (lo) and 2p + 1 (hi); Q5_K's fifth
+ * bits from its column of high bits (qh: bits 2p, 2p + 1 of each byte). */
+static inline __attribute__((always_inline)) void k45_values(const int type, vi raw, const uint8_t *qh, int p, vi *lo,
+                                                             vi *hi) {
+    const vi low = SET1B(0x0f), bit4 = SET1B(0x10);
+    *lo = ANDI(raw, low), *hi = ANDI(SRLI16(raw, 4), low);
+    if (type == Q5_K) {
+        const vi hb = SRL16(LOADI(qh), 2 * p);   /* bits 2p, 2p+1 to 0, 1 */
+        *lo = ORI(*lo, ANDI(SLLI16(hb, 4), bit4)), *hi = ORI(*hi, ANDI(SLLI16(hb, 3), bit4));
+    }
+}
+
+/* A Q6_K vector of column c's nibbles (nib) and its high pairs (hb) as 6-bit values: low nibbles (lo), high (hi). */
+static inline __attribute__((always_inline)) void q6k_values(vi nib, vi hb, int c, vi *lo, vi *hi) {
+    const vi low = SET1B(0x0f), pair = SET1B(0x30);
+    *lo = ANDI(nib, low), *hi = ANDI(SRLI16(nib, 4), low);
+    if (c & 1) {
+        *lo = ORI(*lo, ANDI(hb, pair)), *hi = ORI(*hi, ANDI(SRLI16(hb, 2), pair));
+    } else {
+        *lo = ORI(*lo, ANDI(SLLI16(hb, 4), pair)), *hi = ORI(*hi, ANDI(SLLI16(hb, 2), pair));
+    }
+}
+
 /* Q4_K and Q5_K: MR rows of x times NH halves (from h) of one group's ns super-blocks. A super-block is 4 pairs
  * of sub-blocks of 32; byte k of a row's 4-byte column c of pair p holds sub-block 2p's value 4c + k in its
  * low nibble and 2p + 1's in its high one, and the fifth bits of both in bits 2p and 2p + 1 of the Q5_K
@@ -456,7 +479,6 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
                                                              const float *xd, const int32_t *xp, long K, int h,
                                                              float *tile) {
     const long gb = group_bytes(type);
-    const vi low = SET1B(0x0f), bit4 = SET1B(0x10);
     vf facc[MR_MAX * HALVES];   /* [i * NH + u]: row i, half h + u */
     for (int i = 0; i < MR * NH; i++) facc[i] = VZERO();
     for (long s = 0; s < ns; s++) {
@@ -479,13 +501,7 @@ static inline __attribute__((always_inline)) void kernel_k45(const int type, con
                     const uint8_t *at = qs + (p * 8 + c) * GR * 4 + u * LANES * 4;
                     /* Q5_K's fifth bits too; Q4_K's whole super-block was no faster than its nibbles' lines */
                     if (u == 0) prefetch_ahead(blk, at, gb, type == Q5_K && MR <= PF_ROWS, p * 8 + c);
-                    vi raw = LOADI(at);
-                    lo[u] = ANDI(raw, low), hi[u] = ANDI(SRLI16(raw, 4), low);
-                    if (type == Q5_K) {
-                        vi hb = SRL16(LOADI(qh + c * GR * 4 + u * LANES * 4), 2 * p);   /* bits 2p, 2p+1 to 0, 1 */
-                        lo[u] = ORI(lo[u], ANDI(SLLI16(hb, 4), bit4));
-                        hi[u] = ORI(hi[u], ANDI(SLLI16(hb, 3), bit4));
-                    }
+                    k45_values(type, LOADI(at), qh + c * GR * 4 + u * LANES * 4, p, &lo[u], &hi[u]);
                 }
                 for (int i = 0; i < MR; i++) {
                     const vi xa = SET1I(bcast4(x0 + i * K + 4 * c)), xb = SET1I(bcast4(x1 + i * K + 4 * c));
@@ -553,7 +569,6 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                                                              const int8_t *xq, const float *xd, const int32_t *xp,
                                                              long K, int h, float *tile) {
     const long gb = group_bytes(Q6_K);
-    const vi low = SET1B(0x0f), pair = SET1B(0x30);
     vf facc[MR_MAX * HALVES];
     for (int i = 0; i < MR * NH; i++) facc[i] = VZERO();
     for (long s = 0; s < ns; s++) {
@@ -573,16 +588,7 @@ static inline __attribute__((always_inline)) void kernel_q6k(const int MR, const
                 for (int u = 0; u < NH; u++) {
                     const uint8_t *at = ql + (j * 4 + c) * GR * 4 + u * LANES * 4;
                     if (u == 0) prefetch_ahead(blk, at, gb, MR <= PF_ROWS, j * 4 + c);
-                    vi nib = LOADI(at);
-                    vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + u * LANES * 4);
-                    lo[u] = ANDI(nib, low), hi[u] = ANDI(SRLI16(nib, 4), low);
-                    if (c & 1) {
-                        lo[u] = ORI(lo[u], ANDI(hb, pair));
-                        hi[u] = ORI(hi[u], ANDI(SRLI16(hb, 2), pair));
-                    } else {
-                        lo[u] = ORI(lo[u], ANDI(SLLI16(hb, 4), pair));
-                        hi[u] = ORI(hi[u], ANDI(SLLI16(hb, 2), pair));
-                    }
+                    q6k_values(LOADI(at), LOADI(qhp + (j * 2 + c / 2) * GR * 4 + u * LANES * 4), c, &lo[u], &hi[u]);
                 }
                 for (int i = 0; i < MR; i++) {
                     const vi xa = SET1I(bcast4(xb + i * K + 4 * c)), xc = SET1I(bcast4(xb + i * K + 16 + 4 * c));
@@ -824,11 +830,24 @@ static inline int tl_pairs(int type) { return type == Q6_K ? 8 : 4; }
 
 #define VSTOREI(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 
-static void tl_store(int32_t *to, vi lo, vi hi) { VSTOREI(to, lo), VSTOREI(to + LANES, hi); }
+/* A group's `units` scales (bytes at scp, GR a scale) into sc, and `np` pairs of the bytes at pp (2t, 2t + 1) into
+ * pr, as the row kernels' scale_u8 / pair_u8 (or the signed ones) give them, 16 rows' lanes each. */
+static void tl_scales(int is_signed, int32_t *sc, int32_t *pr, const uint8_t *scp, const uint8_t *pp, int units,
+                      int np) {
+    for (int j = 0; j < units; j++)
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *at = scp + j * GR + half * LANES;
+            VSTOREI(sc + j * GR + half * LANES, is_signed ? scale_i8(at) : scale_u8(at));
+        }
+    for (int t = 0; t < np; t++)
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *a = pp + 2 * t * GR + half * LANES, *b = a + GR;
+            VSTOREI(pr + t * GR + half * LANES, is_signed ? pair_i8(a, b) : pair_u8(a, b));
+        }
+}
 
 static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     const long gb = group_bytes(type);
-    const vi low = SET1B(0x0f), bit4 = SET1B(0x10), pair = SET1B(0x30);
     const int units = tl_units(type), np = tl_pairs(type);
     for (long s = 0; s < ns; s++) {
         const uint8_t *blk = g + s * gb;
@@ -840,40 +859,26 @@ static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
         }
         if (type == Q6_K) {
             const uint8_t *scp = blk + 2 * GR, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
-            for (int j = 0; j < units; j++) tl_store(sc + j * GR, scale_i8(scp + j * GR), scale_i8(scp + j * GR + LANES));
-            for (int t = 0; t < np; t++)
-                tl_store(pr + t * GR, pair_i8(scp + 2 * t * GR, scp + (2 * t + 1) * GR),
-                         pair_i8(scp + 2 * t * GR + LANES, scp + (2 * t + 1) * GR + LANES));
+            tl_scales(1, sc, pr, scp, scp, units, np);
             for (int j = 0; j < 8; j++)
                 for (int c = 0; c < 4; c++)
                     for (int half = 0; half < 2; half++) {
-                        const vi nib = LOADI(ql + (j * 4 + c) * GR * 4 + half * 32);
-                        const vi hb = LOADI(qhp + (j * 2 + c / 2) * GR * 4 + half * 32);
-                        vi lo = ANDI(nib, low), hi = ANDI(SRLI16(nib, 4), low);
-                        if (c & 1) {
-                            lo = ORI(lo, ANDI(hb, pair)), hi = ORI(hi, ANDI(SRLI16(hb, 2), pair));
-                        } else {
-                            lo = ORI(lo, ANDI(SLLI16(hb, 4), pair)), hi = ORI(hi, ANDI(SLLI16(hb, 2), pair));
-                        }
+                        vi lo, hi;
+                        q6k_values(LOADI(ql + (j * 4 + c) * GR * 4 + half * 32),
+                                   LOADI(qhp + (j * 2 + c / 2) * GR * 4 + half * 32), c, &lo, &hi);
                         VSTOREI(v + (8 * j + c) * GR * 4 + half * 32, lo);
                         VSTOREI(v + (8 * j + 4 + c) * GR * 4 + half * 32, hi);
                     }
             continue;
         }
         const uint8_t *scp = blk + 4 * GR, *mnp = blk + 12 * GR, *qs = blk + 20 * GR, *qh = qs + 128 * GR;
-        for (int j = 0; j < units; j++) tl_store(sc + j * GR, scale_u8(scp + j * GR), scale_u8(scp + j * GR + LANES));
-        for (int t = 0; t < np; t++)
-            tl_store(pr + t * GR, pair_u8(mnp + 2 * t * GR, mnp + (2 * t + 1) * GR),
-                     pair_u8(mnp + 2 * t * GR + LANES, mnp + (2 * t + 1) * GR + LANES));
+        tl_scales(0, sc, pr, scp, mnp, units, np);
         for (int p = 0; p < 4; p++)
             for (int c = 0; c < 8; c++)
                 for (int half = 0; half < 2; half++) {
-                    const vi raw = LOADI(qs + (p * 8 + c) * GR * 4 + half * 32);
-                    vi lo = ANDI(raw, low), hi = ANDI(SRLI16(raw, 4), low);
-                    if (type == Q5_K) {
-                        const vi hb = SRL16(LOADI(qh + c * GR * 4 + half * 32), 2 * p);
-                        lo = ORI(lo, ANDI(SLLI16(hb, 4), bit4)), hi = ORI(hi, ANDI(SLLI16(hb, 3), bit4));
-                    }
+                    vi lo, hi;
+                    k45_values(type, LOADI(qs + (p * 8 + c) * GR * 4 + half * 32), qh + c * GR * 4 + half * 32, p,
+                               &lo, &hi);
                     VSTOREI(v + (16 * p + c) * GR * 4 + half * 32, lo);
                     VSTOREI(v + (16 * p + 8 + c) * GR * 4 + half * 32, hi);
                 }
