@@ -30,7 +30,8 @@
  * Q5_K - mins * (dmin * d_x) (kquant.reference_matmul, bit for bit). Per block of 32 that float step
  * (and its scales' broadcasts) cost more than the block's products, and a K-quant weight byte more than
  * a Q4_0 one. Q5_K's fifth bits and Q6_K's high pairs are shifted into the nibbles in registers (16-bit
- * shifts whose bits from the neighbouring byte the masks drop).
+ * shifts whose bits from the neighbouring byte the masks drop). On AVX2, from TL_MIN_ROWS rows, the K-quants
+ * but IQ4_XS put 8 tokens in the lanes instead of 8 weight rows (tl_group, below): the same sums, bit for bit.
  */
 #include <immintrin.h>
 #include <math.h>
