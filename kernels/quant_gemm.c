@@ -30,8 +30,9 @@
  * Q5_K - mins * (dmin * d_x) (kquant.reference_matmul, bit for bit). Per block of 32 that float step
  * (and its scales' broadcasts) cost more than the block's products, and a K-quant weight byte more than
  * a Q4_0 one. Q5_K's fifth bits and Q6_K's high pairs are shifted into the nibbles in registers (16-bit
- * shifts whose bits from the neighbouring byte the masks drop). On AVX2, from TL_MIN_ROWS rows, the K-quants
- * but IQ4_XS put 8 tokens in the lanes instead of 8 weight rows (tl_group, below): the same sums, bit for bit.
+ * shifts whose bits from the neighbouring byte the masks drop). On AVX2, from TL_MIN_ROWS rows, the types of
+ * unsigned values (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) put 8 tokens in the lanes instead of 8 weight rows
+ * (tl_group, below): the same sums, bit for bit.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -298,6 +299,20 @@ static inline int32_t bcast4(const int8_t *p) {
     return v;
 }
 
+/* A 32-value block's vector of 4-byte columns c (raw: low nibbles values 4c.., high 16 + 4c..) as its values lo and
+ * hi; for Q5 (q5) each column's fifth bits from *qh (bit j of a row's uint32: value j's; bits 4c.. and 16 + 4c..
+ * in its low 4 and 16 bits by now) go to bit 4 of its bytes by one multiply, and *qh moves on to column c + 1. */
+static inline __attribute__((always_inline)) void q45_values(int q5, vi raw, vi *qh, vi *lo, vi *hi) {
+    const vi low = SET1B(0x0f);
+    *lo = ANDI(raw, low), *hi = ANDI(SRLI16(raw, 4), low);
+    if (q5) {
+        const vi nib = SET1I(15), spread = SET1I(0x02040810), bit4 = SET1B(0x10);
+        *lo = ORI(*lo, ANDI(MULLO(ANDI(*qh, nib), spread), bit4));
+        *hi = ORI(*hi, ANDI(MULLO(ANDI(SRLI32(*qh, 16), nib), spread), bit4));
+        *qh = SRLI32(*qh, 4);
+    }
+}
+
 /* MR rows of quantized x times NH halves of one group (all K/32 blocks), from half h -> tile[MR][GR] at lanes
  * (h + u) * LANES. On AVX2 (two halves of 8 lanes) NH = 2 reads a group's stream once with all its work on it,
  * where two passes of one half read it from memory in the first and from cache in the second: the first pass's
@@ -336,7 +351,6 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
                 }
             }
         } else {
-            const vi low = SET1B(0x0f);
 #ifdef PAIRS16
             vi pairs[MR_MAX * HALVES];
             for (int i = 0; i < MR * NH; i++) pairs[i] = SET1I(0);
@@ -348,14 +362,7 @@ static inline __attribute__((always_inline)) void kernel(const int type, const i
             for (int c = 0; c < 4; c++) {
                 vi lo[HALVES], hi[HALVES];
                 for (int u = 0; u < NH; u++) {
-                    vi raw = LOADI(nibbles + c * GR * 4 + u * LANES * 4);
-                    lo[u] = ANDI(raw, low), hi[u] = ANDI(SRLI16(raw, 4), low);
-                    if (q5) {   /* fifth bits 4c..4c+3 and 16+4c.. to bit 4 of each byte */
-                        const vi nib = SET1I(15), spread = SET1I(0x02040810), bit4 = SET1B(0x10);
-                        lo[u] = ORI(lo[u], ANDI(MULLO(ANDI(qh[u], nib), spread), bit4));
-                        hi[u] = ORI(hi[u], ANDI(MULLO(ANDI(SRLI32(qh[u], 16), nib), spread), bit4));
-                        qh[u] = SRLI32(qh[u], 4);
-                    }
+                    q45_values(q5, LOADI(nibbles + c * GR * 4 + u * LANES * 4), &qh[u], &lo[u], &hi[u]);
                     if (type == IQ4_NL) lo[u] = SHUF8(table, lo[u]), hi[u] = SHUF8(table, hi[u]);
                 }
                 for (int i = 0; i < MR; i++) {
@@ -802,15 +809,17 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 }
 
 #ifndef __AVX512F__
-/* ---- AVX2, many rows of x through a K-quant (Q4_K, Q5_K, Q6_K): the tokens in the lanes ----
+/* ---- AVX2, many rows of x through a type of unsigned values (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the
+ * tokens in the lanes ----
  *
  * The kernels above put 8 weight rows in a vector's lanes and broadcast 4 bytes of one row of x per product: a
  * maddubs costs a broadcast, an int16 add and its share of the nibbles' unpacking, ~3.4 vector ops on a core's 4
  * pipes. Here the lanes are 8 tokens: x is laid out once per call as [step of 4 values][8 tokens][4], a group's
  * super-blocks are unpacked once to unsigned bytes [step][16 rows][4], and a product takes its 8 tokens' x
  * straight from memory against one broadcast of a weight row's 4 bytes, shared by TL_T vectors of tokens. The
- * integer sums per scale unit, per super-block and its float32 step are the kernels' own, in the same order:
- * the two paths agree bit for bit. */
+ * integer sums per scale unit, per super-block (or block of 32) and its float32 step are the kernels' own, in the
+ * same order: the two paths agree bit for bit. Q8_0, IQ4_NL and IQ4_XS keep the row kernels: their signed values
+ * are unsigned only + 128, and two such products overflow maddubs's int16 pair. */
 #define TL_T 3          /* vectors of 8 tokens per pass */
 #define TL_NR 2         /* weight rows per pass */
 #define TL_MIN_ROWS 16  /* a chunk's rows from which the tokens take the lanes */
@@ -819,7 +828,8 @@ static void emit(const float *tile, int rows, int cols, const float *bias, void 
 /* A group's ns super-blocks unpacked: the values v [ns][64 steps][16 rows][4] (Q4_K 0..15, Q5_K 0..31, Q6_K
  * 0..63); the scale of each unit (Q4_K and Q5_K 8 of 32 values, Q6_K 16 of 16) in both int16 halves, sc [ns][units]
  * [16]; pairs [ns][P][16], Q4_K's and Q5_K's minimums 2t, 2t + 1 (P 4), Q6_K's scales 2t, 2t + 1 (P 8), as int16
- * halves; d and dmin [ns][16]. */
+ * halves; d and dmin [ns][16]. For the blocks of 32, ns blocks: v [ns][8 steps][16][4], d and (Q4_1, Q5_1) the
+ * minimums m in dmin; no sc or pairs. */
 typedef struct {
     uint8_t *v;
     int32_t *sc, *pairs;
@@ -827,6 +837,8 @@ typedef struct {
 } unpacked;
 
 static inline int tl_units(int type) { return type == Q6_K ? 16 : 8; }
+static inline int tl_steps(int type) { return is_k(type) ? TL_STEPS : QK / 4; }   /* steps of 4 values a block */
+static inline int tl_min(int type) { return type == Q4_1 || type == Q5_1; }
 static inline int tl_pairs(int type) { return type == Q6_K ? 8 : 4; }
 
 #define VSTOREI(p, v) _mm256_storeu_si256((__m256i *)(p), v)
@@ -850,6 +862,25 @@ static void tl_scales(int is_signed, int32_t *sc, int32_t *pr, const uint8_t *sc
 static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     const long gb = group_bytes(type);
     const int units = tl_units(type), np = tl_pairs(type);
+    if (!is_k(type)) {   /* ns blocks of 32: d and (Q4_1, Q5_1) m as floats, values [8 steps][16 rows][4] */
+        const int q5 = type == Q5_0 || type == Q5_1;
+        for (long b = 0; b < ns; b++) {
+            const uint8_t *blk = g + b * gb, *qs = blk + (tl_min(type) ? 4 : 2) * GR;
+            uint8_t *v = u->v + b * 8 * GR * 4;
+            for (int half = 0; half < 2; half++) {
+                _mm256_storeu_ps(u->d + b * GR + half * LANES, LOAD_F16(blk + half * LANES * 2));
+                if (tl_min(type)) _mm256_storeu_ps(u->dmin + b * GR + half * LANES, LOAD_F16(blk + 2 * GR + half * LANES * 2));
+                vi qh = q5 ? LOADI(qs + half * 32) : SET1I(0);
+                for (int c = 0; c < 4; c++) {
+                    vi lo, hi;
+                    q45_values(q5, LOADI(qs + (q5 ? GR * 4 : 0) + c * GR * 4 + half * 32), &qh, &lo, &hi);
+                    VSTOREI(v + c * GR * 4 + half * 32, lo);
+                    VSTOREI(v + (4 + c) * GR * 4 + half * 32, hi);
+                }
+            }
+        }
+        return;
+    }
     for (long s = 0; s < ns; s++) {
         const uint8_t *blk = g + s * gb;
         uint8_t *v = u->v + s * TL_STEPS * GR * 4;
@@ -886,6 +917,30 @@ static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     }
 }
 
+/* The int16 pair sums of a pass, row r and vector t at [r * T + t]: returned by value, so that they stay in
+ * registers (through a pointer gcc kept them on the stack: the blocks of 32 took 1.3x the time). */
+typedef struct {
+    vi v[TL_NR * TL_T];
+} tl_sums;
+
+/* Steps [q0, q0 + run) of rows n0.. (v: their unpacked bytes from step 0) against T vectors of tokens (x, a vector's
+ * steps xstride bytes after the last's). */
+static inline __attribute__((always_inline)) tl_sums tl_steps_run(const int T, const uint8_t *v, const int8_t *x,
+                                                                  long xstride, int q0, int run) {
+    tl_sums part;
+    for (int i = 0; i < TL_NR * T; i++) part.v[i] = SET1I(0);
+    for (int q = q0; q < q0 + run; q++) {
+        vi wr[TL_NR];
+        for (int r = 0; r < TL_NR; r++) wr[r] = SET1I(bcast4((const int8_t *)v + q * GR * 4 + r * 4));
+        for (int t = 0; t < T; t++) {
+            const vi xv = LOADI(x + t * xstride + q * 32);
+            for (int r = 0; r < TL_NR; r++) part.v[r * T + t] = ADD16(part.v[r * T + t], PAIRS16(wr[r], xv));
+        }
+        for (int i = 0; i < TL_NR * T; i++) KEEP(part.v[i]);   /* a step's sums added as they come, not regrouped */
+    }
+    return part;
+}
+
 /* Rows n0, n0 + TL_NR of super-block s against T vectors of 8 tokens: xt the tokens' x ([step][8][4], a vector's
  * steps `xstride` bytes after the last's), xd and xp their scales [ns][8] and pair sums [ns][P][8] (a vector's
  * `dstride` and `pstride` after the last's); facc [16][TL_T] vectors of float32 sums, as scale_super adds them. */
@@ -897,23 +952,14 @@ static inline __attribute__((always_inline)) void tl_pass(const int type, const 
     const int run = type == Q4_K ? 8 : type == Q5_K ? 4 : 2;
     const uint8_t *v = u->v + s * TL_STEPS * GR * 4 + n0 * 4;
     const int8_t *x = xt + s * TL_STEPS * 32;
-    vi dot[TL_NR * TL_T], part[TL_NR * TL_T];
+    vi dot[TL_NR * TL_T];
     for (int i = 0; i < TL_NR * T; i++) dot[i] = SET1I(0);
     for (int q0 = 0; q0 < TL_STEPS; q0 += run) {
-        for (int i = 0; i < TL_NR * T; i++) part[i] = SET1I(0);
-        for (int q = q0; q < q0 + run; q++) {
-            vi wr[TL_NR];
-            for (int r = 0; r < TL_NR; r++) wr[r] = SET1I(bcast4((const int8_t *)v + q * GR * 4 + r * 4));
-            for (int t = 0; t < T; t++) {
-                const vi xv = LOADI(x + t * xstride + q * 32);
-                for (int r = 0; r < TL_NR; r++) part[r * T + t] = ADD16(part[r * T + t], PAIRS16(wr[r], xv));
-            }
-            for (int i = 0; i < TL_NR * T; i++) KEEP(part[i]);   /* a step's sums added as they come, not regrouped */
-        }
+        const tl_sums part = tl_steps_run(T, v, x, xstride, q0, run);
         const int32_t *sc = u->sc + (s * units + q0 / per) * GR + n0;
         for (int r = 0; r < TL_NR; r++) {
             const vi scale = SET1I(sc[r]);
-            for (int t = 0; t < T; t++) dot[r * T + t] = ADDI(dot[r * T + t], MADD16(part[r * T + t], scale));
+            for (int t = 0; t < T; t++) dot[r * T + t] = ADDI(dot[r * T + t], MADD16(part.v[r * T + t], scale));
         }
     }
     vi less[TL_NR * TL_T];   /* Q4_K and Q5_K: sum(m * sum(x)); Q6_K: sum(sc * sum(x)), its offset of 32 */
@@ -943,25 +989,66 @@ static inline __attribute__((always_inline)) void tl_pass(const int type, const 
     }
 }
 
+/* tl_pass for the blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1): block b's int32 sum per row and token starts at the
+ * offset's xo (xp here, [nb][8] a vector: Q4_0's -8 and Q5_0's -16 times sum(x); 0 for the others), the products'
+ * int16 pairs widened after 8 steps (Q4) or 4 (Q5), then facc += sum * (d * d_x) and, for Q4_1 and Q5_1, + m * xm
+ * (xm [nb][8]: d_x * sum(x)), as the row kernel adds them. */
+static inline __attribute__((always_inline)) void tl_pass32(const int type, const int T, const unpacked *u, long b,
+                                                            int n0, const int8_t *xt, long xstride, const float *xd,
+                                                            long dstride, const int32_t *xp, const float *xm,
+                                                            vf *facc) {
+    const int run = type == Q5_0 || type == Q5_1 ? 4 : 8;   /* pairs of 2 * 15 * 127 (2 * 31 * 127) an int16 holds */
+    const uint8_t *v = u->v + b * 8 * GR * 4 + n0 * 4;
+    const int8_t *x = xt + b * 8 * 32;
+    vi acc[TL_NR * TL_T];
+    for (int r = 0; r < TL_NR; r++)
+        for (int t = 0; t < T; t++) acc[r * T + t] = tl_min(type) ? SET1I(0) : LOADI(xp + t * dstride + b * LANES);
+    for (int q0 = 0; q0 < 8; q0 += run) {
+        const tl_sums part = tl_steps_run(T, v, x, xstride, q0, run);
+        for (int i = 0; i < TL_NR * T; i++) acc[i] = WIDEN_PAIRS(acc[i], part.v[i]);
+    }
+    for (int r = 0; r < TL_NR; r++) {
+        const vf dw = VSET1(u->d[b * GR + n0 + r]);
+        for (int t = 0; t < T; t++) {
+            vf *f = facc + (n0 + r) * TL_T + t;
+            vf a = VMUL(CVT(acc[r * T + t]), VMUL(dw, _mm256_loadu_ps(xd + t * dstride + b * LANES)));
+            KEEP(a);
+            *f = VADD(*f, a);
+            if (tl_min(type)) {
+                vf c = VMUL(VSET1(u->dmin[b * GR + n0 + r]), _mm256_loadu_ps(xm + t * dstride + b * LANES));
+                KEEP(c);
+                *f = VADD(*f, c);
+            }
+        }
+    }
+}
+
 /* Every pass of one group over `rows` tokens (ceil(rows / 8) vectors of xt, xd, xp, laid out as tl_pass reads
  * them), their sums emitted into y as the row kernels' tiles are. */
 static inline __attribute__((always_inline)) void tl_group(const int type, const unpacked *u, long ns,
                                                            const int8_t *xt, const float *xd, const int32_t *xp,
-                                                           long rows, long K, int cols, const float *bias, void *y,
-                                                           int y_bf16, long N) {
+                                                           const float *xm, long rows, long K, int cols,
+                                                           const float *bias, void *y, int y_bf16, long N) {
     const long vecs = (rows + LANES - 1) / LANES, xstride = K * LANES, dstride = ns * LANES;
-    const long pstride = ns * tl_pairs(type) * LANES;
+    const long pstride = ns * (is_k(type) ? tl_pairs(type) : 1) * LANES;
     const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (long t0 = 0; t0 < vecs; t0 += TL_T) {
         const int T = vecs - t0 < TL_T ? (int)(vecs - t0) : TL_T;
         const int8_t *x = xt + t0 * xstride;
         const float *d = xd + t0 * dstride;
         const int32_t *p = xp + t0 * pstride;
+        const float *mx = xm ? xm + t0 * dstride : 0;
         vf facc[GR * TL_T];
         for (int i = 0; i < GR * TL_T; i++) facc[i] = VZERO();
         for (long s = 0; s < ns; s++)
             for (int n0 = 0; n0 < GR; n0 += TL_NR) {
-                if (T == TL_T)
+                if (!is_k(type) && T == TL_T)
+                    tl_pass32(type, TL_T, u, s, n0, x, xstride, d, dstride, p, mx, facc);
+                else if (!is_k(type) && T == 2)
+                    tl_pass32(type, 2, u, s, n0, x, xstride, d, dstride, p, mx, facc);
+                else if (!is_k(type))
+                    tl_pass32(type, 1, u, s, n0, x, xstride, d, dstride, p, mx, facc);
+                else if (T == TL_T)
                     tl_pass(type, TL_T, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
                 else if (T == 2)
                     tl_pass(type, 2, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
@@ -979,14 +1066,36 @@ static inline __attribute__((always_inline)) void tl_group(const int type, const
     }
 }
 
+typedef void (*tl_fn)(const unpacked *, long, const int8_t *, const float *, const int32_t *, const float *, long,
+                      long, int, const float *, void *, int, long);
 #define TL_GROUP(T)                                                                                              \
     static void tl_group_##T(const unpacked *u, long ns, const int8_t *xt, const float *xd, const int32_t *xp,   \
-                             long rows, long K, int cols, const float *bias, void *y, int y_bf16, long N) {      \
-        tl_group(T, u, ns, xt, xd, xp, rows, K, cols, bias, y, y_bf16, N);                                      \
+                             const float *xm, long rows, long K, int cols, const float *bias, void *y,          \
+                             int y_bf16, long N) {                                                               \
+        tl_group(T, u, ns, xt, xd, xp, xm, rows, K, cols, bias, y, y_bf16, N);                                  \
     }
+TL_GROUP(2)
+TL_GROUP(3)
+TL_GROUP(6)
+TL_GROUP(7)
 TL_GROUP(12)
 TL_GROUP(13)
 TL_GROUP(14)
+
+/* The token lanes' group function of a type, or 0 where it has none (Q8_0, IQ4_NL and IQ4_XS: signed values, whose
+ * maddubs pairs of 2 * 128 * 127 an int16 cannot sum). */
+static tl_fn tl_group_of(int type) {
+    switch (type) {
+    case Q4_0: return tl_group_2;
+    case Q4_1: return tl_group_3;
+    case Q5_0: return tl_group_6;
+    case Q5_1: return tl_group_7;
+    case Q4_K: return tl_group_12;
+    case Q5_K: return tl_group_13;
+    case Q6_K: return tl_group_14;
+    default: return 0;
+    }
+}
 #endif
 
 /* n pairs of sums: the sum of `span` sums16 as a pair's low int16 half, the next `span`'s as its high one
@@ -1037,16 +1146,19 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
 #ifndef __AVX512F__
     /* The tokens in the lanes (tl_group) for a K-quant's chunks of at least TL_MIN_ROWS rows: x laid out again,
      * [vector of 8 tokens][step][8][4], its scales and pair sums [vector][super-block]([pair])[8]. */
-    const int lanes = (type == Q4_K || type == Q5_K || type == Q6_K) && (M < chunk ? M : chunk) >= TL_MIN_ROWS;
+    const tl_fn run = tl_group_of(type);
+    const int lanes = run && (M < chunk ? M : chunk) >= TL_MIN_ROWS;
     if (lanes) chunk = chunk / LANES * LANES;   /* whole vectors of tokens */
-    const long vecs = lanes ? (M + LANES - 1) / LANES : 0, np = type == Q6_K ? 8 : 4, units = type == Q6_K ? 16 : 8;
-    const long ns = K / QKK, ubytes = ns * (TL_STEPS * GR * 4 + (units + np) * GR * 4 + 2 * GR * 4);
+    const long vecs = lanes ? (M + LANES - 1) / LANES : 0, blocks = is_k(type) ? K / QKK : nb;
+    const long np = is_k(type) ? tl_pairs(type) : 0, units = is_k(type) ? tl_units(type) : 0;
+    const long ubytes = blocks * (tl_steps(type) * GR * 4 + (units + np) * GR * 4 + 2 * GR * 4);
     int8_t *xt = lanes ? aligned_alloc(64, vecs * K * LANES) : 0;
     float *xdt = lanes ? malloc(sizeof(float) * vecs * sd * LANES) : 0;
     int32_t *xpt = lanes ? malloc(sizeof(int32_t) * vecs * so * LANES) : 0;
+    float *xmt = lanes && tl_min(type) ? malloc(sizeof(float) * vecs * nb * LANES) : 0;
     uint8_t *ubuf = lanes ? aligned_alloc(64, (threads > 1 ? threads : 1) * ubytes) : 0;   /* a group unpacked a thread */
-    if (lanes && (!xt || !xdt || !xpt || !ubuf)) {
-        free(xt), free(xdt), free(xpt), free(ubuf), free(xq), free(xd), free(xs), free(xo), free(xm);
+    if (lanes && (!xt || !xdt || !xpt || !ubuf || (tl_min(type) && !xmt))) {
+        free(xt), free(xdt), free(xpt), free(xmt), free(ubuf), free(xq), free(xd), free(xs), free(xo), free(xm);
         return -1;
     }
 #else
@@ -1076,22 +1188,21 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
                     for (long q = 0; q < K / 4; q++) to[q * LANES] = in ? from[q] : 0;
                     for (long s = 0; s < sd; s++) xdt[(v * sd + s) * LANES + k] = in ? xd[m * sd + s] : 0.0f;
                     for (long t = 0; t < so; t++) xpt[(v * so + t) * LANES + k] = in ? xo[m * so + t] : 0;
+                    for (long b = 0; xmt && b < nb; b++) xmt[(v * nb + b) * LANES + k] = in ? xm[m * nb + b] : 0.0f;
                 }
             unpacked u;
             u.v = ubuf + omp_get_thread_num() * ubytes;
-            u.sc = (int32_t *)(u.v + ns * TL_STEPS * GR * 4), u.pairs = u.sc + ns * units * GR;
-            u.d = (float *)(u.pairs + ns * np * GR), u.dmin = u.d + ns * GR;
+            u.sc = (int32_t *)(u.v + blocks * tl_steps(type) * GR * 4), u.pairs = u.sc + blocks * units * GR;
+            u.d = (float *)(u.pairs + blocks * np * GR), u.dmin = u.d + blocks * GR;
             for (long m0 = 0; m0 < M; m0 += chunk) {
                 const long rows = M - m0 < chunk ? M - m0 : chunk, v0 = m0 / LANES;
 #pragma omp for schedule(static) nowait
                 for (long g = 0; g < groups; g++) {
                     const int cols = N - g * GR < GR ? (int)(N - g * GR) : GR;
-                    unpack_group(type, w + g * gb, ns, &u);
-                    void (*run)(const unpacked *, long, const int8_t *, const float *, const int32_t *, long, long,
-                                int, const float *, void *, int, long) =
-                        type == Q4_K ? tl_group_12 : type == Q5_K ? tl_group_13 : tl_group_14;
-                    run(&u, ns, xt + v0 * K * LANES, xdt + v0 * sd * LANES, xpt + v0 * so * LANES, rows, K, cols,
-                        bias ? bias + g * GR : 0, (char *)y + (m0 * N + g * GR) * elem, y_bf16, N);
+                    unpack_group(type, w + g * gb, blocks, &u);
+                    run(&u, blocks, xt + v0 * K * LANES, xdt + v0 * sd * LANES, xpt + v0 * so * LANES,
+                        xmt ? xmt + v0 * nb * LANES : 0, rows, K, cols, bias ? bias + g * GR : 0,
+                        (char *)y + (m0 * N + g * GR) * elem, y_bf16, N);
                 }
             }
         }
@@ -1114,7 +1225,7 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
         }
     }
 #ifndef __AVX512F__
-    free(xt), free(xdt), free(xpt), free(ubuf);
+    free(xt), free(xdt), free(xpt), free(xmt), free(ubuf);
 #endif
     free(xq), free(xd), free(xs), free(xo), free(xm);
     return 0;
