@@ -861,7 +861,6 @@ static void tl_scales(int is_signed, int32_t *sc, int32_t *pr, const uint8_t *sc
 
 static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     const long gb = group_bytes(type);
-    const int units = tl_units(type), np = tl_pairs(type);
     if (!is_k(type)) {   /* ns blocks of 32: d and (Q4_1, Q5_1) m as floats, values [8 steps][16 rows][4] */
         const int q5 = type == Q5_0 || type == Q5_1;
         for (long b = 0; b < ns; b++) {
@@ -881,6 +880,7 @@ static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
         }
         return;
     }
+    const int units = tl_units(type), np = tl_pairs(type);
     for (long s = 0; s < ns; s++) {
         const uint8_t *blk = g + s * gb;
         uint8_t *v = u->v + s * TL_STEPS * GR * 4;
@@ -995,14 +995,14 @@ static inline __attribute__((always_inline)) void tl_pass(const int type, const 
  * (xm [nb][8]: d_x * sum(x)), as the row kernel adds them. */
 static inline __attribute__((always_inline)) void tl_pass32(const int type, const int T, const unpacked *u, long b,
                                                             int n0, const int8_t *xt, long xstride, const float *xd,
-                                                            long dstride, const int32_t *xp, const float *xm,
-                                                            vf *facc) {
+                                                            long dstride, const int32_t *xp, long pstride,
+                                                            const float *xm, vf *facc) {
     const int run = type == Q5_0 || type == Q5_1 ? 4 : 8;   /* pairs of 2 * 15 * 127 (2 * 31 * 127) an int16 holds */
     const uint8_t *v = u->v + b * 8 * GR * 4 + n0 * 4;
     const int8_t *x = xt + b * 8 * 32;
     vi acc[TL_NR * TL_T];
     for (int r = 0; r < TL_NR; r++)
-        for (int t = 0; t < T; t++) acc[r * T + t] = tl_min(type) ? SET1I(0) : LOADI(xp + t * dstride + b * LANES);
+        for (int t = 0; t < T; t++) acc[r * T + t] = tl_min(type) ? SET1I(0) : LOADI(xp + t * pstride + b * LANES);
     for (int q0 = 0; q0 < 8; q0 += run) {
         const tl_sums part = tl_steps_run(T, v, x, xstride, q0, run);
         for (int i = 0; i < TL_NR * T; i++) acc[i] = WIDEN_PAIRS(acc[i], part.v[i]);
@@ -1021,6 +1021,18 @@ static inline __attribute__((always_inline)) void tl_pass32(const int type, cons
             }
         }
     }
+}
+
+/* One pass of either kind, by the type's blocks: xp is the K-quants' pair sums or the blocks of 32's offsets (a
+ * vector's `pstride` after the last's), xm the minimums' multipliers (Q4_1, Q5_1; else unused). */
+static inline __attribute__((always_inline)) void tl_pass_of(const int type, const int T, const unpacked *u, long s,
+                                                             int n0, const int8_t *xt, long xstride, const float *xd,
+                                                             long dstride, const int32_t *xp, long pstride,
+                                                             const float *xm, vf *facc) {
+    if (is_k(type))
+        tl_pass(type, T, u, s, n0, xt, xstride, xd, dstride, xp, pstride, facc);
+    else
+        tl_pass32(type, T, u, s, n0, xt, xstride, xd, dstride, xp, pstride, xm, facc);
 }
 
 /* Every pass of one group over `rows` tokens (ceil(rows / 8) vectors of xt, xd, xp, laid out as tl_pass reads
@@ -1042,18 +1054,12 @@ static inline __attribute__((always_inline)) void tl_group(const int type, const
         for (int i = 0; i < GR * TL_T; i++) facc[i] = VZERO();
         for (long s = 0; s < ns; s++)
             for (int n0 = 0; n0 < GR; n0 += TL_NR) {
-                if (!is_k(type) && T == TL_T)
-                    tl_pass32(type, TL_T, u, s, n0, x, xstride, d, dstride, p, mx, facc);
-                else if (!is_k(type) && T == 2)
-                    tl_pass32(type, 2, u, s, n0, x, xstride, d, dstride, p, mx, facc);
-                else if (!is_k(type))
-                    tl_pass32(type, 1, u, s, n0, x, xstride, d, dstride, p, mx, facc);
-                else if (T == TL_T)
-                    tl_pass(type, TL_T, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+                if (T == TL_T)
+                    tl_pass_of(type, TL_T, u, s, n0, x, xstride, d, dstride, p, pstride, mx, facc);
                 else if (T == 2)
-                    tl_pass(type, 2, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+                    tl_pass_of(type, 2, u, s, n0, x, xstride, d, dstride, p, pstride, mx, facc);
                 else
-                    tl_pass(type, 1, u, s, n0, x, xstride, d, dstride, p, pstride, facc);
+                    tl_pass_of(type, 1, u, s, n0, x, xstride, d, dstride, p, pstride, mx, facc);
             }
         for (int t = 0; t < T; t++) {
             float sums[GR * LANES], tile[LANES * GR];   /* [row][token] to the tile's [token][row] */
@@ -1144,8 +1150,9 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     const size_t elem = y_bf16 ? sizeof(uint16_t) : sizeof(float);
     const long mr_max = is_k(type) ? MR_K : MR_MAX;
 #ifndef __AVX512F__
-    /* The tokens in the lanes (tl_group) for a K-quant's chunks of at least TL_MIN_ROWS rows: x laid out again,
-     * [vector of 8 tokens][step][8][4], its scales and pair sums [vector][super-block]([pair])[8]. */
+    /* The tokens in the lanes (tl_group) for chunks of at least TL_MIN_ROWS rows of a type that has them: x laid out
+     * again, [vector of 8 tokens][step][8][4], its scales, pair sums or offsets, and minimums' multipliers
+     * [vector][block]([pair])[8]. */
     const tl_fn run = tl_group_of(type);
     const int lanes = run && (M < chunk ? M : chunk) >= TL_MIN_ROWS;
     if (lanes) chunk = chunk / LANES * LANES;   /* whole vectors of tokens */
