@@ -32,10 +32,11 @@
 typedef __m512 vf;
 static const int COLUMN[NV] = {0, 16};
 
-static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *v) {
+/* Vector j of a line: j = 0 the low halves of its 32 values shifted up (columns 0-15), 1 the high halves masked. */
+static inline __attribute__((always_inline)) vf widen(const uint16_t *p, int j) {
     __m512i raw = _mm512_loadu_si512(p);
-    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    v[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000)));
+    return _mm512_castsi512_ps(j ? _mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000))
+                                 : _mm512_slli_epi32(raw, 16));
 }
 #define VZERO _mm512_setzero_ps
 #define VSET1 _mm512_set1_ps
@@ -48,13 +49,13 @@ static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *
 typedef __m256 vf;
 static const int COLUMN[NV] = {0, 16, 8, 24};
 
-static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *v) {
-    __m256i lo = _mm256_loadu_si256((const __m256i *)p), hi = _mm256_loadu_si256((const __m256i *)(p + 16));
-    __m256i high = _mm256_set1_epi32((int)0xffff0000);
-    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-    v[1] = _mm256_castsi256_ps(_mm256_and_si256(lo, high));
-    v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-    v[3] = _mm256_castsi256_ps(_mm256_and_si256(hi, high));
+/* Vector j of a line (columns COLUMN[j]..+7): j even the low halves of 16 values shifted up, j odd their high
+ * halves masked, each read from the line itself: 12 accumulators, 3 broadcasts and this one vector fill the 16
+ * ymm registers, where the four widened vectors held at once spilled an accumulator to the stack. */
+static inline __attribute__((always_inline)) vf widen(const uint16_t *p, int j) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 16 * (j / 2)));
+    return _mm256_castsi256_ps(j % 2 ? _mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000))
+                                     : _mm256_slli_epi32(raw, 16));
 }
 #define VZERO _mm256_setzero_ps
 #define VSET1 _mm256_set1_ps
@@ -70,12 +71,12 @@ static inline __attribute__((always_inline)) void load_w(const uint16_t *p, vf *
         for (int i = 0; i < MR; i++)                                                               \
             for (int j = 0; j < NV; j++) acc[i][j] = VZERO();                                      \
         for (long k = 0; k < K; k++) {                                                             \
-            vf wv[NV];                                                                             \
+            vf xv[MR];                                                                             \
             _mm_prefetch((const char *)(w + (k + PREFETCH) * NR), _MM_HINT_T0);                    \
-            load_w(w + k * NR, wv);                                                                \
-            for (int i = 0; i < MR; i++) {                                                         \
-                vf xv = VSET1(x[i * K + k]);                                                       \
-                for (int j = 0; j < NV; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);               \
+            for (int i = 0; i < MR; i++) xv[i] = VSET1(x[i * K + k]);                              \
+            for (int j = 0; j < NV; j++) {                                                         \
+                vf wj = widen(w + k * NR, j);                                                      \
+                for (int i = 0; i < MR; i++) acc[i][j] = VFMA(xv[i], wj, acc[i][j]);               \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
