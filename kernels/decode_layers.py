@@ -144,8 +144,9 @@ def _supported(model) -> bool:
     for layer in model.layers:
         for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
             parts = _parts(weight)
-            if len(parts) > MAX_PARTS or any(not isinstance(p, (QuantWeight, PackedWeight)) or p.dtype != model.dtype
-                                             for p in parts):
+            # a packed weight is bf16 under either activation dtype (packed_gemm.c takes float32 rows too)
+            if len(parts) > MAX_PARTS or any(not isinstance(p, (QuantWeight, PackedWeight))
+                                             or (isinstance(p, QuantWeight) and p.dtype != model.dtype) for p in parts):
                 return False
         norms = [layer.input_norm, layer.post_norm] + [n for n in (layer.q_norm, layer.k_norm) if n is not None]
         if any(n.dtype != model.dtype or not n.is_contiguous() for n in norms):

@@ -133,6 +133,12 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     return packed
 
 
+def prepare_for_float32(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
+    """A bf16 CPU weight that float32 rows multiply: packed, read by the kernel's FMA path at every row count
+    (neither torch nor the bf16 units take float32 rows by a bf16 weight); anything else as it is."""
+    return pack(weight) if _packable(weight) else weight
+
+
 def prepare_invariant(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     """prepare_weight for the batch-invariant kernels: a bf16 CPU weight always packed, and multiplied by the
     packed kernel at every row count (no plain copy for torch, no AMX tiles); anything else as it is."""

@@ -19,6 +19,8 @@ from actors.model.config import ModelConfig, ModelLoadError
 from kernels.quant_linear import QuantTensor, supported
 
 _FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_TORCH_FLOATS = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                 GGMLQuantizationType.BF16: torch.bfloat16}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -78,6 +80,10 @@ class GGUFWeights:
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # F32 tensors come as read-only views of the mmap
         return torch.from_numpy(array).to(dtype)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The float type the file stores the tensor in; None for a quantized one."""
+        return _TORCH_FLOATS.get(GGMLQuantizationType(self._tensors[self._stored_name(name)].qtype))
 
     def quantized(self, name: str) -> QuantTensor | None:
         """The tensor's stored blocks (rows in the model's order) where a quantized kernel reads its

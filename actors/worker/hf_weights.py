@@ -13,6 +13,8 @@ from safetensors import safe_open
 
 from actors.model.config import ModelLoadError, read_json
 
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
 
 class HFWeights:
     """Name -> tensor over the safetensors files of one folder (HF tensor names)."""
@@ -41,6 +43,13 @@ class HFWeights:
         return set(self._file_of)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self._read(name, lambda handle: handle.get_tensor(name)).to(dtype)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The float type the checkpoint stores the tensor in (None for any other: an int4 pack, say)."""
+        return _DTYPES.get(self._read(name, lambda handle: handle.get_slice(name).get_dtype()))
+
+    def _read(self, name: str, read):
         path = self._file_of.get(name)
         if path is None:
             raise ModelLoadError(f"checkpoint {self.folder} lacks the tensor {name!r}")
@@ -48,10 +57,9 @@ class HFWeights:
         if handle is None:
             handle = self._handles[path] = safe_open(path, framework="pt")
         try:
-            tensor = handle.get_tensor(name)
+            return read(handle)
         except Exception as e:  # the index named it, the shard does not hold it
             raise ModelLoadError(f"checkpoint {path} lacks the tensor {name!r}: {e}") from None
-        return tensor.to(dtype)
 
     def quantized(self, name: str) -> None:
         """Safetensors hold no GGUF blocks: every tensor is read as floats."""

@@ -125,8 +125,16 @@ class DecoderModel:
                 return quantize_int8(w)
             return quantize_int4(w, int4_group_size_for(w.shape[1]))
 
-        def get(name: str) -> torch.Tensor:
-            return _aligned(weights.get(name, self.dtype).to(self.device))
+        def get(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return _aligned(weights.get(name, dtype or self.dtype).to(self.device))
+
+        def float_weight(name: str) -> torch.Tensor:
+            """A matmul weight's (or the embedding's) floats: a bf16 checkpoint's stay bf16 under float32
+            activations where the ops multiply float32 rows by them (half the bytes a decode step reads)."""
+            if self.dtype == torch.float32 and self.ops.prepare_bf16_for_float32 is not None \
+                    and weights.stored_dtype(name) == torch.bfloat16:
+                return get(name, torch.bfloat16)
+            return get(name)
 
         def quantized(*names: str) -> QuantWeight | QuantStack | None:
             """The rows of `names` stacked, in their stored blocks, where the ops read them so: one packed
@@ -146,13 +154,15 @@ class DecoderModel:
             loaded = at_load(names, head)
             if loaded is not None:
                 return self.ops.prepare_int(_to_device(loaded, self.device), self.dtype)
-            return prepare(torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0]))
+            floats = [float_weight(n) for n in names]
+            weight = torch.cat(floats) if len(floats) > 1 else floats[0]   # float32 if any part is
+            return self.ops.prepare_bf16_for_float32(weight) if weight.dtype != self.dtype else prepare(weight)
 
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
             self.embed = self.lm_head = matmul_weight("model.embed_tokens.weight", head=True)
         else:
-            self.embed = quantized("model.embed_tokens.weight") or get("model.embed_tokens.weight")
+            self.embed = quantized("model.embed_tokens.weight") or float_weight("model.embed_tokens.weight")
             self.lm_head = matmul_weight("lm_head.weight", head=True)
         progress.update()
         self.layers = []

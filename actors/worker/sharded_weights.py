@@ -42,6 +42,9 @@ class ShardedWeights:
             return torch.zeros_like(t)   # added once, by rank 0, before the all-reduce sums the ranks
         return t
 
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        return self._weights.stored_dtype(name)
+
     def quantized(self, name: str) -> QuantTensor | None:
         q = self._weights.quantized(name)
         if q is None:

@@ -203,7 +203,7 @@ def test_refuses_bad_input():
         packed_linear.matmul(torch.randn(2, 8, dtype=torch.float16), w)
 
 
-def _tiny_model(folder, arch: str) -> str:
+def _tiny_model(folder, arch: str, dtype: torch.dtype = torch.float32) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -213,7 +213,7 @@ def _tiny_model(folder, arch: str) -> str:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
     else:   # untied, q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     return str(folder)
 
 
@@ -248,3 +248,34 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, dot, tmp_path, m
     clear = top2[:, 0] - top2[:, 1] > 2 * atol
     assert clear.sum() >= 10
     assert torch.equal(logits["cpu"].argmax(-1)[clear], logits["torch"].argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
+def test_bf16_checkpoint_under_float32_activations_keeps_its_weights_in_bf16(arch, tmp_path):
+    """A bf16 checkpoint served with float32 activations (`--dtype auto` on a CPU without bf16 units) keeps its
+    matmul weights and embedding in bf16, and the packed kernel multiplies float32 rows by them, in the C layer
+    loop too: the products of the weights widened to float32 (torch's ops), from half the bytes."""
+    from actors.worker.forward_batch import ForwardBatch, SequenceInput
+    from actors.worker.model_runner import ModelRunner
+    from kernels import decode_layers
+
+    folder = _tiny_model(tmp_path, arch, torch.bfloat16)
+    batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4], num_logits=37),
+                          SequenceInput([7, 8, 9], 0, [5], num_logits=3)])   # logits at every position
+    logits = {}
+    for kernels in ("cpu", "torch"):
+        model = (runner := ModelRunner(folder, dtype="float32", kernels=kernels, block_size=8, num_blocks=8,
+                                       num_threads=2)).model
+        projections = (model.lm_head, model.layers[0].qkv_weight, model.layers[1].gate_up_weight,
+                       model.layers[1].down_weight)
+        if kernels == "cpu":
+            assert all(isinstance(w, packed_linear.PackedWeight) and w.plain is None for w in projections)
+            assert model.embed is model.lm_head if arch == "llama_tied" else model.embed.dtype == torch.bfloat16
+            assert decode_layers._plan(model) is not None   # the C loop takes it
+            assert model.layers[0].input_norm.dtype == torch.float32
+        else:   # torch's ops multiply float32 weights
+            assert all(w.dtype == torch.float32 for w in projections)
+        logits[kernels] = runner.execute(batch)
+    assert logits["cpu"].dtype == torch.float32
+    # float32 sums of the same products in another order
+    torch.testing.assert_close(logits["cpu"], logits["torch"], rtol=0, atol=1e-5 * logits["torch"].abs().max())
