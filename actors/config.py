@@ -48,8 +48,8 @@ class EngineConfig:
     tokenizer: str | None = None          # defaults to the model's own
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations; auto: bfloat16 on CUDA, and on a CPU with bf16 units where a "
-                "probe at the first start finds it faster, else float32 (on the CPU a bf16 checkpoint's "
-                "matmul weights stay bf16 under float32 activations)", "choices": DTYPES})
+                "probe at the first start finds it faster, else float32 (on the CPU a bf16 or float16 checkpoint's "
+                "matmul weights stay in their 16 bits under float32 activations)", "choices": DTYPES})
     device: str = field(default="auto", metadata={"help": "auto: cuda when there is one", "choices": DEVICES})
     quantization: str = field(default="auto", metadata={
         "help": "weight format; auto: a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL and Q4_K/Q5_K/Q6_K/IQ4_XS matmul "

@@ -123,7 +123,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.matinee_attention_prefetch_to.restype = int_
     lib.matinee_attention_prefetch_to.argtypes = [int_]
     lib.matinee_packed_gemm.restype = int_
-    lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, ptr, ptr, int_] + [long_] * 3 + [int_] * 2
+    lib.matinee_packed_gemm.argtypes = [ptr, int_, ptr, int_, ptr, ptr, int_] + [long_] * 3 + [int_] * 2
     lib.matinee_packed_dot.restype = int_
     lib.matinee_packed_dot.argtypes = []
     lib.matinee_packed_width.restype = int_

@@ -19,8 +19,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
                        int y_bf16, long M, long N, long K, int threads);
 int matinee_quant_amx(const uint16_t *x, int type, const uint8_t *w, const float *bias, uint16_t *y, long M, long N,
                       long K, int threads);
-int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
-                        long M, long N, long K, int threads, int dot);
+int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, int w_half, const float *bias, void *y,
+                        int y_bf16, long M, long N, long K, int threads, int dot);
 void matinee_rms_norm_f32(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
                           long rows, long H, float eps, int threads);
 void matinee_rms_norm_bf16(const void *x, const void *residual, void *residual_out, const void *weight, void *out,
@@ -51,8 +51,9 @@ int matinee_lora_add(const void *x, long x_stride, void *out, long out_stride, i
                      const void *b, int w_bf16, long K, long R, long N, const long *segments, long n_segments,
                      const long *blocks, long n_blocks, int threads);
 
-enum { GGUF = 0, PACKED = 1, PACKED_DOT = 2 };   /* a projection's kernel: quant_gemm.c (qtype), packed_gemm.c
-                                                   (PACKED_DOT: its vdpbf16ps path for bf16 rows) */
+enum { GGUF = 0, PACKED = 1, PACKED_DOT = 2, PACKED_HALF = 3 };   /* a projection's kernel: quant_gemm.c (qtype),
+                                       packed_gemm.c (PACKED_DOT: its vdpbf16ps path for bf16 rows; PACKED_HALF: a
+                                       float16 weight) */
 
 typedef struct {
     const void *w;
@@ -116,7 +117,8 @@ static int project_part(const Part *p, const void *x, void *y, long M, int bf16,
     if (bf16 && p->amx_from && M >= p->amx_from)
         return matinee_quant_amx(x, p->kind == GGUF ? p->qtype : BF16P, p->w, p->bias, y, M, p->N, p->K, threads);
     if (p->kind == GGUF) return matinee_quant_gemm(x, bf16, p->qtype, p->w, p->bias, y, bf16, M, p->N, p->K, threads);
-    return matinee_packed_gemm(x, bf16, p->w, p->bias, y, bf16, M, p->N, p->K, threads, p->kind == PACKED_DOT && bf16);
+    return matinee_packed_gemm(x, bf16, p->w, p->kind == PACKED_HALF, p->bias, y, bf16, M, p->N, p->K, threads,
+                               p->kind == PACKED_DOT && bf16);
 }
 
 /* y [M, sum of the parts' N] = x @ the parts' weights, side by side (as quant_linear.stacked concatenates them). */

@@ -26,7 +26,7 @@ from kernels.packed_linear import PackedWeight
 from kernels.paged_attention_cpu import INVARIANT_QUERY_LEN, MAX_QUERY_LEN, cache_kind, kernel_takes
 from kernels.quant_linear import QuantStack, QuantWeight
 
-GGUF, PACKED, PACKED_DOT = 0, 1, 2   # decode_layers.c's projection kinds
+GGUF, PACKED, PACKED_DOT, PACKED_HALF = 0, 1, 2, 3   # decode_layers.c's projection kinds
 _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
@@ -110,7 +110,8 @@ class _Plan:
             if isinstance(part, QuantWeight):
                 kind, qtype, amx_from = GGUF, int(part.qtype), part.amx_from or 0
             else:
-                kind, qtype, amx_from = PACKED_DOT if part.dot else PACKED, 0, part.amx_from or 0
+                kind = PACKED_HALF if part.half else PACKED_DOT if part.dot else PACKED
+                qtype, amx_from = 0, part.amx_from or 0
             slot.w, slot.bias = self._tensor(part.packed), self._tensor(None if bias is None else bias[start:end])
             slot.N, slot.K, slot.kind, slot.qtype, slot.amx_from = (part.out_features, part.in_features, kind, qtype,
                                                                    amx_from)
@@ -144,7 +145,7 @@ def _supported(model) -> bool:
     for layer in model.layers:
         for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight):
             parts = _parts(weight)
-            # a packed weight is bf16 under either activation dtype (packed_gemm.c takes float32 rows too)
+            # a packed weight is bf16 (or float16) under either activation dtype (packed_gemm.c takes both rows)
             if len(parts) > MAX_PARTS or any(not isinstance(p, (QuantWeight, PackedWeight))
                                              or (isinstance(p, QuantWeight) and p.dtype != model.dtype) for p in parts):
                 return False

@@ -34,10 +34,10 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 class Ops:
     backend: str
     prepare_weight: Callable    # a matmul weight at load -> what `linear` and `embedding` take
-    # A bf16 checkpoint's matmul weight under float32 activations -> what `linear` multiplies float32 rows by,
-    # the weight still in bf16 (every bf16 value is a float32 one: the same products from half the bytes);
-    # None: the weight is widened to float32 at load.
-    prepare_bf16_for_float32: Callable | None
+    # A bf16 or float16 checkpoint's matmul weight under float32 activations -> what `linear` multiplies float32
+    # rows by, the weight still in its 16 bits (each such value is a float32 one: the same products from half the
+    # bytes); None: the weight is widened to float32 at load.
+    prepare_16bit_for_float32: Callable | None
     prepare_quantized: Callable | None   # a GGUF-quantized one (QuantTensor, dtype) -> the same; None: dequantize it
     prepare_int: Callable   # an Int8Weight / Int4Weight (quantize.py's layouts) and the activation dtype -> the same
     linear: Callable
@@ -77,7 +77,7 @@ def _int_rows_or(embedding: Callable) -> Callable:
 TORCH_OPS = Ops(
     backend="torch",
     prepare_weight=lambda weight: weight,
-    prepare_bf16_for_float32=None,
+    prepare_16bit_for_float32=None,
     prepare_quantized=quant_linear.pack,
     prepare_int=lambda weight, dtype: weight,
     linear=_torch_linear,
@@ -131,7 +131,7 @@ def _invariant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None)
 _LAYER_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "write_kv", "paged_attention",
               "silu_and_mul", "add_lora")
 CPU_OPS = replace(TORCH_OPS, backend="cpu", prepare_weight=packed_linear.prepare_weight,
-                  prepare_bf16_for_float32=packed_linear.prepare_for_float32,
+                  prepare_16bit_for_float32=packed_linear.prepare_for_float32,
                   prepare_quantized=quant_amx.prepare, linear=_cpu_linear,
                   prepare_int=_cpu_prepare_int, embedding=_int_rows_or(_cpu_embedding), paged_attention=paged_attention_cpu.paged_attention,
                   rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,

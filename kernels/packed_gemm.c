@@ -11,6 +11,9 @@
  * Every output is summed over k = 0..K-1 in order, in one register, so a
  * row's result never depends on the other rows of the batch or on the thread count. The same
  * layout serves the AVX2 path (4 ymm per line) and the AVX-512 one (2 zmm).
+ *
+ * A float16 weight (`w_half`: a float16 checkpoint under float32 activations) is packed the same way but with
+ * each line's 32 values in column order, widened by F16C's conversion, 8 (AVX2) or 16 (AVX-512) at a time.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -38,6 +41,11 @@ static inline __attribute__((always_inline)) vf widen(const uint16_t *p, int j) 
     return _mm512_castsi512_ps(j ? _mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000))
                                  : _mm512_slli_epi32(raw, 16));
 }
+/* Vector j of a float16 line: its columns 16j..16j+15 converted. */
+static inline __attribute__((always_inline)) vf widen_half(const uint16_t *p, int j) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16 * j)));
+}
+static const int HALF_COLUMN[NV] = {0, 16};
 #define VZERO _mm512_setzero_ps
 #define VSET1 _mm512_set1_ps
 #define VFMA _mm512_fmadd_ps
@@ -57,15 +65,21 @@ static inline __attribute__((always_inline)) vf widen(const uint16_t *p, int j) 
     return _mm256_castsi256_ps(j % 2 ? _mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000))
                                      : _mm256_slli_epi32(raw, 16));
 }
+/* Vector j of a float16 line: its columns 8j..8j+7 converted. */
+static inline __attribute__((always_inline)) vf widen_half(const uint16_t *p, int j) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+}
+static const int HALF_COLUMN[NV] = {0, 8, 16, 24};
 #define VZERO _mm256_setzero_ps
 #define VSET1 _mm256_set1_ps
 #define VFMA _mm256_fmadd_ps
 #define VSTORE _mm256_storeu_ps
 #endif
 
-/* MR rows of x (float32, stride K) times one packed block of w into tile[MR][NR], columns in order. */
-#define KERNEL(MR)                                                                                 \
-    static void kernel_##MR(const void *xv, long K, const uint16_t *w, float *tile) {              \
+/* MR rows of x (float32, stride K) times one packed block of w into tile[MR][NR], columns in order: NAME_MR
+ * reads its lines' vector j by WIDEN(line, j), columns COLUMNS[j]... */
+#define KERNEL(NAME, WIDEN, COLUMNS, MR)                                                           \
+    static void NAME##_##MR(const void *xv, long K, const uint16_t *w, float *tile) {              \
         const float *x = (const float *)xv;                                                        \
         vf acc[MR][NV];                                                                            \
         for (int i = 0; i < MR; i++)                                                               \
@@ -75,30 +89,32 @@ static inline __attribute__((always_inline)) vf widen(const uint16_t *p, int j) 
             _mm_prefetch((const char *)(w + (k + PREFETCH) * NR), _MM_HINT_T0);                    \
             for (int i = 0; i < MR; i++) xv[i] = VSET1(x[i * K + k]);                              \
             for (int j = 0; j < NV; j++) {                                                         \
-                vf wj = widen(w + k * NR, j);                                                      \
+                vf wj = WIDEN(w + k * NR, j);                                                      \
                 for (int i = 0; i < MR; i++) acc[i][j] = VFMA(xv[i], wj, acc[i][j]);               \
             }                                                                                      \
         }                                                                                          \
         for (int i = 0; i < MR; i++)                                                               \
-            for (int j = 0; j < NV; j++) VSTORE(tile + i * NR + COLUMN[j], acc[i][j]);             \
+            for (int j = 0; j < NV; j++) VSTORE(tile + i * NR + COLUMNS[j], acc[i][j]);            \
     }
 
 /* MR rows of x (stride K; float32 here, bf16 for the dot kernels) times one packed block into a tile. */
 typedef void (*kernel_fn)(const void *, long, const uint16_t *, float *);
 
-KERNEL(1)
-KERNEL(2)
-KERNEL(3)
+#define KERNELS_OF(NAME, WIDEN, COLUMNS) \
+    KERNEL(NAME, WIDEN, COLUMNS, 1) KERNEL(NAME, WIDEN, COLUMNS, 2) KERNEL(NAME, WIDEN, COLUMNS, 3)
+KERNELS_OF(kernel, widen, COLUMN)
+KERNELS_OF(half, widen_half, HALF_COLUMN)
 #if MR_MAX == 8
-KERNEL(4)
-KERNEL(5)
-KERNEL(6)
-KERNEL(7)
-KERNEL(8)
+#define MORE_KERNELS_OF(NAME, WIDEN, COLUMNS) KERNEL(NAME, WIDEN, COLUMNS, 4) KERNEL(NAME, WIDEN, COLUMNS, 5) \
+    KERNEL(NAME, WIDEN, COLUMNS, 6) KERNEL(NAME, WIDEN, COLUMNS, 7) KERNEL(NAME, WIDEN, COLUMNS, 8)
+MORE_KERNELS_OF(kernel, widen, COLUMN)
+MORE_KERNELS_OF(half, widen_half, HALF_COLUMN)
 static const kernel_fn KERNELS[MR_MAX + 1] = {0, kernel_1, kernel_2, kernel_3, kernel_4, kernel_5, kernel_6,
                                               kernel_7, kernel_8};
+static const kernel_fn HALVES[MR_MAX + 1] = {0, half_1, half_2, half_3, half_4, half_5, half_6, half_7, half_8};
 #else
 static const kernel_fn KERNELS[MR_MAX + 1] = {0, kernel_1, kernel_2, kernel_3};
+static const kernel_fn HALVES[MR_MAX + 1] = {0, half_1, half_2, half_3};
 #endif
 
 /* n floats to bf16 with the same rounding as f32_to_bf16, 8 at a time with AVX2 integer ops. */
@@ -235,12 +251,13 @@ static long chunk_rows(long K, size_t x_size, int mr_max) {
 /* Whether this build has the vdpbf16ps path (`dot` below). */
 int matinee_packed_dot(void) { return HAS_DOT; }
 
-/* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32; w the packed weight; bias float32
- * [N] or NULL; y [M, N] bf16 (y_bf16) or float32; `dot`: bf16 x through vdpbf16ps (matinee_packed_dot).
- * Returns 0, -1 when out of memory, -2 for `dot` with float32 x or in a build without it. */
-int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const float *bias, void *y, int y_bf16,
-                        long M, long N, long K, int threads, int dot) {
-    if (dot && (!x_bf16 || !HAS_DOT)) return -2;
+/* y = x @ W^T (+ bias). x is [M, K] bf16 (x_bf16) or float32; w the packed weight, float16 values (w_half) or
+ * bf16; bias float32 [N] or NULL; y [M, N] bf16 (y_bf16) or float32; `dot`: bf16 x through vdpbf16ps
+ * (matinee_packed_dot). Returns 0, -1 when out of memory, -2 for `dot` with float32 x or a float16 weight, or in
+ * a build without it. */
+int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, int w_half, const float *bias, void *y,
+                        int y_bf16, long M, long N, long K, int threads, int dot) {
+    if (dot && (!x_bf16 || w_half || !HAS_DOT)) return -2;
     const void *xs = x;   /* the rows the kernels read: bf16 for dot, else float32 */
     float *scratch = 0;
     if (x_bf16 && !dot) {
@@ -249,7 +266,7 @@ int matinee_packed_gemm(const void *x, int x_bf16, const uint16_t *w, const floa
         if (!scratch) return -1;
         xs = scratch;
     }
-    const kernel_fn *kernels = dot ? DOTS : KERNELS;
+    const kernel_fn *kernels = dot ? DOTS : w_half ? HALVES : KERNELS;
     const int mr_max = dot ? MR_DOT : MR_MAX;
     const size_t x_size = dot ? sizeof(uint16_t) : sizeof(float);
     const long chunk = chunk_rows(K, x_size, mr_max);

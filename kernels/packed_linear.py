@@ -11,6 +11,10 @@ its tiles from a measured row count on (quant_amx.c reads the packed layout, pai
 each column as it goes: no second copy of the weight); where torch wins on many rows only (and, with AMX,
 beats it from a measured row count on), both layouts are kept and the row count picks. A tied embedding
 reads its rows out of the packed LM head, so the model keeps one copy.
+
+Under float32 activations (`--dtype auto` on a CPU without bf16 units) a bf16 or float16 checkpoint's weights are
+packed too, in their own 16 bits (prepare_for_float32), and every row count goes through the FMA path: the same
+products as the weights widened to float32, from half the bytes.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch.nn.functional as F
 from kernels import cpu_gemm, cpu_native, quant_amx
 
 NR = 32            # output columns per packed block (two zmm, four ymm of float32)
-# Where column c of a block sits within its 32 values: 2c for the first 16, 2(c-16)+1 for the rest.
+# Where column c of a bf16 block sits within its 32 values: 2c for the first 16, 2(c-16)+1 for the rest (a
+# float16 block keeps its columns in order).
 _POSITION = torch.tensor([2 * (c % 16) + c // 16 for c in range(NR)])
 _COLUMN = torch.argsort(_POSITION)     # the column at each position
+_IN_ORDER = torch.arange(NR)
 DECODE_ROWS, PREFILL_ROWS = 1, 256     # the batch sizes layout() measures
 SAMPLE_ROWS, REPEATS = 8192, 5
 MARGIN = 1.1
@@ -37,7 +43,7 @@ AMX_ROWS = (4, 8, 16, 32, 64, 128, PREFILL_ROWS)
 
 
 class PackedWeight:
-    """A [N, K] bf16 weight as packed_gemm.c reads it: `packed` is [ceil(N/NR), K, NR]."""
+    """A [N, K] bf16 (or float16) weight as packed_gemm.c reads it: `packed` is [ceil(N/NR), K, NR]."""
 
     def __init__(self, packed: torch.Tensor, out_features: int, in_features: int) -> None:
         self.packed, self.out_features, self.in_features = packed, out_features, in_features
@@ -59,6 +65,11 @@ class PackedWeight:
         return self.packed.dtype
 
     @property
+    def half(self) -> bool:
+        """float16 values (a float16 checkpoint's, for float32 rows): no vdpbf16ps, AMX or torch copy."""
+        return self.packed.dtype == torch.float16
+
+    @property
     def device(self) -> torch.device:
         return self.packed.device
 
@@ -67,25 +78,33 @@ class PackedWeight:
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """weight [N, K] (any float dtype, converted to bf16) -> the packed layout, N padded with zeros."""
+    """weight [N, K] (a float16 one kept so, any other float dtype converted to bf16) -> the packed layout, N padded
+    with zeros."""
     n, k = weight.shape
     blocks = -(-n // NR)
-    padded = torch.zeros(blocks * NR, k, dtype=torch.bfloat16)
+    dtype = torch.float16 if weight.dtype == torch.float16 else torch.bfloat16
+    padded = torch.zeros(blocks * NR, k, dtype=dtype)
     padded[:n] = weight
-    return PackedWeight(padded.view(blocks, NR, k)[:, _COLUMN].transpose(1, 2).contiguous(), n, k)
+    columns = _IN_ORDER if dtype == torch.float16 else _COLUMN
+    return PackedWeight(padded.view(blocks, NR, k)[:, columns].transpose(1, 2).contiguous(), n, k)
+
+
+def _positions(weight: PackedWeight) -> torch.Tensor:
+    return _IN_ORDER if weight.half else _POSITION
 
 
 def unpack(weight: PackedWeight) -> torch.Tensor:
     """The plain [N, K] weight back."""
     blocks, k, _ = weight.packed.shape
-    return weight.packed[:, :, _POSITION].transpose(1, 2).reshape(blocks * NR, k)[:weight.out_features].contiguous()
+    return weight.packed[:, :, _positions(weight)].transpose(1, 2).reshape(blocks * NR, k)[:weight.out_features] \
+        .contiguous()
 
 
 def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
     """x[M, K] (bf16 or float32) @ weight.T (+ bias) -> [M, N] in x's dtype; `lib` defaults to the
     loaded kernels (a test passes another build)."""
     def launch(lib, x, bias, out, bf16):
-        return lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(),
+        return lib.matinee_packed_gemm(x.data_ptr(), bf16, weight.packed.data_ptr(), int(weight.half),
                                        None if bias is None else bias.data_ptr(), out.data_ptr(), bf16,
                                        x.shape[0], weight.out_features, weight.in_features, torch.get_num_threads(),
                                        int(weight.dot and bf16 and lib.matinee_packed_dot()))
@@ -113,7 +132,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.T
         low, high = torch.aminmax(ids)
         if low < 0 or high >= weight.out_features:
             raise IndexError(f"token id out of range [0, {weight.out_features})")
-    return weight.packed[ids // NR, :, _POSITION[ids % NR]]
+    return weight.packed[ids // NR, :, _positions(weight)[ids % NR]]
 
 
 def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
@@ -134,9 +153,10 @@ def prepare_weight(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
 
 
 def prepare_for_float32(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
-    """A bf16 CPU weight that float32 rows multiply: packed, read by the kernel's FMA path at every row count
-    (neither torch nor the bf16 units take float32 rows by a bf16 weight); anything else as it is."""
-    return pack(weight) if _packable(weight) else weight
+    """A bf16 or float16 CPU weight that float32 rows multiply: packed in its own 16 bits, read by the kernel's
+    FMA path at every row count (neither torch nor the bf16 units take float32 rows by such a weight); anything
+    else as it is."""
+    return pack(weight) if _packable(weight, (torch.bfloat16, torch.float16)) else weight
 
 
 def prepare_invariant(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
@@ -149,10 +169,9 @@ def prepare_invariant(weight: torch.Tensor) -> torch.Tensor | PackedWeight:
     return packed
 
 
-def _packable(weight: torch.Tensor) -> bool:
-    """A bf16 matrix on the CPU, where the kernels build: what the packed layout takes."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2 \
-        and cpu_native.available()
+def _packable(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
+    """A matrix of `dtypes` on the CPU, where the kernels build: what the packed layout takes."""
+    return weight.dtype in dtypes and weight.device.type == "cpu" and weight.dim() == 2 and cpu_native.available()
 
 
 _decisions: dict[tuple[int, int, int], tuple[str, bool]] = {}

@@ -129,11 +129,13 @@ class DecoderModel:
             return _aligned(weights.get(name, dtype or self.dtype).to(self.device))
 
         def float_weight(name: str) -> torch.Tensor:
-            """A matmul weight's (or the embedding's) floats: a bf16 checkpoint's stay bf16 under float32
-            activations where the ops multiply float32 rows by them (half the bytes a decode step reads)."""
-            if self.dtype == torch.float32 and self.ops.prepare_bf16_for_float32 is not None \
-                    and weights.stored_dtype(name) == torch.bfloat16:
-                return get(name, torch.bfloat16)
+            """A matmul weight's (or the embedding's) floats: a bf16 or float16 checkpoint's stay in their 16 bits
+            under float32 activations where the ops multiply float32 rows by them (half the bytes a decode step
+            reads)."""
+            if self.dtype == torch.float32 and self.ops.prepare_16bit_for_float32 is not None:
+                stored = weights.stored_dtype(name)
+                if stored in (torch.bfloat16, torch.float16):
+                    return get(name, stored)
             return get(name)
 
         def quantized(*names: str) -> QuantWeight | QuantStack | None:
@@ -156,7 +158,7 @@ class DecoderModel:
                 return self.ops.prepare_int(_to_device(loaded, self.device), self.dtype)
             floats = [float_weight(n) for n in names]
             weight = torch.cat(floats) if len(floats) > 1 else floats[0]   # float32 if any part is
-            return self.ops.prepare_bf16_for_float32(weight) if weight.dtype != self.dtype else prepare(weight)
+            return self.ops.prepare_16bit_for_float32(weight) if weight.dtype != self.dtype else prepare(weight)
 
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings:   # one copy, in the LM head's layout: ops.embedding reads rows of it
@@ -313,7 +315,8 @@ def _resident(weight: Weight) -> list[tuple[str, int]]:
         return [(kind, sum(t.numel() * t.element_size() for t in vars(weight).values() if torch.is_tensor(t)))]
     if isinstance(weight, PackedWeight):
         plain = [] if weight.plain is None else _resident(weight.plain)
-        return [("bf16-packed", weight.packed.numel() * weight.packed.element_size())] + plain
+        kind = "f16-packed" if weight.half else "bf16-packed"
+        return [(kind, weight.packed.numel() * weight.packed.element_size())] + plain
     return [("float", weight.numel() * weight.element_size())]
 
 

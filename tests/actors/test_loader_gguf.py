@@ -126,6 +126,32 @@ def test_gguf_of_a_tiny_model_matches_its_safetensors(arch, tiny_model_dir, tmp_
     torch.testing.assert_close(_logits(from_gguf, prompts), _logits(from_hf, prompts), rtol=1e-4, atol=1e-4)
 
 
+def test_a_float16_gguf_keeps_its_matmul_weights_in_float16(tiny_model_dir, tmp_path):
+    """An F16 GGUF (llama.cpp's converter's default type) under float32 activations on the CPU kernels: its matmul
+    weights stay float16 in memory (packed), and the logits are those of the same values widened to float32 (the
+    safetensors in float16, through torch's ops)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from kernels.packed_linear import PackedWeight
+
+    folder = tmp_path / "f16"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({n: t.half() if t.dim() == 2 else t for n, t in tensors.items()}, folder / "model.safetensors")
+    gguf_path = hf_folder_to_gguf(str(folder), str(tmp_path / "f16.gguf"))
+    assert GGUFWeights(gguf_path).stored_dtype("model.layers.0.mlp.down_proj.weight") == torch.float16
+    prompts = [[5, 9, 200, 31, 7, 7, 100, 3, 250, 11, 42], list(range(20, 120))]
+    from_gguf = ModelRunner(gguf_path, dtype="float32", kernels="cpu", num_threads=2, block_size=16, num_blocks=16)
+    layer = from_gguf.model.layers[1]
+    assert all(isinstance(w, PackedWeight) and w.half
+               for w in (layer.qkv_weight, layer.gate_up_weight, layer.down_weight))
+    widened = ModelRunner(str(folder), dtype="float32", kernels="torch", num_threads=2, block_size=16, num_blocks=16)
+    assert widened.model.layers[1].down_weight.dtype == torch.float32
+    torch.testing.assert_close(_logits(from_gguf, prompts), _logits(widened, prompts), rtol=1e-4, atol=1e-4)
+
+
 def test_gguf_missing_tensor_and_unsupported_arch(tiny_model_dir, tmp_path):
     import gguf
 

@@ -1,5 +1,5 @@
-"""The bf16 packed-weight CPU matmul (packed_gemm.c) against float64 references on odd shapes, in both its
-builds (-march=native and AVX2), its layout and embedding, the per-shape choice, and a bf16 model on it."""
+"""The bf16 (and float16) packed-weight CPU matmul (packed_gemm.c) against float64 references on odd shapes, in
+both its builds (-march=native and AVX2), its layout and embedding, the per-shape choice, and models on it."""
 
 import json
 import shutil
@@ -109,12 +109,14 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_threads(lib):
     assert torch.equal(one, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_pack_round_trip_and_embedding_are_exact(n, k):
+def test_pack_round_trip_and_embedding_are_exact(n, k, dtype):
     gen = torch.Generator().manual_seed(n + k)
-    w = _bf16(gen, n, k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
     packed = packed_linear.pack(w)
     assert packed.packed.shape == (-(-n // 32), k, 32) and packed.shape == (n, k) and packed.numel() == n * k
+    assert packed.dtype == dtype and packed.half == (dtype == torch.float16)
     assert torch.equal(packed_linear.unpack(packed), w)
     ids = torch.randint(0, n, (3, 11), generator=gen)
     ids[0, :min(n, 11)] = torch.arange(min(n, 11))
@@ -203,6 +205,25 @@ def test_refuses_bad_input():
         packed_linear.matmul(torch.randn(2, 8, dtype=torch.float16), w)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 9, 130])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_float16_weights_match_float64(lib, m, n, k):
+    """A float16 weight (columns in order, widened by F16C) by float32 rows, and by bf16 rows widened first."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).half()
+    bias = torch.randn(n, generator=gen)
+    packed = packed_linear.pack(w)
+    assert packed.half and not packed.dot
+    got = packed_linear.matmul(x, packed, bias, lib=lib.lib)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T + bias.double(), rtol=1e-5,
+                               atol=1e-5 * k ** 0.5)
+    xb = x.to(torch.bfloat16)
+    got = packed_linear.matmul(xb, packed, lib=lib.lib)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), xb.double() @ w.double().T, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+
+
 def _tiny_model(folder, arch: str, dtype: torch.dtype = torch.float32) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -250,16 +271,17 @@ def test_bf16_model_on_packed_weights_gives_torchs_logits(arch, dot, tmp_path, m
     assert torch.equal(logits["cpu"].argmax(-1)[clear], logits["torch"].argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["llama_tied", "qwen2"])
-def test_bf16_checkpoint_under_float32_activations_keeps_its_weights_in_bf16(arch, tmp_path):
-    """A bf16 checkpoint served with float32 activations (`--dtype auto` on a CPU without bf16 units) keeps its
-    matmul weights and embedding in bf16, and the packed kernel multiplies float32 rows by them, in the C layer
-    loop too: the products of the weights widened to float32 (torch's ops), from half the bytes."""
+def test_16bit_checkpoint_under_float32_activations_keeps_its_weights_in_16_bits(arch, stored, tmp_path):
+    """A bf16 or float16 checkpoint served with float32 activations (`--dtype auto` on a CPU without bf16 units)
+    keeps its matmul weights and embedding in their 16 bits, and the packed kernel multiplies float32 rows by them,
+    in the C layer loop too: the products of the weights widened to float32 (torch's ops), from half the bytes."""
     from actors.worker.forward_batch import ForwardBatch, SequenceInput
     from actors.worker.model_runner import ModelRunner
     from kernels import decode_layers
 
-    folder = _tiny_model(tmp_path, arch, torch.bfloat16)
+    folder = _tiny_model(tmp_path, arch, stored)
     batch = ForwardBatch([SequenceInput(list(range(3, 40)), 0, [0, 1, 2, 3, 4], num_logits=37),
                           SequenceInput([7, 8, 9], 0, [5], num_logits=3)])   # logits at every position
     logits = {}
@@ -269,8 +291,9 @@ def test_bf16_checkpoint_under_float32_activations_keeps_its_weights_in_bf16(arc
         projections = (model.lm_head, model.layers[0].qkv_weight, model.layers[1].gate_up_weight,
                        model.layers[1].down_weight)
         if kernels == "cpu":
-            assert all(isinstance(w, packed_linear.PackedWeight) and w.plain is None for w in projections)
-            assert model.embed is model.lm_head if arch == "llama_tied" else model.embed.dtype == torch.bfloat16
+            assert all(isinstance(w, packed_linear.PackedWeight) and w.plain is None and w.dtype == stored
+                       for w in projections)
+            assert model.embed is model.lm_head if arch == "llama_tied" else model.embed.dtype == stored
             assert decode_layers._plan(model) is not None   # the C loop takes it
             assert model.layers[0].input_norm.dtype == torch.float32
         else:   # torch's ops multiply float32 weights
