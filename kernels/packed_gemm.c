@@ -29,7 +29,7 @@
 #define PREFETCH 128
 
 #ifdef __AVX512F__
-#define MR_MAX 8                    /* 16 accumulators + 2 weight vectors + 1 broadcast of 32 zmm */
+#define MR_MAX 8                    /* 16 accumulators + 8 broadcasts + 1 weight vector of 32 zmm */
 #define NV 2
 #define WIDTH 512
 typedef __m512 vf;
@@ -51,7 +51,7 @@ static const int HALF_COLUMN[NV] = {0, 16};
 #define VFMA _mm512_fmadd_ps
 #define VSTORE _mm512_storeu_ps
 #else
-#define MR_MAX 3                    /* 12 accumulators of 16 ymm */
+#define MR_MAX 3                    /* 12 accumulators + 3 broadcasts + 1 weight vector: all 16 ymm */
 #define NV 4
 #define WIDTH 256
 typedef __m256 vf;

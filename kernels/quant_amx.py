@@ -43,6 +43,8 @@ def product(x: torch.Tensor, weight, qtype: int, bias: torch.Tensor | None = Non
         raise ValueError(f"the AMX product takes bf16 rows, not {x.dtype}")
     if weight.in_features % 32:
         raise ValueError(f"AMX takes whole blocks of 32 inputs, not {weight.in_features}")
+    if qtype == BF16P and weight.packed.dtype != torch.bfloat16:
+        raise ValueError(f"AMX reads a packed bf16 weight, not {weight.packed.dtype}")
 
     def launch(lib, x, bias, out, bf16):
         status = lib.matinee_quant_amx(x.data_ptr(), qtype, weight.packed.data_ptr(),

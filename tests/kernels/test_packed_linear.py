@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, get_ops, packed_linear
+from kernels import cpu_native, get_ops, packed_linear, quant_amx
 
 HAS_TOOLCHAIN = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no AVX2 CPU or no C compiler")
@@ -203,6 +203,9 @@ def test_refuses_bad_input():
         packed_linear.matmul(torch.randn(2, 9), w)
     with pytest.raises(ValueError, match="float16"):
         packed_linear.matmul(torch.randn(2, 8, dtype=torch.float16), w)
+    half = packed_linear.pack(torch.randn(4, 32).half())   # AMX's tiles read bf16 only
+    with pytest.raises(ValueError, match="packed bf16"):
+        quant_amx.product(torch.randn(2, 32).to(torch.bfloat16), half, quant_amx.BF16P)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 9, 130])
