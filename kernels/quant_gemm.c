@@ -859,16 +859,24 @@ static void tl_scales(int is_signed, int32_t *sc, int32_t *pr, const uint8_t *sc
         }
 }
 
+/* A block's 16 float16 scales at blk as floats into d, and where dmin, the 16 float16 after them (minimums) too. */
+static void tl_d(const uint8_t *blk, float *d, float *dmin) {
+    for (int half = 0; half < 2; half++) {
+        _mm256_storeu_ps(d + half * LANES, LOAD_F16(blk + half * LANES * 2));
+        if (dmin) _mm256_storeu_ps(dmin + half * LANES, LOAD_F16(blk + 2 * GR + half * LANES * 2));
+    }
+}
+
 static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     const long gb = group_bytes(type);
+    const int steps = tl_steps(type);
     if (!is_k(type)) {   /* ns blocks of 32: d and (Q4_1, Q5_1) m as floats, values [8 steps][16 rows][4] */
         const int q5 = type == Q5_0 || type == Q5_1;
         for (long b = 0; b < ns; b++) {
             const uint8_t *blk = g + b * gb, *qs = blk + (tl_min(type) ? 4 : 2) * GR;
-            uint8_t *v = u->v + b * 8 * GR * 4;
+            uint8_t *v = u->v + b * steps * GR * 4;
+            tl_d(blk, u->d + b * GR, tl_min(type) ? u->dmin + b * GR : 0);
             for (int half = 0; half < 2; half++) {
-                _mm256_storeu_ps(u->d + b * GR + half * LANES, LOAD_F16(blk + half * LANES * 2));
-                if (tl_min(type)) _mm256_storeu_ps(u->dmin + b * GR + half * LANES, LOAD_F16(blk + 2 * GR + half * LANES * 2));
                 vi qh = q5 ? LOADI(qs + half * 32) : SET1I(0);
                 for (int c = 0; c < 4; c++) {
                     vi lo, hi;
@@ -883,12 +891,9 @@ static void unpack_group(int type, const uint8_t *g, long ns, unpacked *u) {
     const int units = tl_units(type), np = tl_pairs(type);
     for (long s = 0; s < ns; s++) {
         const uint8_t *blk = g + s * gb;
-        uint8_t *v = u->v + s * TL_STEPS * GR * 4;
+        uint8_t *v = u->v + s * steps * GR * 4;
         int32_t *sc = u->sc + s * units * GR, *pr = u->pairs + s * np * GR;
-        for (int half = 0; half < 2; half++) {
-            _mm256_storeu_ps(u->d + s * GR + half * LANES, LOAD_F16(blk + half * LANES * 2));
-            if (type != Q6_K) _mm256_storeu_ps(u->dmin + s * GR + half * LANES, LOAD_F16(blk + 2 * GR + half * LANES * 2));
-        }
+        tl_d(blk, u->d + s * GR, type != Q6_K ? u->dmin + s * GR : 0);
         if (type == Q6_K) {
             const uint8_t *scp = blk + 2 * GR, *ql = blk + 18 * GR, *qhp = ql + 128 * GR;
             tl_scales(1, sc, pr, scp, scp, units, np);
@@ -998,12 +1003,13 @@ static inline __attribute__((always_inline)) void tl_pass32(const int type, cons
                                                             long dstride, const int32_t *xp, long pstride,
                                                             const float *xm, vf *facc) {
     const int run = type == Q5_0 || type == Q5_1 ? 4 : 8;   /* pairs of 2 * 15 * 127 (2 * 31 * 127) an int16 holds */
-    const uint8_t *v = u->v + b * 8 * GR * 4 + n0 * 4;
-    const int8_t *x = xt + b * 8 * 32;
+    const int steps = tl_steps(type);
+    const uint8_t *v = u->v + b * steps * GR * 4 + n0 * 4;
+    const int8_t *x = xt + b * steps * 32;
     vi acc[TL_NR * TL_T];
     for (int r = 0; r < TL_NR; r++)
         for (int t = 0; t < T; t++) acc[r * T + t] = tl_min(type) ? SET1I(0) : LOADI(xp + t * pstride + b * LANES);
-    for (int q0 = 0; q0 < 8; q0 += run) {
+    for (int q0 = 0; q0 < steps; q0 += run) {
         const tl_sums part = tl_steps_run(T, v, x, xstride, q0, run);
         for (int i = 0; i < TL_NR * T; i++) acc[i] = WIDEN_PAIRS(acc[i], part.v[i]);
     }
@@ -1163,7 +1169,8 @@ int matinee_quant_gemm(const void *x, int x_bf16, int type, const uint8_t *w, co
     float *xdt = lanes ? malloc(sizeof(float) * vecs * sd * LANES) : 0;
     int32_t *xpt = lanes ? malloc(sizeof(int32_t) * vecs * so * LANES) : 0;
     float *xmt = lanes && tl_min(type) ? malloc(sizeof(float) * vecs * nb * LANES) : 0;
-    uint8_t *ubuf = lanes ? aligned_alloc(64, (threads > 1 ? threads : 1) * ubytes) : 0;   /* a group unpacked a thread */
+    /* a group unpacked a thread */
+    uint8_t *ubuf = lanes ? aligned_alloc(64, (threads > 1 ? threads : 1) * ubytes) : 0;
     if (lanes && (!xt || !xdt || !xpt || !ubuf || (tl_min(type) && !xmt))) {
         free(xt), free(xdt), free(xpt), free(xmt), free(ubuf), free(xq), free(xd), free(xs), free(xo), free(xm);
         return -1;
