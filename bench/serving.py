@@ -110,8 +110,11 @@ async def run_load(base: str, model: str, reqs: list[Request], *, rate: float | 
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     limit = concurrency or 0
+    # A connection per request, for every engine alike: llama-server drops a kept-alive connection as the next
+    # request arrives on it (one in two after a 4.5 s stream, on 2026-12-08's build), and a reused connection then
+    # failed that request ("Server disconnected"): the peer's failures were the client's.
     async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=limit)) as session:
+                                     connector=aiohttp.TCPConnector(limit=limit, force_close=True)) as session:
         sem = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def one(r: Request) -> Result:

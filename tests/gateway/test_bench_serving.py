@@ -219,3 +219,41 @@ async def test_the_benchmarks_stream_reader_yields_events_and_raises_on_an_error
                 assert seen == [{"choices": [{"text": "a"}]}]
     finally:
         await runner.cleanup()
+
+
+async def test_the_load_generator_survives_a_server_that_drops_kept_alive_connections():
+    """llama-server closes a kept-alive connection when the next request arrives on it; the load generator
+    opens a connection per request, so none of its requests fails for that."""
+    import asyncio
+
+    from bench.serving_data import Request
+
+    body = (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\n'
+            b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+    served, dropped = [], []
+
+    async def one_request_per_connection(reader, writer):
+        first = True
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            if not first:   # a second request on a kept-alive connection: dropped unanswered
+                dropped.append(1)
+                writer.close()
+                return
+            first = False
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            await writer.drain()
+            served.append(1)
+
+    server = await asyncio.start_server(one_request_per_connection, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        reqs = [Request(messages=[], max_tokens=2, prompt_words=3, prompt_ids=[1, 2, 3]) for _ in range(4)]
+        run = await serving.run_load(base, "m", reqs, rate=None, concurrency=1, headers={}, ignore_eos=True,
+                                     seed=0, slo_ttft=1.0, slo_tpot=1.0)
+    assert run["completed"] == 4 and run["failed"] == 0, run["errors"]
+    assert len(served) == 4 and not dropped
