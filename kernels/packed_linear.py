@@ -212,7 +212,7 @@ def amx_rows(n: int, k: int, dot: bool) -> tuple[int | None, int | None]:
         start = quant_amx.threshold(ms, "kernel", AMX_ROWS)
         # torch only where AMX is taken (so where it beats AMX it beats the packed kernel too)
         torch_from = None if start is None else quant_amx.threshold(
-            ms, "amx", tuple(r for r in AMX_ROWS if r >= start), winner="torch")
+            ms, "amx", tuple(r for r in AMX_ROWS if r >= start), winner="torch", ties=False)
         _amx_decisions[key] = (start, torch_from)
         structlog.get_logger().info("bf16 linear on AMX", shape=f"{n}x{k}", amx_from_rows=start,
                                     torch_from_rows=torch_from, ms=ms)

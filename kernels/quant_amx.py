@@ -148,14 +148,20 @@ def from_rows(qtype: int, n: int, k: int) -> int | None:
 
 
 def threshold(ms: dict[str, float], other: str = "int8", rows_measured: tuple[int, ...] = ROWS,
-              winner: str = "amx") -> int | None:
-    """From `_measure`'s timings: the row count from which `winner` (AMX) wins by MARGIN over `other` at every
-    larger count."""
+              winner: str = "amx", ties: bool = True) -> int | None:
+    """From `_measure`'s timings: the row count from which `winner` (AMX) wins by MARGIN over `other`, and at every
+    larger count either wins so or, with `ties`, is within the margin and still not the slower (a count where it
+    is slower never goes to it). Without `ties`, a tie ends the range: for a winner that costs memory to take
+    (torch's plain copy of a weight). A tie at the largest counts ended it for every kernel before: the int8
+    down projection of a 1B Llama went to torch._int_mm at 16-256 rows, where AMX took 0.73 ms against 1.10,
+    because at 512 rows it took 7.60 against 7.97."""
     start = None
     for rows in reversed(rows_measured):
-        if ms[f"{winner}_{rows}"] * MARGIN >= ms[f"{other}_{rows}"]:
+        mine, theirs = ms[f"{winner}_{rows}"], ms[f"{other}_{rows}"]
+        if mine * MARGIN < theirs:
+            start = rows
+        elif not (ties and mine <= theirs):
             break
-        start = rows
     return start
 
 

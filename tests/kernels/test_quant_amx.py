@@ -185,7 +185,7 @@ def test_the_threshold_is_where_amx_wins_from_then_on():
     def ms(wins):
         out = {}
         for rows, win in zip(quant_amx.ROWS, wins):
-            out[f"int8_{rows}"], out[f"amx_{rows}"] = 1.0, 0.5 if win else 1.0
+            out[f"int8_{rows}"], out[f"amx_{rows}"] = 1.0, 0.5 if win else 2.0   # a win or a loss, no tie
         return out
     n = len(quant_amx.ROWS)
     assert quant_amx.ROWS[-3:] == (128, 256, 512)
@@ -193,7 +193,12 @@ def test_the_threshold_is_where_amx_wins_from_then_on():
     assert quant_amx.threshold(ms([True] * (n - 3) + [False, True, True])) == 256   # wins only from 256 on
     assert quant_amx.threshold(ms([True] * n)) == quant_amx.ROWS[0]
     assert quant_amx.threshold(ms([True] * (n - 1) + [False])) is None
-    assert quant_amx.threshold(ms([True] * n) | {"amx_512": 0.95}) is None   # within the margin: not a win
+    # within the margin at the largest count: AMX keeps the range where it is not the slower, never where it is
+    assert quant_amx.threshold(ms([True] * n) | {"amx_512": 0.95}) == quant_amx.ROWS[0]
+    assert quant_amx.threshold(ms([True] * n) | {"amx_512": 1.05}) is None
+    assert quant_amx.threshold(ms([True] * n) | {"amx_512": 0.95}, ties=False) is None
+    assert quant_amx.threshold(ms([True] * (n - 2) + [False, True]) | {"amx_256": 0.95}) == quant_amx.ROWS[0]
+    assert quant_amx.threshold(ms([False] + [True] * (n - 1)) | {"amx_512": 1.0}) == quant_amx.ROWS[1]
 
 
 def test_prepare_measures_bf16_weights_where_there_is_amx():
