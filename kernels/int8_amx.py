@@ -19,7 +19,7 @@ import torch
 from kernels import cpu_native, quant_amx
 from kernels.quantize import Int8Weight
 
-ROWS = (16, 24, 32, 64, 128, 256, 512)   # the row counts measured: 16 against int8_gemm.c, the rest _int_mm
+ROWS = (4, 8, 16, 24, 32, 64, 128, 256, 512)   # the row counts measured: to 16 against int8_gemm.c, the rest _int_mm
 OTHER = "other"                          # the timings' name for what serves the rows without AMX
 SAMPLE_ROWS, REPEATS = 4096, 4
 UNAVAILABLE = -4                         # int8_amx.c's answer on a CPU (or build) without AMX-INT8

@@ -42,7 +42,7 @@ def _kernel(x, weight, bias, threads):
 
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 16, 17, 45, 70, 700])   # partial tiles, an odd count of tiles, parts of x
+@pytest.mark.parametrize("m", [1, 16, 17, 45, 48, 70, 700])   # partial tiles, an odd count of tiles, parts of x
 @pytest.mark.parametrize("n,k", [(47, 128), (33, 64), (131, 577), (40, 1000), (50, 4096)])   # N off 16 and 32,
 # K off 64 (zero-padded), K past one chunk of 16 blocks (sums kept between chunks)
 def test_the_kernel_gives_int_mms_bits(n, k, m, dtype):
@@ -99,13 +99,13 @@ def _ms(wins):
 
 def test_the_threshold_is_where_amx_wins_from_then_on(monkeypatch):
     n = len(int8_amx.ROWS)
-    assert int8_amx.ROWS[:3] == (16, 24, 32) and int8_amx.ROWS[-1] == 512
+    assert int8_amx.ROWS[:5] == (4, 8, 16, 24, 32) and int8_amx.ROWS[-1] == 512
     choose = lambda ms: quant_amx.threshold(ms, int8_amx.OTHER, int8_amx.ROWS)   # noqa: E731
-    assert choose(_ms([False, False] + [True] * (n - 2))) == 32
+    assert choose(_ms([False, False] + [True] * (n - 2))) == 16
     assert choose(_ms([True] * (n - 3) + [False, True, True])) == 256
-    assert choose(_ms([True] * n)) == 16
+    assert choose(_ms([True] * n)) == 4
     assert choose(_ms([True] * (n - 1) + [False])) is None
-    assert choose(_ms([True] * n) | {"amx_512": 0.95}) == 16   # within the margin, not the slower: a tie
+    assert choose(_ms([True] * n) | {"amx_512": 0.95}) == 4   # within the margin, not the slower: a tie
     assert choose(_ms([True] * n) | {"amx_512": 1.05}) is None   # within the margin but the slower: not AMX's
     # from_rows: the kept timings' choice, measured once per shape and thread count
     asked = []
@@ -113,8 +113,9 @@ def test_the_threshold_is_where_amx_wins_from_then_on(monkeypatch):
     monkeypatch.setattr(cpu_native, "kept_measurement",
                         lambda suffix, name, measure: asked.append((suffix, name)) or _ms([False] + [True] * (n - 1)))
     linear = quant_linear_cpu.int8_linear
-    assert int8_amx.from_rows(48, 64, linear) == 24 and int8_amx.from_rows(48, 64, linear) == 24
-    assert asked == [(".int8-amx.json", f"{torch.get_num_threads()} threads int8 48x64 rows 16,24,32,64,128,256,512")]
+    assert int8_amx.from_rows(48, 64, linear) == 8 and int8_amx.from_rows(48, 64, linear) == 8
+    name = f"{torch.get_num_threads()} threads int8 48x64 rows 4,8,16,24,32,64,128,256,512"
+    assert asked == [(".int8-amx.json", name)]
 
 
 def test_prepare_stores_the_measured_rows_where_there_is_amx(monkeypatch):
