@@ -42,5 +42,21 @@ static void configure_tiles(void) {
     }
     _tile_loadconfig(&cfg);
 }
+
+/* A few-row product's accumulators -> out: tile 2i + j (x's tile i of mt, by the pair's group j) to rows 16i..16i + 15,
+ * columns 16j..16j + 15 of out, 32 four-byte sums a row (float32 or int32). */
+static inline __attribute__((always_inline)) void store_accumulators(int mt, void *out) {
+    char *o = out;
+    _tile_stored(0, o, 128);
+    _tile_stored(1, o + 64, 128);
+    if (mt > 1) {
+        _tile_stored(2, o + 2048, 128);
+        _tile_stored(3, o + 2048 + 64, 128);
+    }
+    if (mt > 2) {
+        _tile_stored(4, o + 4096, 128);
+        _tile_stored(5, o + 4096 + 64, 128);
+    }
+}
 #endif
 #endif

@@ -323,16 +323,7 @@ static inline __attribute__((always_inline)) void few_pair(int mt, const Call *c
             if (b + 1 < c->nb) transpose_block(w, K, rows, 64 * (b + 1), ring + ((b + 1) & 1) * BLOCK);
         }
     }
-    _tile_stored(0, out, 128);
-    _tile_stored(1, out + 16, 128);
-    if (mt > 1) {
-        _tile_stored(2, out + 512, 128);
-        _tile_stored(3, out + 512 + 16, 128);
-    }
-    if (mt > 2) {
-        _tile_stored(4, out + 1024, 128);
-        _tile_stored(5, out + 1024 + 16, 128);
-    }
+    store_accumulators(mt, out);
 }
 
 /* x of at most FEW_TILES tiles, its rows (whole tiles of them, zero rows after the last) at x, `stride` apart. */

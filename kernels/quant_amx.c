@@ -565,16 +565,7 @@ static inline __attribute__((always_inline)) void few_pair(int mt, const Call *c
         uint16_t *next = ring + ((b + 1) & 1) * 1024;
         if (b + 1 < nb) widen_to(&pair, b + 1, next, next + 512);
     }
-    _tile_stored(0, out, 128);
-    _tile_stored(1, out + 16, 128);
-    if (mt > 1) {
-        _tile_stored(2, out + 512, 128);
-        _tile_stored(3, out + 512 + 16, 128);
-    }
-    if (mt > 2) {
-        _tile_stored(4, out + 1024, 128);
-        _tile_stored(5, out + 1024 + 16, 128);
-    }
+    store_accumulators(mt, out);
 }
 
 static void multiply_few(const Call *c, const uint16_t *x, long stride, long first, long last, uint16_t *ring,
