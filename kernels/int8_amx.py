@@ -58,8 +58,8 @@ _decisions: dict[tuple[int, int, int], int | None] = {}
 
 
 def from_rows(n: int, k: int, linear) -> int | None:
-    """The smallest measured row count from which AMX beat int8_gemm.c / torch._int_mm at it and at every
-    larger count (quant_amx.threshold), or None. Measured once per shape and thread count, kept on disk;
+    """The smallest measured row count from which AMX serves by quant_amx.threshold's rule against
+    int8_gemm.c / torch._int_mm, or None. Measured once per shape and thread count, kept on disk;
     `linear` is quant_linear_cpu.int8_linear, the dispatch measured (passed in: that module imports this one)."""
     key = (torch.get_num_threads(), n, k)
     if key not in _decisions:

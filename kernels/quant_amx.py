@@ -132,8 +132,9 @@ _decisions: dict[tuple[int, int, int, int], int | None] = {}
 
 
 def from_rows(qtype: int, n: int, k: int) -> int | None:
-    """The smallest measured row count from which AMX beat the int8 kernel at it and at every larger
-    count, or None. Measured once per shape and thread count, kept on disk beside the library."""
+    """The smallest measured row count from which AMX serves by threshold's rule (it beat the int8 kernel there,
+    and at every larger count it beat it or tied and was not the slower), or None. Measured once per shape and
+    thread count, kept on disk beside the library."""
     key = (torch.get_num_threads(), qtype, n, k)
     if key not in _decisions:
         # The row counts are part of the name: timings kept before a count was added are measured again.
