@@ -222,10 +222,15 @@ typedef struct {
 
 static int8_t *slot(const Share *s, long nb, long p) { return s->wbuf + (p - s->first) % 2 * 2 * nb * BLOCK; }
 
+/* The rows of W's 16-row group g (0 past N). */
+static int group_rows(const Call *c, long g) {
+    const long left = c->N - 16 * g;
+    return left <= 0 ? 0 : left < 16 ? (int)left : 16;
+}
+
 static Pair pair_at(const Call *c, long p, int8_t *tiles) {
-    const long n0 = 32 * p, left = c->N - n0 - 16;
-    return (Pair){c->w + n0 * c->K, c->K, c->N - n0 < 16 ? (int)(c->N - n0) : 16,
-                  left <= 0 ? 0 : left < 16 ? (int)left : 16, tiles, tiles + c->nb * BLOCK};
+    return (Pair){c->w + 32 * p * c->K, c->K, group_rows(c, 2 * p), group_rows(c, 2 * p + 1), tiles,
+                  tiles + c->nb * BLOCK};
 }
 
 /* Rows [r, r + m) of x by the thread's pairs, into y; K in chunks of CHUNK blocks, each pair's chunk multiplied
@@ -295,11 +300,10 @@ __attribute__((noinline)) static void multiply_part(const Call *c, Share *s, lon
 /* Pair p of groups by x's mt tiles (x: 16 mt rows, `stride` bytes apart) -> out [16 mt][32] int32. */
 static inline __attribute__((always_inline)) void few_pair(int mt, const Call *c, const int8_t *x, long p,
                                                            int8_t *ring, int32_t *out) {
-    const Pair pair = pair_at(c, p, NULL);
     const long stride = c->stride, K = c->K;
     for (int g = 0; g < 2; g++) {   /* a group past N (rows 0) leaves its accumulators zero */
-        const int rows = g ? pair.rows1 : pair.rows0;
-        const int8_t *w = pair.w + 16 * g * K;
+        const int rows = group_rows(c, 2 * p + g);
+        const int8_t *w = c->w + 16 * (2 * p + g) * K;
         if (g == 0) {
             _tile_zero(0);
             _tile_zero(2);
@@ -358,6 +362,16 @@ static int few_rows(const Call *c, const int8_t *x, int threads) {
     return failed ? -1 : 0;
 }
 
+/* x's M rows of K bytes copied `stride` bytes apart into `rows` rows, zeros after each row and after the last;
+ * NULL without memory. */
+static int8_t *padded_copy(const int8_t *xq, long M, long K, long stride, long rows) {
+    int8_t *copy = aligned_alloc(64, (size_t)rows * stride);
+    if (!copy) return NULL;
+    memset(copy, 0, (size_t)rows * stride);
+    for (long i = 0; i < M; i++) memcpy(copy + i * stride, xq + i * K, (size_t)K);
+    return copy;
+}
+
 /* xq int8 [M, K], xs float32 [M]; w int8 [N, K], ws float32 [N]; bias float32 [N] or NULL; y [M, N] bf16 (y_bf16)
  * or float32. Returns 0, -1 without memory, -2 for K < 1, -4 without AMX-INT8. */
 int matinee_int8_amx(const int8_t *xq, const float *xs, const int8_t *w, const float *ws, const float *bias, void *y,
@@ -371,21 +385,14 @@ int matinee_int8_amx(const int8_t *xq, const float *xs, const int8_t *w, const f
               ((M + parts - 1) / parts + 31) / 32 * 32};
     int8_t *copy = NULL;
     if (M <= FEW_TILES * 16) {   /* in place where the rows are whole tiles of the stride, else from a padded copy */
-        if (K % 64 || M % 16) {
-            const long rows = (M + 15) / 16 * 16;
-            if (!(copy = aligned_alloc(64, (size_t)rows * stride))) return -1;
-            memset(copy, 0, (size_t)rows * stride);
-            for (long i = 0; i < M; i++) memcpy(copy + i * stride, xq + i * K, (size_t)K);
-        }
+        if ((K % 64 || M % 16) && !(copy = padded_copy(xq, M, K, stride, (M + 15) / 16 * 16))) return -1;
         const int status = few_rows(&c, copy ? copy : xq, threads);
         free(copy);
         return status;
     }
     if (K % 64) {   /* every row padded with zeros to the stride, and the rows to a multiple of 32 */
         c.whole = (M + 31) / 32 * 32;
-        if (!(copy = aligned_alloc(64, (size_t)c.whole * stride))) return -1;
-        memset(copy, 0, (size_t)c.whole * stride);
-        for (long i = 0; i < M; i++) memcpy(copy + i * stride, xq + i * K, (size_t)K);
+        if (!(copy = padded_copy(xq, M, K, stride, c.whole))) return -1;
         c.base = copy;
     } else if (M > c.whole) {   /* rows past the last whole 32, with zeros after them: no tile reads past x */
         if (!(copy = aligned_alloc(64, (size_t)32 * K))) return -1;
